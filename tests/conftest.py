@@ -1,0 +1,30 @@
+"""Shared fixtures: one local Ray instance per test session, one torch thread per process."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """A local Ray instance shared by every test of the session (started once, shut down at the end).
+
+    It offers 16 logical CPUs on this 2-core machine: workers are tiny and mostly wait on each
+    other, so the logical count only bounds how many can be placed, not how fast they run.
+    """
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=16, include_dashboard=False, log_to_driver=True,
+                 runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}})
+    yield ray
+    ray.shutdown()
