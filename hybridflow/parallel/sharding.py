@@ -1,0 +1,36 @@
+"""The tensor-parallel shard contract for the supported decoder families (Llama, Qwen2, Mistral).
+
+One table says along which dimension each Hugging Face parameter is split over tensor-parallel
+ranks, so the training layout (DTensor plans), the generation engine and the 3D-HybridEngine agree
+on what a rank's local shard is: shard ``i`` of ``tp_size`` is the i-th equal chunk along that dim.
+
+- column-parallel (output features split, dim 0): q/k/v projections, MLP gate/up, their biases;
+- row-parallel (input features split, dim 1): attention output and MLP down projections;
+- vocabulary-parallel (dim 0): input embedding and the output head (tied or not);
+- everything else (norms, row-parallel biases, value/score heads) is replicated.
+"""
+
+from __future__ import annotations
+
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+ROW_PARALLEL = ("o_proj", "down_proj")
+VOCAB_PARALLEL = ("embed_tokens", "lm_head")
+
+
+def tp_shard_dim(param_name: str) -> int | None:
+    """The dim along which ``param_name`` (a Hugging Face parameter name) is split, or None if replicated.
+
+    >>> tp_shard_dim("model.layers.0.self_attn.q_proj.weight"), tp_shard_dim("model.norm.weight")
+    (0, None)
+    """
+    parts = param_name.split(".")
+    if len(parts) < 2:
+        return None
+    module, kind = parts[-2], parts[-1]
+    if module in COLUMN_PARALLEL:
+        return 0
+    if module in ROW_PARALLEL:
+        return 1 if kind == "weight" else None
+    if module in VOCAB_PARALLEL and kind == "weight":
+        return 0
+    return None
