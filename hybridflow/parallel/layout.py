@@ -29,6 +29,25 @@ def _check_positive(name: str, value: int) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
+def stage_layer_range(num_layers: int, pp_size: int, pp_rank: int) -> range:
+    """The decoder layers held by training pipeline stage ``pp_rank`` of ``pp_size``.
+
+    Consecutive chunks as equal as possible; the first ``num_layers % pp_size`` stages get one more.
+    Stage 0 also holds the input embedding, the last stage the final norm and output head. A
+    generation stage of the hybrid engine holds the union of the training stages it covers.
+    """
+    _check_positive("num_layers", num_layers)
+    _check_positive("pp_size", pp_size)
+    if pp_size > num_layers:
+        raise ValueError(f"pp_size {pp_size} is larger than the model's {num_layers} layers; "
+                         f"allowed: 1..{num_layers}")
+    if not 0 <= pp_rank < pp_size:
+        raise ValueError(f"pp_rank {pp_rank} outside 0..{pp_size - 1}")
+    base, extra = divmod(num_layers, pp_size)
+    start = pp_rank * base + min(pp_rank, extra)
+    return range(start, start + base + (1 if pp_rank < extra else 0))
+
+
 @dataclass(frozen=True)
 class RankCoords:
     """Where one rank sits in a training mesh."""
@@ -183,6 +202,19 @@ class GenerationLayout:
     def micro_dp_groups(self) -> list[list[int]]:
         """Ranks holding the same generation shard in one training replica: the all-gather groups."""
         return self._grouped(lambda r, g: (self.train.coords(r).dp_rank, g.gen_pp_rank, g.gen_tp_rank))
+
+    def stage_layers(self, num_layers: int, gen_pp_rank: int) -> range:
+        """Decoder layers of generation stage ``gen_pp_rank``: the union of the training stages it covers."""
+        if self.grouping == "hybrid":
+            stages = [gen_pp_rank * self.pp_ratio + i for i in range(self.pp_ratio)]
+        else:
+            stages = [i * self.pp_size + gen_pp_rank for i in range(self.pp_ratio)]
+        ranges = [stage_layer_range(num_layers, self.train.pp_size, s) for s in stages]
+        layers = sorted(layer for r in ranges for layer in r)
+        if layers != list(range(layers[0], layers[-1] + 1)):
+            raise ValueError(f"generation stage {gen_pp_rank} of the {self.grouping} grouping covers "
+                             f"non-contiguous layers {layers}; use grouping='hybrid' for pipelined generation")
+        return range(layers[0], layers[-1] + 1)
 
     def replica_ranks(self, replica: int) -> list[int]:
         """The pg*tg ranks of one generation replica, ordered by (gen_pp_rank, gen_tp_rank)."""
