@@ -1,0 +1,59 @@
+"""Tests of the local multi-process launcher and the device/backend choice."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hybridflow import device
+from hybridflow.parallel.launch import run_distributed
+
+
+def _all_reduce_rank_plus_one(rank: int, world_size: int) -> float:
+    value = torch.tensor([rank + 1.0])
+    dist.all_reduce(value)
+    return value.item()
+
+
+def _report_backend_and_threads(rank: int, world_size: int) -> tuple[str, int, int]:
+    return dist.get_backend(), torch.get_num_threads(), dist.get_world_size()
+
+
+def _fail_on_rank_one(rank: int, world_size: int) -> int:
+    if rank == 1:
+        raise KeyError("rank one refuses")
+    return rank
+
+
+def test_run_distributed_returns_results_in_rank_order_after_a_collective():
+    assert run_distributed(_all_reduce_rank_plus_one, 3) == [6.0, 6.0, 6.0]
+
+
+def test_each_rank_uses_the_device_backend_and_one_thread():
+    results = run_distributed(_report_backend_and_threads, 2)
+    assert results == [(device.distributed_backend(), 1, 2)] * 2
+
+
+def test_an_exception_on_one_rank_reaches_the_caller_with_its_traceback():
+    with pytest.raises(RuntimeError, match=r"rank 1(.|\n)*KeyError(.|\n)*rank one refuses"):
+        run_distributed(_fail_on_rank_one, 2)
+
+
+def test_world_size_below_one_is_rejected():
+    with pytest.raises(ValueError, match="world_size"):
+        run_distributed(_all_reduce_rank_plus_one, 0)
+
+
+def test_cpu_machine_picks_cpu_gloo_and_fp32(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("HYBRIDFLOW_BACKEND", raising=False)
+    assert device.device_type() == "cpu"
+    assert device.distributed_backend() == "gloo"
+    assert device.default_dtype() == torch.float32
+    assert device.current_device(3) == torch.device("cpu")
+
+
+def test_backend_override_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv("HYBRIDFLOW_BACKEND", "gloo")
+    assert device.distributed_backend() == "gloo"
