@@ -9,5 +9,5 @@ PYTHON=${PYTHON:-python3}
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
 "$VENV/bin/python" -m pip install -q "torch==2.13.0"
-"$VENV/bin/python" -m pip install -q -e ".[test]"
+"$VENV/bin/python" -m pip install -q -e ".[test,math]"
 echo "installed hybridflow into $VENV ($("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)'))"

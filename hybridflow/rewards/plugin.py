@@ -1,0 +1,183 @@
+"""Rule-based rewards as plug-ins: load `module:function`, score batches naming failing samples, combine by weight.
+
+A reward function has the signature `fn(prompt: str, response: str, **extra_fields) -> float`,
+where extra_fields are the dataset row's other fields (e.g. `answer`, `tests`).
+Shape legend: B = samples.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import math
+import numbers
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+BUILTIN_REWARDS = {
+    "math": "hybridflow.rewards.math_answer:math_reward",
+    "code": "hybridflow.rewards.code:code_reward",
+    "arithmetic": "hybridflow.data.builtin.arithmetic:score",
+}
+"""Short names accepted wherever a `module:function` spec is."""
+
+_PROMPT_EXCERPT_CHARS = 80
+
+
+class RewardError(ValueError):
+    """A reward function failed or returned a bad value on one sample (the message names the sample)."""
+
+
+def load_reward_function(spec: str) -> Callable[..., float]:
+    """The function named by `spec`: "package.module:function", "path/to/file.py:function",
+    "module:Class.method", or a built-in short name (math, code, arithmetic)."""
+    spec = BUILTIN_REWARDS.get(spec, spec)
+    if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
+        raise ValueError(
+            f"reward function spec must look like 'module:function' (or one of {sorted(BUILTIN_REWARDS)}), got {spec!r}"
+        )
+    module_name, attribute_path = spec.split(":")
+    try:
+        if module_name.endswith(".py"):
+            module = _import_file(Path(module_name), spec)
+        else:
+            module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(f"reward function {spec!r}: cannot import module {module_name!r}: {error}") from error
+    target = module
+    for attribute in attribute_path.split("."):
+        if not hasattr(target, attribute):
+            raise ValueError(f"reward function {spec!r}: module {module_name!r} has no attribute {attribute_path!r}")
+        target = getattr(target, attribute)
+    if not callable(target):
+        raise ValueError(f"reward function {spec!r} names a {type(target).__name__}, not a function")
+    _check_signature(target, spec)
+    return target
+
+
+def _import_file(path: Path, spec: str):
+    if not path.is_file():
+        raise ValueError(f"reward function {spec!r}: file {str(path)!r} does not exist")
+    module_spec = importlib.util.spec_from_file_location(f"hybridflow_user_reward_{path.stem}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
+
+def _check_signature(function: Callable, spec: str) -> None:
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):
+        return  # builtins without a signature: trust them
+    try:
+        signature.bind_partial("prompt", "response")
+    except TypeError as error:
+        raise ValueError(
+            f"reward function {spec!r} must accept (prompt, response, **extra_fields); its signature is "
+            f"{signature}: {error}"
+        ) from None
+
+
+def _excerpt(prompt: str) -> str:
+    text = str(prompt)
+    return repr(text if len(text) <= _PROMPT_EXCERPT_CHARS else text[:_PROMPT_EXCERPT_CHARS] + "...")
+
+
+class RuleReward:
+    """One reward function, called per sample with its output checked to be a finite number."""
+
+    def __init__(self, function: str | Callable[..., float], *, num_workers: int = 1) -> None:
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        if isinstance(function, str):
+            self.name = function
+            self.function = load_reward_function(function)
+        else:
+            self.name = f"{getattr(function, '__module__', '?')}:{getattr(function, '__qualname__', repr(function))}"
+            self.function = function
+        self.num_workers = num_workers
+
+    def score_one(self, index: int, prompt: str, response: str, extra_fields: Mapping | None) -> float:
+        """The reward of one sample; RewardError naming the sample when the function fails."""
+        try:
+            value = self.function(prompt, response, **dict(extra_fields or {}))
+        except Exception as error:
+            raise RewardError(
+                f"reward function {self.name!r} raised {type(error).__name__} on sample {index} "
+                f"(prompt {_excerpt(prompt)}): {error}"
+            ) from error
+        if isinstance(value, Tensor) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, str) or not isinstance(value, numbers.Real):
+            raise RewardError(
+                f"reward function {self.name!r} returned a {type(value).__name__} ({value!r:.80}) on sample {index} "
+                f"(prompt {_excerpt(prompt)}); it must return a float"
+            )
+        if not math.isfinite(float(value)):
+            raise RewardError(
+                f"reward function {self.name!r} returned {float(value)} on sample {index} "
+                f"(prompt {_excerpt(prompt)}); rewards must be finite"
+            )
+        return float(value)
+
+    def score_batch(
+        self, prompts: Sequence[str], responses: Sequence[str], extra_fields: Sequence[Mapping] | None = None
+    ) -> Tensor:
+        """Rewards of a batch -> scores_B (float32), computed on `num_workers` threads."""
+        if len(prompts) != len(responses) or (extra_fields is not None and len(extra_fields) != len(prompts)):
+            raise ValueError(
+                f"prompts ({len(prompts)}), responses ({len(responses)}) and extra_fields "
+                f"({'none' if extra_fields is None else len(extra_fields)}) must have one entry per sample"
+            )
+        extras = extra_fields if extra_fields is not None else [None] * len(prompts)
+        arguments = list(zip(range(len(prompts)), prompts, responses, extras))
+        if self.num_workers == 1:
+            values = [self.score_one(*argument) for argument in arguments]
+        else:
+            with ThreadPoolExecutor(max_workers=self.num_workers) as pool:
+                values = list(pool.map(lambda argument: self.score_one(*argument), arguments))
+        return torch.tensor(values, dtype=torch.float32)
+
+
+def combine_scores(scores: Mapping[str, Tensor], weights: Mapping[str, float]) -> Tensor:
+    """Weighted sum of named per-sample scores (rule functions, reward model, ...) -> scores_B.
+
+    Every name in `weights` must have scores and vice versa, so a misspelt source cannot be
+    silently dropped.
+    """
+    if set(scores) != set(weights) or not scores:
+        raise ValueError(
+            f"scores {sorted(scores)} and weights {sorted(weights)} must name the same non-empty set of sources"
+        )
+    shapes = {name: tuple(value.shape) for name, value in scores.items()}
+    if len(set(shapes.values())) != 1 or len(next(iter(shapes.values()))) != 1:
+        raise ValueError(f"every source needs one score per sample (shape [B]); got {shapes}")
+    total_B = None
+    for name, value in scores.items():
+        weighted_B = weights[name] * value.float()
+        total_B = weighted_B if total_B is None else total_B + weighted_B
+    return total_B
+
+
+class RewardMix:
+    """Several rule-based reward functions with weights; `score_batch` returns each source and their weighted sum."""
+
+    def __init__(self, weights: Mapping[str, float], *, num_workers: int = 1) -> None:
+        if not weights:
+            raise ValueError("RewardMix needs at least one reward function spec with a weight")
+        self.weights = dict(weights)
+        self.rewards = {spec: RuleReward(spec, num_workers=num_workers) for spec in self.weights}
+
+    def score_batch(
+        self, prompts: Sequence[str], responses: Sequence[str], extra_fields: Sequence[Mapping] | None = None
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """(weighted total scores_B, {spec: unweighted scores_B}) for logging each source."""
+        per_source = {
+            spec: reward.score_batch(prompts, responses, extra_fields) for spec, reward in self.rewards.items()
+        }
+        return combine_scores(per_source, self.weights), per_source

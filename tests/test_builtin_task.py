@@ -1,0 +1,130 @@
+"""The built-in arithmetic task: shipped tokenizer and model config, generators, splits and the exact checker."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hybridflow.data.builtin import (
+    ASSETS_DIR,
+    ArithmeticTaskConfig,
+    builtin_model_config,
+    builtin_tokenizer,
+    parse_prompt,
+    preference_rows,
+    prompt_rows,
+    sample_problems,
+    score,
+    sft_rows,
+)
+from hybridflow.data.builtin.build_assets import write_assets
+
+CONFIG = ArithmeticTaskConfig(min_digits=1, max_digits=3, operations=("+", "-", "*"))
+
+
+def test_shipped_tokenizer_is_a_fast_tokenizer_with_special_tokens_and_left_padding():
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = builtin_tokenizer()
+    assert isinstance(tokenizer, PreTrainedTokenizerFast)
+    assert (tokenizer.pad_token, tokenizer.bos_token, tokenizer.eos_token) == ("<pad>", "<bos>", "<eos>")
+    assert (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id) == (0, 1, 2)
+    assert tokenizer.padding_side == "left"
+    assert tokenizer.chat_template is None
+
+
+def test_tokenizer_is_character_level_and_round_trips_every_task_string():
+    tokenizer = builtin_tokenizer()
+    ids = tokenizer("12+345=")["input_ids"]
+    assert ids[0] == tokenizer.bos_token_id and len(ids) == 8
+    expected = [tokenizer.convert_tokens_to_ids(character) for character in "-357"]
+    assert tokenizer("-357", add_special_tokens=False)["input_ids"] == expected
+    for row in prompt_rows(50, split="train", seed=3, config=CONFIG):
+        text = row["prompt"] + row["answer"]
+        assert tokenizer.decode(tokenizer(text)["input_ids"], skip_special_tokens=True) == text
+        assert tokenizer.unk_token_id not in tokenizer(text)["input_ids"]
+
+
+def test_shipped_assets_are_exactly_what_the_build_script_writes(tmp_path):
+    write_assets(tmp_path)
+    for name in ("tokenizer.json", "config.json"):
+        assert json.loads((tmp_path / name).read_text()) == json.loads((ASSETS_DIR / name).read_text())
+
+
+def test_tiny_model_config_fits_the_vocabulary_and_builds_a_llama_that_runs():
+    from transformers import LlamaForCausalLM
+
+    config = builtin_model_config()
+    tokenizer = builtin_tokenizer()
+    assert config.model_type == "llama"
+    assert config.vocab_size >= len(tokenizer) and config.vocab_size % 8 == 0
+    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads) == (128, 4, 4)
+    assert config.eos_token_id == tokenizer.eos_token_id and config.pad_token_id == tokenizer.pad_token_id
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    assert 0.5e6 < sum(p.numel() for p in model.parameters()) < 2e6
+    batch = tokenizer(["1+2=", "123+45="], padding=True, return_tensors="pt")
+    logits = model(**batch).logits
+    assert logits.shape == (2, batch["input_ids"].shape[1], config.vocab_size)
+    assert torch.isfinite(logits).all()
+
+
+def test_train_and_eval_splits_are_disjoint_for_any_seeds():
+    train = {p.prompt for p in sample_problems(3000, split="train", seed=0, config=CONFIG)}
+    evaluation = {p.prompt for p in sample_problems(300, split="eval", seed=1, config=CONFIG)}
+    assert len(evaluation) > 250 and not train & evaluation
+
+
+def test_generators_are_deterministic_in_the_seed():
+    first = prompt_rows(20, split="train", seed=5, config=CONFIG)
+    assert first == prompt_rows(20, split="train", seed=5, config=CONFIG)
+    assert first != prompt_rows(20, split="train", seed=6, config=CONFIG)
+
+
+def test_operands_respect_the_digit_range_and_operations():
+    config = ArithmeticTaskConfig(min_digits=2, max_digits=3, operations=("-",))
+    for problem in sample_problems(200, split="train", seed=0, config=config):
+        assert problem.operation == "-"
+        assert 10 <= problem.left <= 999 and 10 <= problem.right <= 999
+
+
+def test_sft_answers_are_correct_and_preference_pairs_are_correct_versus_wrong():
+    for row in sft_rows(100, split="train", seed=0, config=CONFIG):
+        assert score(row["prompt"], row["response"]) == 1.0
+    rows = preference_rows(200, split="train", seed=0, config=CONFIG)
+    for row in rows:
+        assert score(row["prompt"], row["chosen"]) == 1.0
+        assert score(row["prompt"], row["rejected"]) == 0.0
+        assert row["rejected"].lstrip("-").isdigit()
+    assert len({row["rejected"] for row in rows}) > 100
+
+
+def test_exact_checker_values():
+    assert score("12+345=", "357") == 1.0
+    assert score("12+345=", " 357\n") == 1.0
+    assert score("12-345=", "-333") == 1.0
+    assert score("12*34=", "408") == 1.0
+    assert score("12+345=", "358") == 0.0
+    assert score("12+345=", "357 ") == 1.0
+    assert score("12+345=", "3570") == 0.0
+    assert score("anything", "7", answer="7") == 1.0
+    assert parse_prompt("12 + 345 =").answer == "357"
+    with pytest.raises(ValueError, match="not an arithmetic prompt"):
+        score("what is 2+2?", "4")
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"min_digits": 0}, "min_digits"),
+        ({"min_digits": 3, "max_digits": 2}, "min_digits"),
+        ({"max_digits": 12}, "max_digits"),
+        ({"operations": ("/",)}, "operations"),
+        ({"eval_percent": 0}, "eval_percent"),
+    ],
+)
+def test_task_config_rejects_bad_values_naming_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        ArithmeticTaskConfig(**kwargs)

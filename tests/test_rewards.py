@@ -1,0 +1,284 @@
+"""Reward plug-ins, the math checker, and the code sandbox under runaway, crashing and hostile programs."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hybridflow.rewards import (
+    RewardError,
+    RewardMix,
+    RuleReward,
+    SandboxConfig,
+    code_reward,
+    combine_scores,
+    extract_code,
+    extract_final_answer,
+    load_reward_function,
+    math_reward,
+    run_python,
+)
+from hybridflow.rewards.sandbox import network_namespace_prefix
+
+FAST = SandboxConfig(timeout_s=2.0)
+
+
+# ---- plug-in interface ------------------------------------------------------------------------
+
+
+def length_reward(prompt, response, **extra_fields):
+    return float(len(response))
+
+
+def answer_reward(prompt, response, *, answer, **extra_fields):
+    return 1.0 if response == answer else 0.0
+
+
+def test_reward_specs_load_modules_files_and_builtin_names(tmp_path):
+    from hybridflow.data.builtin.arithmetic import score
+
+    assert load_reward_function("hybridflow.data.builtin.arithmetic:score") is score
+    assert load_reward_function("arithmetic") is score
+    assert load_reward_function("math") is math_reward
+    assert load_reward_function("code") is code_reward
+    path = tmp_path / "my_reward.py"
+    path.write_text("def fn(prompt, response, **extra):\n    return 0.5\n")
+    assert load_reward_function(f"{path}:fn")("p", "r") == 0.5
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("no_colon_here", "must look like 'module:function'"),
+        ("hybridflow_missing_module:fn", "cannot import module 'hybridflow_missing_module'"),
+        ("hybridflow.rewards.plugin:no_such_function", "has no attribute 'no_such_function'"),
+        ("hybridflow.rewards.plugin:BUILTIN_REWARDS", "names a dict, not a function"),
+        ("math:sqrt", "must accept \\(prompt, response"),
+        ("missing_file.py:fn", "does not exist"),
+    ],
+)
+def test_bad_reward_specs_raise_value_errors_naming_the_spec(spec, message):
+    with pytest.raises(ValueError, match=message) as info:
+        load_reward_function(spec)
+    assert repr(spec) in str(info.value) or spec in str(info.value)
+
+
+def test_score_batch_passes_row_fields_as_keyword_arguments():
+    reward = RuleReward(answer_reward)
+    scores = reward.score_batch(["1+1=", "2+2="], ["2", "5"], [{"answer": "2"}, {"answer": "4"}])
+    assert scores.dtype == torch.float32 and scores.tolist() == [1.0, 0.0]
+
+
+def raising_reward(prompt, response, **extra_fields):
+    if response == "boom":
+        raise ZeroDivisionError("division by zero")
+    return 1.0
+
+
+@pytest.mark.parametrize(
+    "function, message",
+    [
+        (raising_reward, "raised ZeroDivisionError on sample 2 \\(prompt 'What is 2\\+2\\? x{30}"),
+        (lambda p, r, **e: float("nan") if r == "boom" else 0.0, "returned nan on sample 2"),
+        (lambda p, r, **e: math.inf if r == "boom" else 0.0, "returned inf on sample 2"),
+        (lambda p, r, **e: "1.0" if r == "boom" else 0.0, "returned a str .* on sample 2"),
+        (lambda p, r, **e: None if r == "boom" else 0.0, "returned a NoneType .* on sample 2"),
+    ],
+)
+def test_a_failing_or_non_finite_reward_names_the_sample_and_its_prompt(function, message):
+    long_prompt = "What is 2+2? " + "x" * 200
+    with pytest.raises(RewardError, match=message) as info:
+        RuleReward(function).score_batch(["a", "b", long_prompt], ["ok", "ok", "boom"])
+    assert "x" * 100 not in str(info.value)  # the prompt is excerpted, not dumped
+
+
+def test_numeric_types_of_all_kinds_are_accepted():
+    values = iter([1, np.float32(0.5), torch.tensor(2.0), True])
+    scores = RuleReward(lambda p, r, **e: next(values)).score_batch(["p"] * 4, ["r"] * 4)
+    assert scores.tolist() == [1.0, 0.5, 2.0, 1.0]
+
+
+def test_threaded_scoring_gives_the_same_scores_in_order():
+    prompts = [f"p{i}" for i in range(20)]
+    responses = ["x" * i for i in range(20)]
+    serial = RuleReward(length_reward).score_batch(prompts, responses)
+    threaded = RuleReward(length_reward, num_workers=4).score_batch(prompts, responses)
+    assert threaded.tolist() == serial.tolist() == [float(i) for i in range(20)]
+
+
+def test_weighted_combination_of_rule_and_model_scores():
+    rule_B = torch.tensor([1.0, 0.0])
+    model_B = torch.tensor([0.5, -1.0])
+    total_B = combine_scores({"rule": rule_B, "model": model_B}, {"rule": 2.0, "model": 0.5})
+    assert total_B.tolist() == [2.25, -0.5]
+    with pytest.raises(ValueError, match="must name the same"):
+        combine_scores({"rule": rule_B}, {"rule": 1.0, "modle": 1.0})
+    with pytest.raises(ValueError, match="one score per sample"):
+        combine_scores({"rule": rule_B, "model": torch.ones(3)}, {"rule": 1.0, "model": 1.0})
+
+
+def test_reward_mix_reports_each_source_and_the_weighted_total(tmp_path):
+    path = tmp_path / "lengths.py"
+    path.write_text("def length(prompt, response, **extra):\n    return float(len(response))\n")
+    mix = RewardMix({f"{path}:length": 0.5, "arithmetic": 3.0})
+    total_B, per_source = mix.score_batch(["1+2=", "1+2="], ["3", "33"])
+    assert per_source["arithmetic"].tolist() == [1.0, 0.0]
+    assert per_source[f"{path}:length"].tolist() == [1.0, 2.0]
+    assert total_B.tolist() == [3.5, 1.0]
+
+
+# ---- math checker -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "response, answer, expected",
+    [
+        ("So the total is \\boxed{1,234}.", "1234", 1.0),
+        ("We get \\boxed{\\frac{3}{4}} at the end", "0.75", 1.0),
+        ("Natalia sold 48 + 24 = 72 clips.\n#### 72", "72", 1.0),
+        ("The answer is $42.50", "42.5", 1.0),
+        ("first 12, then 7.000", "7", 1.0),
+        ("first 12, then 7", "12", 0.0),
+        ("no number at all", "3", 0.0),
+        ("-5", "-5.0", 1.0),
+        ("x = 5", "She has 2 + 3 = 5 apples.\n#### 5", 1.0),
+        ("\\boxed{yes}", "Yes", 1.0),
+    ],
+)
+def test_math_reward_compares_the_final_answer_numerically(response, answer, expected):
+    assert math_reward("prompt", response, answer=answer) == expected
+
+
+def test_final_answer_extraction_prefers_boxed_over_later_numbers():
+    assert extract_final_answer("\\boxed{{7}} checked with 3 and 4") == "{7}"
+    assert extract_final_answer("value 10, #### 11 and 12") == "11"
+    assert extract_final_answer("So the answer is 42 because 6 * 7 = 42, not 41.") == "42"
+    assert extract_final_answer("The answer is: yes.") == "yes"
+    assert extract_final_answer("nothing") is None
+
+
+# ---- code reward and sandbox ------------------------------------------------------------------
+
+
+def test_code_is_extracted_from_the_last_python_fence():
+    response = "try:\n```python\nx = 1\n```\nbetter:\n```python\nx = 2\n```\n"
+    assert extract_code(response) == "x = 2\n"
+    assert extract_code("```\nprint(3)\n```") == "print(3)\n"
+    assert extract_code("print(4)") == "print(4)"
+
+
+def test_code_reward_is_the_fraction_of_tests_passed():
+    response = "```python\ndef add(a, b):\n    return a + b\n```"
+    tests = ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(2, 2) == 5"]
+    assert code_reward("p", response, tests=tests, sandbox=FAST) == pytest.approx(2 / 3)
+    io_tests = '[{"input": "3\\n", "output": "6"}, {"input": "5", "output": "10\\n"}, {"input": "1", "output": "3"}]'
+    assert code_reward("p", "print(int(input()) * 2)", tests=io_tests, sandbox=FAST) == pytest.approx(2 / 3)
+    with pytest.raises(ValueError, match="field 'tests' must be a non-empty list"):
+        code_reward("p", "x = 1", tests=[])
+
+
+def test_runaway_code_is_killed_at_the_time_limit():
+    start = time.monotonic()
+    result = run_python("while True:\n    pass\n", config=SandboxConfig(timeout_s=1.0))
+    assert result.timed_out and not result.ok
+    assert time.monotonic() - start < 5.0
+    assert code_reward("p", "while True: pass", tests=["assert True"], sandbox=SandboxConfig(timeout_s=1.0)) == 0.0
+
+
+def test_a_memory_bomb_hits_the_memory_limit_not_the_host():
+    result = run_python("blocks = []\nwhile True:\n    blocks.append(bytearray(10**8))\n", config=FAST)
+    assert result.returncode == 1 and "MemoryError" in result.stderr
+
+
+def test_a_crashing_program_only_fails_its_tests():
+    assert run_python("import os\nos.abort()\n", config=FAST).returncode == -6
+    assert code_reward("p", "raise SystemExit(3)", tests=["assert True"], sandbox=FAST) == 0.0
+
+
+def test_hostile_code_cannot_delete_or_write_files_outside_its_directory(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    attempts = [
+        f"import os\nos.remove({str(victim)!r})",
+        f"import shutil\nshutil.rmtree({str(tmp_path)!r})",
+        f"open({str(victim)!r}, 'w').write('gone')",
+        f"import os\nos.rename({str(victim)!r}, 'stolen.txt')",
+        f"import os\nos.system('rm -rf {tmp_path}')",
+        f"import subprocess\nsubprocess.run(['rm', {str(victim)!r}])",
+        f"import os\nfd = os.open('/', os.O_RDONLY)\nos.open({str(victim)[1:]!r}, os.O_WRONLY | os.O_TRUNC, dir_fd=fd)",
+        "import ctypes\nctypes.CDLL(None).system(b'true')",
+        "import os\nos.fork()",
+        "import os\nos.kill(os.getppid(), 9)",
+    ]
+    for attempt in attempts:
+        result = run_python(attempt, config=FAST)
+        assert result.returncode != 0, attempt
+        assert "sandbox:" in result.stderr or "Permission" in result.stderr, (attempt, result.stderr)
+    assert victim.read_text() == "precious"
+    # Its own directory is writable and disappears afterwards.
+    result = run_python("import os\nopen('scratch.txt', 'w').write('ok')\nprint(os.getcwd())", config=FAST)
+    assert result.ok and not Path(result.stdout.strip()).exists()
+
+
+def test_hostile_code_cannot_open_sockets():
+    for code in ("import socket\nsocket.socket()", "import socket\nsocket.create_connection(('127.0.0.1', 80), 1)",
+                 "import _socket\n_socket.socket()"):
+        for network in ("auto", "off"):
+            result = run_python(code, config=SandboxConfig(timeout_s=2.0, network=network))
+            assert result.returncode == 1 and "sandbox: socket" in result.stderr, (code, network, result.stderr)
+
+
+@pytest.mark.skipif(network_namespace_prefix() is None, reason="this kernel allows no network namespace")
+def test_the_child_has_an_empty_network_namespace_when_the_kernel_allows_one():
+    result = run_python("print(open('/proc/self/net/dev').read())", config=FAST)
+    interfaces = [line.split(":")[0].strip() for line in result.stdout.splitlines()[2:] if line.strip()]
+    assert result.network_isolated and interfaces == ["lo"]
+
+
+def test_the_child_gets_a_cleared_environment_and_its_own_process(monkeypatch):
+    monkeypatch.setenv("HYBRIDFLOW_TEST_SECRET", "hunter2")
+    result = run_python("import os\nprint(os.getpid())\nprint(sorted(os.environ))", config=FAST)
+    pid_line, environment_line = result.stdout.splitlines()
+    assert int(pid_line) != os.getpid()
+    assert "HYBRIDFLOW_TEST_SECRET" not in environment_line and "PATH" in environment_line
+
+
+def test_an_output_flood_is_capped():
+    config = SandboxConfig(timeout_s=2.0, max_output_bytes=10_000)
+    result = run_python("while True:\n    print('x' * 1000)\n", config=config)
+    assert not result.ok and len(result.stdout) <= 10_000
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not Path("/usr/bin/python3").exists(), reason="needs root and a system python")
+def test_as_root_the_code_runs_as_nobody_when_the_interpreter_allows_it(tmp_path):
+    config = SandboxConfig(timeout_s=5.0, python_executable="/usr/bin/python3")
+    result = run_python("import os\nprint(os.getuid(), os.getgid())", config=config)
+    assert result.ok and result.stdout.split() == ["65534", "65534"] and result.uid == 65534
+
+
+def test_without_a_network_namespace_require_fails_and_auto_still_blocks_sockets(monkeypatch):
+    import hybridflow.rewards.sandbox as sandbox
+
+    monkeypatch.setattr(sandbox, "network_namespace_prefix", lambda: None)
+    with pytest.raises(RuntimeError, match="network='require'"):
+        run_python("pass", config=SandboxConfig(network="require"))
+    with pytest.warns(UserWarning, match="no network namespace"):
+        sandbox._warn_no_network_namespace.cache_clear()
+        result = run_python("import socket\nsocket.socket()", config=FAST)
+    assert not result.network_isolated and "sandbox: socket" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [({"timeout_s": 0}, "timeout_s"), ({"memory_mb": 8}, "memory_mb"), ({"max_output_bytes": 10}, "max_output_bytes"),
+     ({"network": "none"}, "network"), ({"drop_privileges": "yes"}, "drop_privileges")],
+)
+def test_sandbox_config_rejects_bad_values_naming_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SandboxConfig(**kwargs)
