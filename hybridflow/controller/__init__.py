@@ -1,0 +1,33 @@
+"""Single controller: resource pools, workers, worker groups, transfer protocols, futures, colocation."""
+
+from hybridflow.controller.errors import WorkerError, WorkerTimeoutError
+from hybridflow.controller.future import (
+    DriverFetchStats,
+    Future,
+    driver_fetch_stats,
+    lazy_fetch_stats,
+    reset_driver_fetch_stats,
+)
+from hybridflow.controller.local import local_mode, local_mode_enabled
+from hybridflow.controller.protocols import (
+    Dispatch,
+    GroupMesh,
+    Protocol,
+    broadcast,
+    get_protocol,
+    protocol_names,
+    register_protocol,
+    split_arguments,
+)
+from hybridflow.controller.register import register
+from hybridflow.controller.resource_pool import ResourcePool
+from hybridflow.controller.worker import Worker
+from hybridflow.controller.worker_group import WorkerGroup
+
+__all__ = [
+    "Dispatch", "DriverFetchStats", "Future", "GroupMesh", "Protocol", "ResourcePool", "Worker", "WorkerError",
+    "WorkerGroup", "WorkerTimeoutError", "broadcast", "driver_fetch_stats", "get_protocol", "lazy_fetch_stats",
+    "local_mode",
+    "local_mode_enabled", "protocol_names", "register", "register_protocol", "reset_driver_fetch_stats",
+    "split_arguments",
+]

@@ -1,0 +1,358 @@
+"""Futures of worker-group calls, the lazy arguments that let workers fetch them, and driver fetch accounting.
+
+A non-blocking call returns a ``Future``: the per-rank Ray object references of its outputs plus how
+to collect them. ``Future.get()`` materializes the collected value on the driver. Passed to another
+group's method, a future is not materialized: the destination protocol turns it into lazy
+arguments (``RowSlice``, ``WholeValue``) that each destination rank resolves itself, fetching only
+the source outputs holding its rows straight from the object store.
+
+Every source output comes with a small info tuple ``(out_rows, in_rows, layout_version)`` (a second
+Ray return value), so a destination rank learns the row counts of the source chunks without
+fetching them and the padding added by the source split is removed exactly, even when a method
+returns a fixed multiple of its input rows (n samples per prompt).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+import ray
+import torch
+
+from hybridflow.controller.batch import concat_rows, slice_rows
+from hybridflow.controller.errors import WorkerError, WorkerTimeoutError
+
+if TYPE_CHECKING:
+    from hybridflow.controller.protocols import GroupMesh, Protocol
+
+OutputInfo = tuple  # (out_rows: int | None, in_rows: int | None, layout_version: int)
+FAIL_FAST_POLL_S = 0.5
+
+
+# ---------------------------------------------------------------- driver fetch accounting
+
+@dataclass
+class DriverFetchStats:
+    """What the driver process has materialized from worker outputs since the last reset."""
+
+    objects: int = 0
+    """Worker outputs fetched into the driver."""
+    bytes: int = 0
+    """Payload bytes of those outputs (tensor storage and DataProto.nbytes; other objects count 0)."""
+
+
+_stats = DriverFetchStats()
+_lazy_stats = DriverFetchStats()
+_stats_lock = threading.Lock()
+
+
+def driver_fetch_stats() -> DriverFetchStats:
+    """A snapshot of the driver's fetch counters."""
+    with _stats_lock:
+        return DriverFetchStats(objects=_stats.objects, bytes=_stats.bytes)
+
+
+def reset_driver_fetch_stats() -> None:
+    with _stats_lock:
+        _stats.objects = 0
+        _stats.bytes = 0
+
+
+def lazy_fetch_stats() -> DriverFetchStats:
+    """What this process fetched to resolve future arguments (on a worker: the sources it read)."""
+    with _stats_lock:
+        return DriverFetchStats(objects=_lazy_stats.objects, bytes=_lazy_stats.bytes)
+
+
+def payload_nbytes(value: Any) -> int:
+    """Bytes of tensor data in ``value`` (recursing into lists, tuples and dicts)."""
+    nbytes = getattr(value, "nbytes", None)
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(nbytes, int):
+        return nbytes
+    if isinstance(value, (list, tuple)):
+        return sum(payload_nbytes(item) for item in value)
+    if isinstance(value, dict):
+        return sum(payload_nbytes(item) for item in value.values())
+    return 0
+
+
+def _count_fetched(values: list[Any], stats: DriverFetchStats = _stats) -> None:
+    with _stats_lock:
+        stats.objects += len(values)
+        stats.bytes += sum(payload_nbytes(value) for value in values)
+
+
+# ---------------------------------------------------------------- fetching with rank-level errors
+
+def gather(refs: dict[int, ray.ObjectRef], *, role: str, method: str, timeout_s: float | None,
+           count: bool) -> dict[int, Any]:
+    """``ray.get`` of per-rank refs that fails fast with the first failing rank and honours a deadline."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    rank_of = {ref: rank for rank, ref in refs.items()}
+    pending = list(refs.values())
+    values: dict[int, Any] = {}
+    while pending:
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        # wait for all, but look at what finished every poll interval: a failed rank is reported
+        # at once even when its peers now hang in a collective waiting for it
+        poll = FAIL_FAST_POLL_S if remaining is None else min(remaining, FAIL_FAST_POLL_S)
+        ready, pending = ray.wait(pending, num_returns=len(pending), timeout=poll)
+        for ref in ready:
+            values[rank_of[ref]] = fetch_one(ref, role=role, rank=rank_of[ref], method=method)
+        if pending and deadline is not None and time.monotonic() >= deadline:
+            raise WorkerTimeoutError(role=role, method=method, timeout_s=timeout_s,
+                                     pending_ranks=sorted(rank_of[ref] for ref in pending))
+    if count:
+        _count_fetched(list(values.values()))
+    return values
+
+
+def fetch_one(ref: ray.ObjectRef, *, role: str, rank: int, method: str) -> Any:
+    """``ray.get`` that turns Ray's task and actor failures into a ``WorkerError`` naming the rank."""
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayTaskError as error:
+        cause = getattr(error, "cause", None)
+        if isinstance(cause, WorkerError):
+            raise cause from None
+        raise WorkerError(role=role, rank=rank, method=method, remote_traceback=str(error)) from None
+    except ray.exceptions.RayActorError as error:
+        raise WorkerError(role=role, rank=rank, method=method,
+                          remote_traceback=f"the worker process died or is unreachable: {error}") from None
+
+
+# ---------------------------------------------------------------- padding bookkeeping
+
+def output_pad(in_pad: int, infos: list[OutputInfo]) -> int:
+    """Pad rows in the concatenated outputs, given ``in_pad`` pad rows at the end of the split input.
+
+    A method may return a fixed multiple k of its input rows (k samples per prompt, in input order);
+    then the last ``k * in_pad`` output rows come from padding.
+    """
+    if in_pad == 0:
+        return 0
+    ratios = set()
+    for out_rows, in_rows, _ in infos:
+        if out_rows is None or not in_rows or out_rows % in_rows:
+            raise ValueError(f"cannot drop {in_pad} padding rows: a rank returned {out_rows} rows for {in_rows} "
+                             f"input rows; methods under split protocols must return k rows per input row "
+                             f"in input order (or make the batch a multiple of the data-parallel size)")
+        ratios.add(out_rows // in_rows)
+    if len(ratios) != 1:
+        raise ValueError(f"ranks returned different multiples {sorted(ratios)} of their input rows; "
+                         f"the padding rows cannot be located")
+    return in_pad * ratios.pop()
+
+
+@dataclass(frozen=True)
+class DerivedPad:
+    """Pad rows of a split whose input is a future: known only once the source's row counts are."""
+
+    source: "RowSource"
+    """The future whose rows were split."""
+    num_chunks: int
+    """Into how many equal chunks they were split."""
+
+    def resolve(self) -> int:
+        counts, pad = self.source.row_layout()
+        real_rows = sum(counts) - pad
+        return -real_rows % self.num_chunks
+
+
+def resolve_pad(pad: int | DerivedPad) -> int:
+    return pad if isinstance(pad, int) else pad.resolve()
+
+
+# ---------------------------------------------------------------- the value of a call, as references
+
+@dataclass(frozen=True)
+class FutureValue:
+    """Everything needed to compute a call's collected value anywhere (driver or worker)."""
+
+    refs: dict[int, ray.ObjectRef]
+    """Output reference of every rank that ran the method."""
+    infos: dict[int, ray.ObjectRef]
+    """Info reference (out_rows, in_rows, layout_version) of every rank that ran the method."""
+    mesh: "GroupMesh"
+    protocol: "Protocol"
+    in_pad: int | DerivedPad
+    """Pad rows the distribute step appended to the split input."""
+
+    def source_ranks(self) -> list[int]:
+        if self.protocol.source_ranks is None:
+            return sorted(self.refs)
+        return self.protocol.source_ranks(self.mesh)
+
+    def rows(self) -> "RowSource | None":
+        """The row view of this value when the protocol concatenates rank outputs, else None."""
+        if not self.protocol.concatenates:
+            return None
+        ranks = self.source_ranks()
+        return RowSource(parts=[self.refs[r] for r in ranks], infos=[self.infos[r] for r in ranks],
+                         in_pad=self.in_pad)
+
+    def compute(self, outputs: dict[int, Any], infos: dict[int, OutputInfo] | None = None) -> Any:
+        """Collect fetched ``outputs`` (rank -> value, the source ranks at least) into the call's value."""
+        ranks = self.source_ranks()
+        if self.protocol.concatenates:
+            if infos is None:
+                infos = dict(zip(ranks, ray.get([self.infos[r] for r in ranks])))
+            pad = output_pad(resolve_pad(self.in_pad), [infos[r] for r in ranks])
+        else:
+            pad = resolve_pad(self.in_pad)
+        by_rank = [outputs.get(rank) for rank in range(self.mesh.world_size)]
+        return self.protocol.collect(self.mesh, by_rank, pad)
+
+
+@dataclass(frozen=True)
+class RowSource:
+    """The rows of a concatenating future: its source ranks' outputs in order, the last ``pad`` rows padding."""
+
+    parts: list[ray.ObjectRef]
+    infos: list[ray.ObjectRef]
+    in_pad: int | DerivedPad
+
+    def row_layout(self) -> tuple[list[int], int]:
+        """(rows of each part, padding rows at the end), from the small info objects only."""
+        infos = ray.get(self.infos)
+        counts = [info[0] for info in infos]
+        if any(count is None for count in counts):
+            raise ValueError("a future passed as a batch must come from a method returning DataProto, "
+                             "tensors or lists")
+        return counts, output_pad(resolve_pad(self.in_pad), infos)
+
+
+# ---------------------------------------------------------------- lazy arguments resolved on workers
+
+class LazyArgument:
+    """An argument a worker resolves itself (Ray resolves only top-level references)."""
+
+    def resolve(self) -> Any:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class RowSlice(LazyArgument):
+    """Chunk ``index`` of ``num_chunks`` of a future's rows, padded like ``DataProto.chunk`` would."""
+
+    source: RowSource
+    num_chunks: int
+    index: int
+
+    def row_ranges(self, counts: list[int], pad: int) -> list[tuple[int, int]]:
+        """Source row ranges making up this chunk; rows past the source's end wrap to its first real rows."""
+        total_rows = sum(counts)
+        real_rows = total_rows - pad
+        if real_rows <= 0:
+            raise ValueError("cannot split an empty batch across ranks: the source future holds no real rows")
+        chunk_rows = -(-real_rows // self.num_chunks)
+        start, stop = self.index * chunk_rows, (self.index + 1) * chunk_rows
+        ranges = []
+        if start < total_rows:
+            ranges.append((start, min(stop, total_rows)))
+        position = max(start, total_rows)
+        while position < stop:
+            wrapped = (position - total_rows) % real_rows
+            take = min(stop - position, real_rows - wrapped)
+            ranges.append((wrapped, wrapped + take))
+            position += take
+        return ranges
+
+    def resolve(self) -> Any:
+        counts, pad = self.source.row_layout()
+        offsets = [0]
+        for count in counts:
+            offsets.append(offsets[-1] + count)
+        fetched: dict[int, Any] = {}
+        pieces = []
+        for start, stop in self.row_ranges(counts, pad):
+            for part, (lo, hi) in enumerate(zip(offsets[:-1], offsets[1:])):
+                if hi <= start or lo >= stop or lo == hi:
+                    continue
+                if part not in fetched:
+                    fetched[part] = ray.get(self.source.parts[part])
+                    _count_fetched([fetched[part]], _lazy_stats)
+                pieces.append(slice_rows(fetched[part], max(start, lo) - lo, min(stop, hi) - lo))
+        return pieces[0] if len(pieces) == 1 else concat_rows(pieces)
+
+
+@dataclass(frozen=True)
+class WholeValue(LazyArgument):
+    """A future's whole collected value, computed on the worker that needs it."""
+
+    value: FutureValue
+
+    def resolve(self) -> Any:
+        ranks = self.value.source_ranks()
+        outputs = dict(zip(ranks, ray.get([self.value.refs[r] for r in ranks])))
+        _count_fetched(list(outputs.values()), _lazy_stats)
+        return self.value.compute(outputs)
+
+
+def _resolve(value: Any) -> Any:
+    if isinstance(value, LazyArgument):
+        return value.resolve()
+    if isinstance(value, ray.ObjectRef):
+        return ray.get(value)
+    return value
+
+
+def resolve_arguments(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Replace top-level lazy arguments and object references by their values (runs on the worker)."""
+    return tuple(_resolve(arg) for arg in args), {key: _resolve(value) for key, value in kwargs.items()}
+
+
+# ---------------------------------------------------------------- the driver-side future
+
+class Future:
+    """The pending result of a non-blocking worker-group call."""
+
+    def __init__(self, *, value: FutureValue | None, role: str, method: str, timeout_s: float | None,
+                 local_result: Any = None, on_infos: Callable[[dict[int, OutputInfo]], None] | None = None) -> None:
+        self._value = value
+        self._on_infos = on_infos
+        self._role = role
+        self._method = method
+        self._timeout_s = timeout_s
+        self._local_result = local_result
+
+    @property
+    def is_local(self) -> bool:
+        """True for a call that already ran in the driver's process (single-process mode)."""
+        return self._value is None
+
+    @property
+    def value_refs(self) -> FutureValue:
+        assert self._value is not None, "a local future has no references"
+        return self._value
+
+    def done(self) -> bool:
+        """Whether every rank has finished (successfully or not)."""
+        if self._value is None:
+            return True
+        pending = list(self._value.infos.values())
+        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=0)
+        return len(ready) == len(pending)
+
+    def get(self, timeout_s: float | None = None) -> Any:
+        """Wait for every rank, fetch the outputs the protocol collects, and return the collected value."""
+        if self._value is None:
+            return self._local_result
+        timeout_s = self._timeout_s if timeout_s is None else timeout_s
+        # wait on the tiny info objects of every rank first: a failing rank that the protocol does
+        # not collect from must still surface as an error
+        infos = gather(self._value.infos, role=self._role, method=self._method, timeout_s=timeout_s, count=False)
+        if self._on_infos is not None:
+            self._on_infos(infos)
+        ranks = self._value.source_ranks()
+        outputs = gather({r: self._value.refs[r] for r in ranks}, role=self._role, method=self._method,
+                         timeout_s=timeout_s, count=True)
+        return self._value.compute(outputs, infos)
+
+    def __repr__(self) -> str:
+        return f"Future({self._role}.{self._method}, done={self.done()})"

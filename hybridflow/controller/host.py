@@ -1,0 +1,88 @@
+"""WorkerHost: the process behind one slot of a pool; builds its role objects and runs their methods."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from typing import Any
+
+import ray
+import torch
+
+from hybridflow.controller.batch import is_splittable, num_rows
+from hybridflow.controller.errors import WorkerError
+from hybridflow.controller.future import resolve_arguments
+from hybridflow.controller.worker import Worker, WorkerContext, add_process_role, set_worker_context
+from hybridflow.device import init_process_group
+
+RoleSpec = tuple[type, tuple, dict]
+
+
+def build_roles(context: WorkerContext, roles: dict[str, RoleSpec]) -> dict[str, Worker]:
+    """Construct every role object of one process under ``context``."""
+    set_worker_context(context)
+    built: dict[str, Worker] = {}
+    try:
+        for role, (worker_cls, args, kwargs) in roles.items():
+            try:
+                built[role] = worker_cls(*args, **kwargs)
+                add_process_role(role, built[role])
+            except Exception as error:
+                raise WorkerError(role=role, rank=context.rank, method="__init__",
+                                  remote_traceback=traceback.format_exc()) from error
+    finally:
+        set_worker_context(None)
+    return built
+
+
+def run_method(worker: Worker, *, role: str, rank: int, method: str, args: tuple, kwargs: dict) -> tuple[Any, tuple]:
+    """Call one method; returns (output, info) with info = (out_rows, in_rows, layout_version)."""
+    try:
+        args, kwargs = resolve_arguments(args, kwargs)
+        output = getattr(worker, method)(*args, **kwargs)
+    except Exception as error:
+        raise WorkerError(role=role, rank=rank, method=method, remote_traceback=traceback.format_exc()) from error
+    in_rows = next((len(v) for v in list(args) + list(kwargs.values()) if is_splittable(v)), None)
+    return output, (num_rows(output), in_rows, worker.layout_state()[2])
+
+
+class WorkerHost:
+    """One Ray actor per slot (wrapped with ``ray.remote`` by the WorkerGroup)."""
+
+    def __init__(self, *, rank: int, world_size: int, local_rank: int) -> None:
+        # one compute thread per process: several processes share each core in tests
+        torch.set_num_threads(1)
+        self._context = WorkerContext(rank=rank, world_size=world_size, local_rank=local_rank,
+                                      node_id=ray.get_runtime_context().get_node_id())
+        self._roles: dict[str, Worker] = {}
+
+    def address(self) -> tuple[str, int]:
+        """This node's IP and a port free on it: the rendezvous point when this host is rank 0."""
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("", 0))
+            port = sock.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def setup(self, *, master_addr: str, master_port: int, dist_timeout_s: float,
+              roles: dict[str, RoleSpec]) -> int:
+        """Join the group's torch.distributed world, build the role objects; returns the process id."""
+        context = self._context
+        os.environ.update(RANK=str(context.rank), WORLD_SIZE=str(context.world_size),
+                          LOCAL_RANK=str(context.local_rank), MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        try:
+            init_process_group(rank=context.rank, world_size=context.world_size, master_addr=master_addr,
+                               master_port=master_port, timeout_s=dist_timeout_s)
+        except Exception as error:
+            raise WorkerError(role="+".join(roles), rank=context.rank, method="init_process_group",
+                              remote_traceback=traceback.format_exc()) from error
+        self._roles = build_roles(context, roles)
+        return os.getpid()
+
+    @ray.method(num_returns=2)
+    def execute(self, role: str, method: str, args: tuple, kwargs: dict) -> tuple[Any, tuple]:
+        return run_method(self._roles[role], role=role, rank=self._context.rank, method=method,
+                          args=args, kwargs=kwargs)
+
+    def layout_state(self, role: str) -> tuple:
+        return self._roles[role].layout_state()

@@ -1,0 +1,300 @@
+"""WorkerGroup: the driver's handle on one role running on every slot of a pool."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from hybridflow.controller.errors import WorkerTimeoutError
+from hybridflow.controller.future import Future, FutureValue, gather, output_pad, resolve_pad
+from hybridflow.controller.host import RoleSpec, WorkerHost, build_roles, run_method
+from hybridflow.controller.local import init_local_process_group
+from hybridflow.controller.protocols import Dispatch, GroupMesh, Protocol, get_protocol
+from hybridflow.controller.register import Registration, registered_methods
+from hybridflow.controller.resource_pool import ResourcePool
+from hybridflow.controller.worker import WorkerContext, remove_process_role
+from hybridflow.parallel.layout import ParallelLayout
+from hybridflow.protocol import DataProto
+
+WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+class _Hosts:
+    """The processes of one pool that host one or several (colocated) roles."""
+
+    def __init__(self, pool: ResourcePool, roles: dict[str, RoleSpec], *, dist_timeout_s: float,
+                 timeout_s: float | None) -> None:
+        self.pool = pool
+        self.timeout_s = timeout_s
+        self.roles = roles
+        self.actors: list = []
+        self.local_roles: dict[str, Any] = {}
+        pool.claim_processes()
+        if pool.is_local:
+            init_local_process_group()
+            self.local_roles = build_roles(WorkerContext(rank=0, world_size=1, local_rank=0, node_id="local"), roles)
+            self.pids = [os.getpid()]
+        else:
+            self.pids = self._spawn(dist_timeout_s)
+
+    @property
+    def world_size(self) -> int:
+        return self.pool.world_size
+
+    @property
+    def label(self) -> str:
+        return "+".join(self.roles)
+
+    def _spawn(self, dist_timeout_s: float) -> list[int]:
+        pool = self.pool
+        share = 1.0 / pool.max_processes_per_slot
+        actor_cls = ray.remote(WorkerHost)
+        for rank, (bundle, local_rank) in enumerate(pool.slots()):
+            options = dict(
+                num_cpus=share, num_gpus=share if pool.use_gpu else 0, max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=pool.placement_group, placement_group_bundle_index=bundle),
+                runtime_env={"env_vars": {**WORKER_ENV, **{k: v for k, v in os.environ.items()
+                                                           if k == "HYBRIDFLOW_BACKEND"}}},
+            )
+            self.actors.append(actor_cls.options(**options).remote(
+                rank=rank, world_size=pool.world_size, local_rank=local_rank))
+        master_addr, master_port = gather({0: self.actors[0].address.remote()}, role=self.label, method="address",
+                                          timeout_s=self.timeout_s, count=False)[0]
+        setups = {rank: actor.setup.remote(master_addr=master_addr, master_port=master_port,
+                                           dist_timeout_s=dist_timeout_s, roles=self.roles)
+                  for rank, actor in enumerate(self.actors)}
+        pids = gather(setups, role=self.label, method="setup", timeout_s=self.timeout_s, count=False)
+        return [pids[rank] for rank in range(len(self.actors))]
+
+    def shutdown(self) -> None:
+        if not self.actors and not self.local_roles:
+            return
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        for role, worker in self.local_roles.items():
+            remove_process_role(role, worker)
+        self.actors = []
+        self.local_roles = {}
+        self.pool.release_processes()
+
+
+class _BoundMethod:
+    """A registered worker method as the driver sees it: call it, or ``.future(...)`` it."""
+
+    def __init__(self, group: "WorkerGroup", name: str, registration: Registration) -> None:
+        self._group = group
+        self.__name__ = name
+        self.registration = registration
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        future = self._group._submit(self.__name__, self.registration, args, kwargs)
+        return future.get() if self.registration.blocking else future
+
+    def future(self, *args: Any, **kwargs: Any) -> Future:
+        """Run without waiting, whatever the registration says; returns a Future."""
+        return self._group._submit(self.__name__, self.registration, args, kwargs)
+
+    def __repr__(self) -> str:
+        return f"<{self._group.role}.{self.__name__} protocol={self.registration.protocol}>"
+
+
+class WorkerGroup:
+    """``WorkerGroup(pool, WorkerCls, *args, **kwargs)``: one ``WorkerCls(*args, **kwargs)`` per slot.
+
+    Every method of ``WorkerCls`` decorated with ``@register`` becomes a method of the group with the
+    same name: it distributes the arguments by the method's transfer protocol, calls all ranks and
+    collects (or returns a ``Future`` for ``blocking=False``). ``name`` names the role in errors;
+    ``timeout_s`` bounds every wait of the driver on this group (None: wait forever);
+    ``dist_timeout_s`` is the torch.distributed timeout inside the group (a hung collective fails).
+    """
+
+    def __init__(self, pool: ResourcePool, worker_cls: type, *args: Any, name: str | None = None,
+                 timeout_s: float | None = None, dist_timeout_s: float = 600.0, **kwargs: Any) -> None:
+        role = name or worker_cls.__name__
+        hosts = _Hosts(pool, {role: (worker_cls, args, kwargs)}, dist_timeout_s=dist_timeout_s, timeout_s=timeout_s)
+        self._attach(hosts, role, worker_cls)
+
+    @classmethod
+    def colocate(cls, pool: ResourcePool, roles: dict[str, tuple], *, timeout_s: float | None = None,
+                 dist_timeout_s: float = 600.0) -> dict[str, "WorkerGroup"]:
+        """Several roles in one process per slot: ``{"actor": (ActorCls, args, kwargs), ...}`` -> group views.
+
+        Each role is still its own object of its own class with its own registered methods; the
+        roles of one process can reach each other with ``Worker.colocated_role(name)``.
+        """
+        if not isinstance(roles, dict) or not roles:
+            raise ValueError(f"roles must be a non-empty dict of role name -> (WorkerCls, args, kwargs), got {roles!r}")
+        specs: dict[str, RoleSpec] = {}
+        for role, spec in roles.items():
+            spec = spec if isinstance(spec, tuple) else (spec,)
+            if not 1 <= len(spec) <= 3 or not isinstance(spec[0], type):
+                raise ValueError(f"role {role!r}: expected (WorkerCls,), (WorkerCls, args) or "
+                                 f"(WorkerCls, args, kwargs), got {spec!r}")
+            specs[role] = (spec[0], tuple(spec[1]) if len(spec) > 1 else (), dict(spec[2]) if len(spec) > 2 else {})
+        hosts = _Hosts(pool, specs, dist_timeout_s=dist_timeout_s, timeout_s=timeout_s)
+        views = {}
+        for role, (worker_cls, _, _) in specs.items():
+            view = cls.__new__(cls)
+            view._attach(hosts, role, worker_cls)
+            views[role] = view
+        return views
+
+    def _attach(self, hosts: _Hosts, role: str, worker_cls: type) -> None:
+        self._hosts = hosts
+        self.role = role
+        self.worker_cls = worker_cls
+        self._methods = registered_methods(worker_cls)
+        for method, registration in self._methods.items():
+            if hasattr(WorkerGroup, method):
+                raise ValueError(f"{worker_cls.__name__}.{method} clashes with WorkerGroup.{method}; rename the method")
+            setattr(self, method, _BoundMethod(self, method, registration))
+        self._pending_infos: dict[ray.ObjectRef, int] = {}  # info reference -> rank, of calls not yet seen done
+        self._mesh_stale = False
+        self._mesh_versions = [0] * hosts.world_size
+        self._mesh = GroupMesh(layout=ParallelLayout(dp_size=hosts.world_size))
+        self._mesh = self._query_mesh()
+
+    # ------------------------------------------------------------ public
+
+    @property
+    def world_size(self) -> int:
+        return self._hosts.world_size
+
+    @property
+    def pool(self) -> ResourcePool:
+        return self._hosts.pool
+
+    @property
+    def is_local(self) -> bool:
+        return self._hosts.pool.is_local
+
+    @property
+    def pids(self) -> list[int]:
+        """Process id of every rank (colocated roles report the same ids)."""
+        return list(self._hosts.pids)
+
+    @property
+    def mesh(self) -> GroupMesh:
+        """The layout the workers declared (refreshed after calls that may have changed it)."""
+        return self._refresh_mesh()
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Call a registered method by name."""
+        return getattr(self, self._check_method(method))(*args, **kwargs)
+
+    def shutdown(self) -> None:
+        """Kill this group's processes (and those of the roles colocated with it)."""
+        self._hosts.shutdown()
+
+    def __repr__(self) -> str:
+        return f"WorkerGroup({self.role}, world_size={self.world_size}, pool={self.pool.name!r})"
+
+    # ------------------------------------------------------------ dispatch
+
+    def _check_method(self, method: str) -> str:
+        if method not in self._methods:
+            raise ValueError(f"{self.worker_cls.__name__}.{method} is not a method registered with @register; "
+                             f"registered: {sorted(self._methods)}")
+        return method
+
+    def _submit(self, method: str, registration: Registration, args: tuple, kwargs: dict) -> Future:
+        protocol = get_protocol(registration.protocol)
+        mesh = self._refresh_mesh() if protocol.uses_mesh else self._mesh
+        dispatch = protocol.distribute(mesh, args, kwargs)
+        if not isinstance(dispatch, Dispatch) or len(dispatch.calls) != self.world_size:
+            raise ValueError(f"protocol {protocol.name!r} must return a Dispatch with {self.world_size} calls, "
+                             f"got {dispatch!r}")
+        if self.is_local:
+            return self._run_local(method, protocol, mesh, dispatch)
+        refs, infos = {}, {}
+        shared = _shared_batches(dispatch.calls)
+        for rank, call in enumerate(dispatch.calls):
+            if call is None:
+                continue
+            call_args, call_kwargs = _use_shared(call, shared)
+            refs[rank], infos[rank] = self._hosts.actors[rank].execute.remote(self.role, method, call_args, call_kwargs)
+        self._pending_infos.update({ref: rank for rank, ref in infos.items()})
+        value = FutureValue(refs=refs, infos=infos, mesh=mesh, protocol=protocol, in_pad=dispatch.pad)
+        return Future(value=value, role=self.role, method=method, timeout_s=self._hosts.timeout_s,
+                      on_infos=lambda fetched: self._note_versions(infos, fetched))
+
+    def _run_local(self, method: str, protocol: Protocol, mesh: GroupMesh, dispatch: Dispatch) -> Future:
+        call_args, call_kwargs = dispatch.calls[0]
+        worker = self._hosts.local_roles[self.role]
+        output, info = run_method(worker, role=self.role, rank=0, method=method, args=call_args, kwargs=call_kwargs)
+        if info[2] != self._mesh_versions[0]:
+            self._mesh = self._query_mesh()
+        pad = resolve_pad(dispatch.pad)
+        if protocol.concatenates:
+            pad = output_pad(pad, [info])
+        value = protocol.collect(mesh, [output], pad)
+        return Future(value=None, role=self.role, method=method, timeout_s=None, local_result=value)
+
+    # ------------------------------------------------------------ mesh cache
+
+    def _note_versions(self, refs: dict[int, ray.ObjectRef], infos: dict[int, tuple]) -> None:
+        """A finished call's layout versions: mark the mesh stale if a worker declared a new layout."""
+        for rank, info in infos.items():
+            self._pending_infos.pop(refs[rank], None)
+            self._mesh_stale |= info[2] != self._mesh_versions[rank]
+
+    def _refresh_mesh(self) -> GroupMesh:
+        """Re-read the workers' layouts if a finished call changed one (waits for calls still running)."""
+        if self._pending_infos:
+            pending = list(self._pending_infos)
+            ready, not_ready = ray.wait(pending, num_returns=len(pending), timeout=self._hosts.timeout_s)
+            if not_ready:
+                raise WorkerTimeoutError(role=self.role, method="(earlier call)", timeout_s=self._hosts.timeout_s,
+                                         pending_ranks=sorted({self._pending_infos[ref] for ref in not_ready}))
+            try:
+                infos = ray.get(pending)
+            except ray.exceptions.RayError:
+                infos = []  # a failed call: its own future reports it; re-read the layout to be safe
+                self._mesh_stale = True
+            for ref, info in zip(pending, infos):
+                self._mesh_stale |= info[2] != self._mesh_versions[self._pending_infos[ref]]
+            self._pending_infos = {}
+        if self._mesh_stale:
+            self._mesh = self._query_mesh()
+        return self._mesh
+
+    def _query_mesh(self) -> GroupMesh:
+        if self.is_local:
+            states = [self._hosts.local_roles[self.role].layout_state()]
+        else:
+            refs = {rank: actor.layout_state.remote(self.role) for rank, actor in enumerate(self._hosts.actors)}
+            by_rank = gather(refs, role=self.role, method="layout_state", timeout_s=self._hosts.timeout_s, count=False)
+            states = [by_rank[rank] for rank in range(self.world_size)]
+        layout, generation, _ = states[0]
+        for rank, (other_layout, other_generation, _) in enumerate(states):
+            if (other_layout, other_generation) != (layout, generation):
+                raise ValueError(f"{self.role}: rank {rank} declared layout {other_layout} / {other_generation}, "
+                                 f"rank 0 declared {layout} / {generation}; every rank must declare the same")
+        self._mesh_versions = [state[2] for state in states]
+        self._mesh_stale = False
+        return GroupMesh(layout=layout, generation=generation)
+
+
+def _shared_batches(calls: list) -> dict[int, ray.ObjectRef]:
+    """Put each DataProto argument that several ranks receive in the object store once.
+
+    Ranks of one tensor- or pipeline-parallel group get the same chunk object; sending it inline
+    would serialize it once per rank. The worker host resolves these references before the method
+    runs. A chunk only one rank receives travels inline with the call (cheaper for small batches).
+    """
+    receivers: dict[int, list] = {}
+    for call in calls:
+        if call is not None:
+            for value in list(call[0]) + list(call[1].values()):
+                if isinstance(value, DataProto):
+                    receivers.setdefault(id(value), [value, 0])[1] += 1
+    return {key: ray.put(value) for key, (value, count) in receivers.items() if count > 1}
+
+
+def _use_shared(call: tuple, shared: dict[int, ray.ObjectRef]) -> tuple[tuple, dict]:
+    args, kwargs = call
+    return tuple(shared.get(id(a), a) for a in args), {k: shared.get(id(v), v) for k, v in kwargs.items()}

@@ -1,0 +1,87 @@
+"""Errors: a failing rank, a call past its timeout, a hung collective and a killed worker all reach the driver."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import pytest
+import ray.cloudpickle
+import torch
+import torch.distributed as dist
+
+from hybridflow.controller import ResourcePool, Worker, WorkerError, WorkerGroup, WorkerTimeoutError, register
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+class FaultyWorker(Worker):
+    @register("ONE_TO_ALL")
+    def fail_on(self, rank: int) -> int:
+        if self.rank == rank:
+            raise ValueError(f"boom on rank {rank}")
+        return self.rank
+
+    @register("ONE_TO_ALL", blocking=False)
+    def sleep(self, seconds: float) -> int:
+        time.sleep(seconds)
+        return self.rank
+
+    @register("ONE_TO_ALL")
+    def lonely_all_reduce(self) -> int:
+        if self.rank == 0:  # rank 1 never joins: a hung collective
+            dist.all_reduce(torch.ones(1))
+        return self.rank
+
+    @register("ONE_TO_ALL")
+    def pid(self) -> int:
+        return os.getpid()
+
+
+@pytest.fixture(scope="module")
+def faulty(ray_session):
+    pool = ResourcePool([2], name="errors")
+    group = WorkerGroup(pool, FaultyWorker, name="faulty", timeout_s=60, dist_timeout_s=3)
+    yield group
+    group.shutdown()
+    pool.release()
+
+
+def test_an_exception_on_one_rank_names_role_rank_method_and_carries_the_remote_traceback(faulty):
+    with pytest.raises(WorkerError) as info:
+        faulty.fail_on(1)
+    error = info.value
+    assert (error.role, error.rank, error.method) == ("faulty", 1, "fail_on")
+    assert "ValueError: boom on rank 1" in error.remote_traceback
+    assert "in fail_on" in error.remote_traceback
+    assert faulty.fail_on(-1) == [0, 1]  # the group keeps working after a user exception
+
+
+def test_a_call_past_its_timeout_is_a_timeout_error_naming_the_pending_ranks(faulty):
+    future = faulty.sleep(3.0)
+    start = time.monotonic()
+    with pytest.raises(WorkerTimeoutError) as info:
+        future.get(timeout_s=0.5)
+    assert time.monotonic() - start < 2.0
+    assert info.value.pending_ranks == [0, 1] and info.value.method == "sleep"
+    assert future.get() == [0, 1]
+
+
+def test_a_hung_collective_fails_within_the_process_group_timeout(faulty):
+    start = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        faulty.lonely_all_reduce()
+    assert time.monotonic() - start < 30.0
+    assert (info.value.rank, info.value.method) == (0, "lonely_all_reduce")
+
+
+def test_a_killed_worker_is_an_error_naming_its_rank_not_a_hang(faulty):
+    pids = faulty.pid()
+    os.kill(pids[1], signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        faulty.fail_on(-1)
+    assert time.monotonic() - start < 30.0
+    assert info.value.rank == 1 and "died" in info.value.remote_traceback

@@ -1,0 +1,160 @@
+"""Futures: chaining calls between groups of different DP sizes without routing data through the driver."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import pytest
+import ray.cloudpickle
+import torch
+
+from hybridflow.controller import (
+    Future,
+    ResourcePool,
+    Worker,
+    WorkerGroup,
+    driver_fetch_stats,
+    lazy_fetch_stats,
+    register,
+    reset_driver_fetch_stats,
+)
+from hybridflow.parallel.layout import ParallelLayout
+from hybridflow.protocol import DataProto
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+TOKENS = 512  # per generated row: makes the payload large next to everything else the driver sees
+
+
+def prompts(count: int) -> DataProto:
+    return DataProto.from_dict({"prompt_id": torch.arange(count)})
+
+
+def expected_tokens(prompt_ids: list[int], samples: int = 1) -> torch.Tensor:
+    ids = torch.tensor(prompt_ids).repeat_interleave(samples)
+    return ids[:, None] * 10_000 + torch.arange(TOKENS)[None, :]
+
+
+class StageWorker(Worker):
+    """A stand-in for generation (expands prompts into long rows) and for scoring (reads them)."""
+
+    @register("ONE_TO_ALL")
+    def declare(self, tp: int) -> None:
+        self.set_parallel_layout(ParallelLayout.for_world(self.world_size, tp_size=tp))
+
+    @register("DP_PROTO", blocking=False)
+    def generate(self, batch: DataProto, samples: int = 1) -> DataProto:
+        ids = batch["prompt_id"].repeat_interleave(samples)
+        return DataProto.from_dict({"prompt_id": ids, "tokens": ids[:, None] * 10_000 + torch.arange(TOKENS)[None, :]})
+
+    @register("3D_PROTO", blocking=False)
+    def generate_3d(self, batch: DataProto) -> DataProto:
+        return self.generate(batch)
+
+    @register("DP_METRICS")
+    def score(self, batch: DataProto) -> dict:
+        """What this rank received, and what it had to fetch to get it."""
+        fetched = lazy_fetch_stats()
+        return {"prompt_ids": batch["prompt_id"].tolist(), "tokens_ok": bool(
+            torch.equal(batch["tokens"], batch["prompt_id"][:, None] * 10_000 + torch.arange(TOKENS)[None, :])),
+            "objects_fetched": fetched.objects}
+
+    @register("DP_PROTO")
+    def passthrough(self, batch: DataProto) -> DataProto:
+        return batch
+
+    @register("ONE_TO_ALL", blocking=False)
+    def nap(self, seconds: float) -> int:
+        time.sleep(seconds)
+        return self.rank
+
+    @register("ONE_TO_ALL")
+    def count_lists(self, value: list) -> int:
+        return len(value)
+
+
+@pytest.fixture(scope="module")
+def groups(ray_session):
+    pool4, pool2 = ResourcePool([4], name="futures4"), ResourcePool([2], name="futures2")
+    dp4 = WorkerGroup(pool4, StageWorker, name="dp4", timeout_s=120)
+    dp2 = WorkerGroup(pool2, StageWorker, name="dp2", timeout_s=120)
+    yield dp4, dp2
+    for group in (dp4, dp2):
+        group.shutdown()
+    pool4.release()
+    pool2.release()
+
+
+def test_chaining_dp4_into_dp2_moves_no_batch_bytes_through_the_driver(groups):
+    dp4, dp2 = groups
+    dp4.declare(1)
+    before = [m["objects_fetched"] for m in dp2.score(dp4.generate(prompts(2)))]
+    reset_driver_fetch_stats()
+    future = dp4.generate(prompts(8))
+    assert isinstance(future, Future)
+    metrics = dp2.score(future)
+    assert driver_fetch_stats().bytes == 0
+    assert [m["prompt_ids"] for m in metrics] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert all(m["tokens_ok"] for m in metrics)
+    # destination rank j fetched exactly source chunks 2j and 2j+1
+    assert [m["objects_fetched"] - b for m, b in zip(metrics, before)] == [2, 2]
+
+
+def test_a_blocking_call_fetches_exactly_the_batch_into_the_driver(groups):
+    dp4, _ = groups
+    dp4.declare(1)
+    reset_driver_fetch_stats()
+    batch = dp4.generate(prompts(8)).get()
+    assert torch.equal(batch["tokens"], expected_tokens(list(range(8))))
+    assert driver_fetch_stats().bytes == batch.nbytes
+
+
+def test_chaining_dp2_into_dp4_gives_each_destination_rank_its_slice_of_one_source_chunk(groups):
+    dp4, dp2 = groups
+    dp4.declare(1)
+    reset_driver_fetch_stats()
+    metrics = dp4.score(dp2.generate(prompts(8)))
+    assert driver_fetch_stats().bytes == 0
+    assert [m["prompt_ids"] for m in metrics] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert all(m["tokens_ok"] for m in metrics)
+
+
+def test_padding_survives_a_chain_of_dp4_dp2_dp4_with_seven_rows(groups):
+    dp4, dp2 = groups
+    dp4.declare(1)
+    first = dp4.generate(prompts(7))          # padded to 8 on dp4
+    second = dp2.passthrough.future(first)    # 7 real rows -> 8 on dp2
+    final = dp4.passthrough.future(second).get()
+    assert final["prompt_id"].tolist() == list(range(7))
+    assert torch.equal(final["tokens"], expected_tokens(list(range(7))))
+
+
+def test_samples_per_prompt_padding_is_dropped_exactly_through_a_chain(groups):
+    dp4, dp2 = groups
+    dp4.declare(1)
+    out = dp2.passthrough(dp4.generate(prompts(5), samples=3))
+    assert out["prompt_id"].tolist() == [p for p in range(5) for _ in range(3)]
+
+
+def test_a_3d_source_feeds_a_dp_destination_from_its_tp_rank_zero_outputs(groups):
+    dp4, dp2 = groups
+    dp4.declare(2)  # (p, t, d) = (1, 2, 2): outputs read from ranks 0 and 2
+    metrics = dp2.score(dp4.generate_3d(prompts(6)))
+    assert [m["prompt_ids"] for m in metrics] == [[0, 1, 2], [3, 4, 5]]
+    dp4.declare(1)
+
+
+def test_a_future_of_a_list_collecting_protocol_reaches_every_rank_whole(groups):
+    dp4, dp2 = groups
+    naps = dp4.nap(0.0)
+    assert dp2.count_lists(naps) == [4, 4]
+    assert naps.get() == [0, 1, 2, 3]
+
+
+def test_groups_on_different_pools_run_at_the_same_time(groups):
+    dp4, dp2 = groups
+    start = time.monotonic()
+    first, second = dp4.nap(2.0), dp2.nap(2.0)
+    assert first.get() == [0, 1, 2, 3] and second.get() == [0, 1]
+    assert time.monotonic() - start < 3.8  # one after the other would take at least 4 s

@@ -1,0 +1,91 @@
+"""A two-node Ray cluster simulated on this machine: ResourcePool([2, 2]) puts two ranks on each node.
+
+The scenario runs in a subprocess (this file run as a script) so that its cluster never meets the
+test session's own Ray instance: a process can only be connected to one Ray at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+RESULT_PREFIX = "MULTINODE_RESULT "
+
+
+@pytest.mark.slow
+def test_a_two_node_pool_places_two_ranks_per_node_and_the_protocols_still_hold():
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    completed = subprocess.run([sys.executable, __file__], capture_output=True, text=True, timeout=400, env=env)
+    lines = [line for line in completed.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    assert completed.returncode == 0 and lines, completed.stdout[-3000:] + completed.stderr[-5000:]
+    result = json.loads(lines[-1][len(RESULT_PREFIX):])
+    nodes = result["node_ids"]
+    assert nodes[0] == nodes[1] and nodes[2] == nodes[3] and nodes[0] != nodes[2]
+    assert result["local_ranks"] == [0, 1, 0, 1]
+    assert result["dp_x"] == list(range(7)) and result["dp_rank"] == [0, 0, 1, 1, 2, 2, 3]
+    assert result["three_d_x"] == list(range(5)) and result["three_d_rank"] == [0, 0, 0, 2, 2]
+    assert result["all_reduce"] == [4.0] * 4
+
+
+def _scenario() -> dict:
+    import ray
+    import torch
+    import torch.distributed as dist
+    from ray.cluster_utils import Cluster
+
+    from hybridflow.controller import ResourcePool, Worker, WorkerGroup, register
+    from hybridflow.parallel.layout import ParallelLayout
+    from hybridflow.protocol import DataProto
+
+    class NodeProbe(Worker):
+        @register("ONE_TO_ALL")
+        def where(self) -> tuple[str, int]:
+            return self.node_id, self.local_rank
+
+        @register("ONE_TO_ALL")
+        def all_reduce(self) -> float:
+            ones = torch.ones(1)
+            dist.all_reduce(ones)
+            return ones.item()
+
+        @register("ONE_TO_ALL")
+        def declare(self, tp: int) -> None:
+            self.set_parallel_layout(ParallelLayout.for_world(self.world_size, tp_size=tp))
+
+        @register("DP_PROTO")
+        def dp(self, batch: DataProto) -> DataProto:
+            return DataProto.from_dict({"x": batch["x"], "rank": torch.full((len(batch),), self.rank)})
+
+        @register("3D_PROTO")
+        def three_d(self, batch: DataProto) -> DataProto:
+            return self.dp(batch)
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "object_store_memory": 100 * 2**20})
+    cluster.add_node(num_cpus=2, object_store_memory=100 * 2**20)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address)
+    try:
+        pool = ResourcePool([2, 2], name="two-nodes")
+        group = WorkerGroup(pool, NodeProbe, timeout_s=180)
+        where = group.where()
+        dp = group.dp(DataProto.from_dict({"x": torch.arange(7.0)}))
+        group.declare(2)
+        three_d = group.three_d(DataProto.from_dict({"x": torch.arange(5.0)}))
+        result = {"node_ids": [node for node, _ in where], "local_ranks": [local for _, local in where],
+                  "dp_x": dp["x"].tolist(), "dp_rank": dp["rank"].tolist(),
+                  "three_d_x": three_d["x"].tolist(), "three_d_rank": three_d["rank"].tolist(),
+                  "all_reduce": group.all_reduce()}
+        group.shutdown()
+        pool.release()
+        return result
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+if __name__ == "__main__":
+    print(RESULT_PREFIX + json.dumps(_scenario()), flush=True)
