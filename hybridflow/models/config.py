@@ -1,0 +1,75 @@
+"""ModelConfig: which model to build (a local Hugging Face directory or a tiny random one) and with which head."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from hybridflow.models.families import check_family
+
+HEADS = ("lm", "value", "score")
+DTYPES = ("auto", "float32", "bfloat16")
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """What ``build_model`` builds. Exactly one of ``path`` and ``tiny`` is set."""
+
+    path: str | None = None
+    """Local Hugging Face model directory (config.json + safetensors). Nothing is fetched from a hub."""
+
+    tiny: dict[str, Any] | None = None
+    """Build a tiny randomly initialised model instead: overrides of ``tiny_config`` (``{}`` for the defaults)."""
+
+    family: str | None = None
+    """Decoder family: llama, mistral or qwen2. Detected from config.json for ``path`` (a mismatch is an
+    error); for ``tiny`` it picks the architecture (default llama)."""
+
+    head: str = "lm"
+    """"lm": causal LM (logits over the vocabulary). "value": scalar per token (critic).
+    "score": scalar per token read at the last real token (reward/cost model). value and score share
+    one module (``*ForTokenClassification`` with one label); they differ in how the engine reads it."""
+
+    dtype: str = "auto"
+    """Parameter dtype: "float32", "bfloat16", or "auto" = ``hybridflow.device.default_dtype()``
+    (bf16 on CUDA with bf16 support, fp32 on CPU)."""
+
+    attn_implementation: str = "sdpa"
+    """Attention kernel passed to transformers: "sdpa", "eager" or "flash_attention_2" (CUDA only)."""
+
+    trust_remote_code: bool = False
+    """Passed to transformers; the supported families never need remote code."""
+
+    seed: int = 0
+    """Seed of every random initialisation (a tiny model's weights, a new value/score head): the same
+    seed gives bit-identical weights on every rank."""
+
+    def __post_init__(self) -> None:
+        if (self.path is None) == (self.tiny is None):
+            raise ValueError(
+                f"ModelConfig needs exactly one of path and tiny; got path={self.path!r}, tiny={self.tiny!r}"
+            )
+        if self.path is not None and (not isinstance(self.path, str) or not self.path):
+            raise ValueError(f"ModelConfig.path must be a non-empty string, got {self.path!r}")
+        if self.tiny is not None:
+            if not isinstance(self.tiny, Mapping):
+                raise ValueError(
+                    f"ModelConfig.tiny must be a dict of config overrides, got {type(self.tiny).__name__}"
+                )
+            # a plain dict even when built from an OmegaConf node; the dataclass stays frozen
+            object.__setattr__(self, "tiny", dict(self.tiny))
+        if self.family is not None:
+            check_family(self.family, source="ModelConfig.family")
+        if self.head not in HEADS:
+            raise ValueError(f"ModelConfig.head must be one of {HEADS}, got {self.head!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"ModelConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
+            raise ValueError(
+                f"ModelConfig.attn_implementation must be one of {ATTN_IMPLEMENTATIONS}, "
+                f"got {self.attn_implementation!r}"
+            )
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"ModelConfig.seed must be an int, got {self.seed!r}")

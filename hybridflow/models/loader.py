@@ -1,0 +1,96 @@
+"""build_model: a Hugging Face causal LM, or its backbone with a scalar head, from a local directory or a tiny config."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, PretrainedConfig
+
+from hybridflow.device import default_dtype
+from hybridflow.models.config import ModelConfig
+from hybridflow.models.families import family_of
+from hybridflow.models.heads import SCALAR_HEAD, init_scalar_head
+from hybridflow.models.tiny import seeded_init, tiny_config
+
+
+def load_hf_config(path: str, *, trust_remote_code: bool = False) -> PretrainedConfig:
+    """The Hugging Face config of the local model directory ``path``; ValueError if it is not one."""
+    if not os.path.isdir(path):
+        raise ValueError(f"model directory {path!r} does not exist (a local Hugging Face model directory "
+                         f"is expected; nothing is downloaded)")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"model directory {path!r} has no config.json, so it is not a Hugging Face model directory")
+    return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
+def hf_config_of(config: ModelConfig) -> PretrainedConfig:
+    """The Hugging Face config ``build_model(config)`` builds (family checked, head fields set)."""
+    if config.tiny is not None:
+        hf_config = tiny_config(config.family or "llama", **config.tiny)
+        source = "tiny config"
+    else:
+        hf_config = load_hf_config(config.path, trust_remote_code=config.trust_remote_code)
+        source = config.path
+    family = family_of(hf_config, source=source)
+    if config.family is not None and config.family != family:
+        raise ValueError(f"ModelConfig.family is {config.family!r} but {source} holds a {family!r} model")
+    if config.head != "lm":
+        hf_config.num_labels = 1
+        hf_config.classifier_dropout = 0.0  # transformers defaults to 0.1; a critic/reward must be deterministic
+    return hf_config
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    """The torch dtype of ModelConfig.dtype ("auto" follows the device: bf16 on CUDA, fp32 on CPU)."""
+    return default_dtype() if name == "auto" else getattr(torch, name)
+
+
+def build_model(config: ModelConfig, *, device: str | torch.device = "cpu") -> torch.nn.Module:
+    """Build the model ``config`` describes on ``device``, in eval mode (training engines call ``.train()``).
+
+    - head "lm": ``*ForCausalLM``; "value"/"score": ``*ForTokenClassification`` with one label
+      (a Linear(H, 1) named ``score`` on the last hidden states, dropout 0).
+    - ``config.path``: weights from the directory. A value/score model loads from its own checkpoint
+      (head restored) or from a causal-LM checkpoint (new head, seeded by ``config.seed``). Weights the
+      head needs but the checkpoint lacks are an error, never silently random.
+    - ``config.tiny``: random weights from ``config.seed``, bit-identical on every rank.
+    - ``device="meta"``: the architecture only, no weights read (shard it, then materialise/load).
+    """
+    hf_config = hf_config_of(config)
+    dtype = resolve_dtype(config.dtype)
+    model_cls = AutoModelForCausalLM if config.head == "lm" else AutoModelForTokenClassification
+    kwargs = {"dtype": dtype, "attn_implementation": config.attn_implementation,
+              "trust_remote_code": config.trust_remote_code}
+    if torch.device(device).type == "meta":
+        with torch.device("meta"):
+            return model_cls.from_config(hf_config, **kwargs).eval()
+    if config.tiny is not None:
+        with seeded_init(config.seed):
+            model = model_cls.from_config(hf_config, **kwargs)
+        new_head = config.head != "lm"
+    else:
+        model, info = model_cls.from_pretrained(config.path, config=hf_config, output_loading_info=True, **kwargs)
+        new_head = _check_loaded(config, model, info["missing_keys"])
+    if new_head:
+        init_scalar_head(getattr(model, SCALAR_HEAD), seed=config.seed)
+    return model.to(device).eval()
+
+
+def _check_loaded(config: ModelConfig, model: torch.nn.Module, missing_keys: list[str]) -> bool:
+    """Raise if the checkpoint lacked weights other than a new scalar head; True if the head is new."""
+    missing = set(missing_keys)
+    if getattr(model.config, "tie_word_embeddings", False):
+        missing.discard("lm_head.weight")  # tied to the input embedding, which was loaded
+    head_keys = {name for name in missing if name.split(".")[0] == SCALAR_HEAD}
+    other = sorted(missing - head_keys)
+    if other:
+        shown = other[:5] + (["..."] if len(other) > 5 else [])
+        raise ValueError(f"checkpoint {config.path!r} lacks weights that head {config.head!r} needs: {shown}"
+                         f" (an 'lm' model needs lm_head unless the embeddings are tied)")
+    if head_keys and config.head != "lm":
+        warnings.warn(f"{config.path!r} has no {config.head} head: initialising a new one from seed {config.seed}",
+                      stacklevel=3)
+        return True
+    return False

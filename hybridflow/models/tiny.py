@@ -1,0 +1,74 @@
+"""Tiny randomly initialised decoders of the supported families, for tests and the CPU demo."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+from huggingface_hub.errors import StrictDataclassError
+from transformers import PretrainedConfig
+
+from hybridflow.models.families import FAMILY_CONFIGS, check_family
+
+# Small enough to train in seconds on one CPU core, shaped like a real decoder: grouped-query
+# attention (4 query heads share 2 key/value heads), a gated MLP, rotary positions. The head counts,
+# intermediate size and vocabulary (256) divide by tensor-parallel sizes 1 and 2 (4 with 4 kv heads).
+TINY_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-6,
+    "initializer_range": 0.02,
+    "tie_word_embeddings": False,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+def tiny_config(family: str = "llama", **overrides: Any) -> PretrainedConfig:
+    """A Hugging Face config of a tiny ``family`` decoder: ``TINY_DEFAULTS`` updated by ``overrides``.
+
+    Overrides are any fields of that family's transformers config (e.g. ``num_hidden_layers=2``,
+    ``tie_word_embeddings=True``); an unknown field is a ValueError.
+    """
+    config_cls = FAMILY_CONFIGS[check_family(family, source="tiny_config(family=...)")]
+    known = set(config_cls().to_dict())
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ValueError(f"tiny_config got unknown {family} config fields {unknown}; "
+                         f"known fields include {sorted(TINY_DEFAULTS)}")
+    values = {**TINY_DEFAULTS, **overrides}
+    if family == "mistral":
+        values.setdefault("sliding_window", None)  # full attention, like the other families
+    try:
+        return config_cls(**values)
+    except StrictDataclassError as error:  # transformers' own shape checks, e.g. heads not dividing hidden
+        raise ValueError(f"tiny {family} config {overrides} is inconsistent: {error}") from error
+
+
+@contextmanager
+def seeded_init(seed: int) -> Iterator[None]:
+    """Seed torch's CPU random generator with ``seed`` inside the block and restore it afterwards.
+
+    Model construction draws its initial weights from that generator, so building inside this block
+    gives the same weights on every rank and leaves the caller's random stream untouched.
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+def build_tiny_model(family: str = "llama", *, head: str = "lm", seed: int = 0,
+                     dtype: str = "float32", **overrides: Any) -> torch.nn.Module:
+    """A tiny randomly initialised model (shorthand for ``build_model(ModelConfig(tiny=overrides, ...))``)."""
+    # imported here: the loader itself builds tiny models from this module's config and seeding
+    from hybridflow.models.config import ModelConfig
+    from hybridflow.models.loader import build_model
+
+    return build_model(ModelConfig(tiny=overrides, family=family, head=head, seed=seed, dtype=dtype))
