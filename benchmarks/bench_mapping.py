@@ -1,0 +1,213 @@
+"""Auto-mapping benchmark: search time, the paper's placement sweep, and predicted-vs-measured ranking.
+
+    python benchmarks/bench_mapping.py                      # search time + paper sweep (A100 profile)
+    python benchmarks/bench_mapping.py --template out.json  # tiny-PPO layouts to measure, with predictions
+    python benchmarks/bench_mapping.py --measure runs.json  # run each layout with the PPO trainer (Ray)
+    python benchmarks/bench_mapping.py --validate-measured measured.json   # Spearman rho vs measurements
+
+The measured-runs file (--template writes one with measured_seconds = null):
+    {"algorithm": "ppo", "hardware": "cpu-local", "per_node": 4,
+     "models": {"actor": "tiny", ...}, "workload": {"prompts_per_step": 16, ...},
+     "runs": [{"name": "...", "config": {<the config fragment the run used>}, "measured_seconds": 12.3}, ...]}
+measured_seconds is the mean iteration time the trainer measured with that config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from hybridflow.mapping import (Cluster, Plan, Workload, load_hardware, plan, simulate_plan, spearman_correlation)
+
+PPO_ROLES = ("actor", "critic", "reference", "reward")
+PAPER_WORKLOAD = Workload(prompts_per_step=1024, prompt_length=1024, response_length=1024)
+PAPER_SIZES = {"llama-7b": (16, 32, 64, 96, 128), "llama-13b": (16, 32, 64, 96, 128),
+               "llama-34b": (32, 64, 96, 128), "llama-70b": (64, 96, 128)}
+
+
+def paper_sweep(hardware: str) -> None:
+    """The chosen placement per model size and GPU count, with the search time of each."""
+    print(f"PPO, 4 models of one size, prompt = response = 1024 tokens, 1024 prompts, {hardware}, 8 per node")
+    print(f"{'model':<10} {'GPUs':>5} {'search s':>9}  {'chosen placement':<34} {'devices':<8} {'iter s':>8}"
+          f"  runner-up (iter s)")
+    for model, sizes in PAPER_SIZES.items():
+        for num_devices in sizes:
+            cluster = Cluster(num_devices=num_devices, devices_per_node=8, hardware=load_hardware(hardware))
+            start = time.perf_counter()
+            best = plan("ppo", {role: model for role in PPO_ROLES}, PAPER_WORKLOAD, cluster, top=2)
+            seconds = time.perf_counter() - start
+            runner_up = best.alternatives[0] if best.alternatives else None
+            runner_text = (f"{runner_up.placement_label} {runner_up.allocation_label} ({runner_up.total_seconds:.1f})"
+                           if runner_up else "-")
+            print(f"{model:<10} {num_devices:>5} {seconds:>9.2f}  {best.placement_label:<34} "
+                  f"{best.allocation_label:<8} {best.total_seconds:>8.1f}  {runner_text}")
+
+
+# tiny-PPO layouts runnable on 2-4 CPU processes (the issue's measured validation)
+TINY_LAYOUTS: dict[str, dict] = {
+    "colocated-2-fsdp": {"pools": {"all": [2]}, "roles": dict.fromkeys(PPO_ROLES, "all"), "actor_tp": 1},
+    "colocated-4-fsdp": {"pools": {"all": [4]}, "roles": dict.fromkeys(PPO_ROLES, "all"), "actor_tp": 1},
+    "colocated-4-actor-tp2": {"pools": {"all": [4]}, "roles": dict.fromkeys(PPO_ROLES, "all"), "actor_tp": 2},
+    "split-2-2": {"pools": {"actor_reference": [2], "critic_reward": [2]},
+                  "roles": {"actor": "actor_reference", "reference": "actor_reference",
+                            "critic": "critic_reward", "reward": "critic_reward"}, "actor_tp": 1},
+    "standalone-1-1-1-1": {"pools": {role: [1] for role in PPO_ROLES}, "roles": {role: role for role in PPO_ROLES},
+                           "actor_tp": 1},
+    # added after the first three measurements (the model was not changed afterwards): blind checks
+    "actor-2-others-2": {"pools": {"actor": [2], "others": [2]},
+                         "roles": {"actor": "actor", "critic": "others", "reference": "others", "reward": "others"},
+                         "actor_tp": 1},
+    "trained-2-scorers-2": {"pools": {"trained": [2], "scorers": [2]},
+                            "roles": {"actor": "trained", "critic": "trained", "reference": "scorers",
+                                      "reward": "scorers"}, "actor_tp": 1},
+}
+
+
+def tiny_fragment(layout: dict) -> dict:
+    fragment = {"placement": {"pools": layout["pools"], "roles": layout["roles"]}}
+    for role in PPO_ROLES:
+        fragment[role] = {"engine": {"layout": "fsdp", "pp_size": 1, "tp_size": 1}}
+    if layout["actor_tp"] > 1:
+        fragment["actor"]["engine"] = {"layout": "3d", "pp_size": 1, "tp_size": layout["actor_tp"]}
+    fragment["actor"]["generation"] = {"pp_size": 1, "tp_size": layout["actor_tp"]}
+    return fragment
+
+
+def write_template(path: str, hardware: str, *, model: str = "tiny", prompts: int = 32, prompt_length: int = 32,
+                   response_length: int = 32) -> None:
+    spec = {"algorithm": "ppo", "hardware": hardware, "per_node": 4, "models": dict.fromkeys(PPO_ROLES, model),
+            # 4096: the trainer's default micro-batch token budget (engine.micro_batch_tokens)
+            "workload": {"prompts_per_step": prompts, "prompt_length": prompt_length,
+                         "response_length": response_length, "micro_batch_tokens": 4096},
+            "runs": [{"name": name, "config": tiny_fragment(layout), "measured_seconds": None}
+                     for name, layout in TINY_LAYOUTS.items()]}
+    for run, predicted in zip(spec["runs"], predict(spec)):
+        run["predicted_seconds"] = round(predicted, 6)
+    with open(path, "w") as handle:
+        json.dump(spec, handle, indent=2)
+    print(f"wrote {path}: {len(spec['runs'])} layouts to measure (fill in measured_seconds)")
+
+
+def predict(spec: dict) -> list[float]:
+    """Predicted iteration seconds of every run of a measured-runs spec."""
+    workload = Workload(**spec["workload"])
+    hardware = load_hardware(spec["hardware"])
+    predictions = []
+    for run in spec["runs"]:
+        layout = Plan.from_config_fragment(run["config"])
+        num_devices = sum(pool.num_devices for pool in layout.pools)
+        cluster = Cluster(num_devices=num_devices, devices_per_node=min(spec["per_node"], num_devices),
+                          hardware=hardware)
+        simulated = simulate_plan(layout, spec.get("algorithm", "ppo"), spec["models"], workload, cluster)
+        predictions.append(simulated.total_seconds)
+    return predictions
+
+
+def _dotted(prefix: str, value, out: list[str]) -> list[str]:
+    """Config overrides ``a.b=value`` of a nested fragment (placement pools/roles stay whole dicts)."""
+    for key, item in value.items():
+        name = f"{prefix}.{key}" if prefix else key
+        if isinstance(item, dict) and name not in ("placement.pools", "placement.roles"):
+            _dotted(name, item, out)
+        else:
+            out.append(f"{name}={json.dumps(item)}")
+    return out
+
+
+def measure(path: str, *, steps: int) -> None:
+    """Run every layout of a runs file with the PPO trainer on the built-in arithmetic task (all four
+    roles use the built-in arithmetic model) and store the mean seconds of steps 2..steps."""
+    import os
+    import tempfile
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+
+    from hybridflow.data.builtin import ArithmeticTaskConfig, prompt_rows
+    from hybridflow.trainers.config import load_rl_config
+    from hybridflow.trainers.ppo import RLTrainer
+
+    with open(path) as handle:
+        spec = json.load(handle)
+    workload = spec["workload"]
+    work_dir = tempfile.mkdtemp(prefix="bench_mapping_")
+    train_path = os.path.join(work_dir, "train.jsonl")
+    task = ArithmeticTaskConfig(min_digits=1, max_digits=3, operations=("+", "-", "*"))
+    with open(train_path, "w") as handle:
+        for row in prompt_rows(512, split="train", seed=0, config=task):
+            handle.write(json.dumps(row) + "\n")
+    ray.init(num_cpus=16, include_dashboard=False,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}})
+    try:
+        for run in spec["runs"]:
+            overrides = [f"data.train_path={train_path}", f"data.max_prompt_tokens={workload['prompt_length']}",
+                         *[f"{role}.model.builtin=arithmetic" for role in PPO_ROLES],
+                         f"batch.prompts_per_step={workload['prompts_per_step']}",
+                         f"batch.mini_batch_size={workload['prompts_per_step']}",
+                         f"actor.generation.max_new_tokens={workload['response_length']}",
+                         f"trainer.total_steps={steps}", "trainer.progress_bar=false", "trainer.resume=false",
+                         f"trainer.output_dir={os.path.join(work_dir, run['name'])}",
+                         *_dotted("", run["config"], [])]
+            trainer = RLTrainer(load_rl_config(None, overrides), tensorboard=False)
+            stamps: list[float] = []
+            try:
+                trainer.fit(on_step=lambda step, metrics: stamps.append(time.perf_counter()))
+            finally:
+                trainer.shutdown()
+            per_step = [later - earlier for earlier, later in zip(stamps, stamps[1:])]  # step 1 warms up
+            run["measured_seconds"] = sum(per_step) / len(per_step)
+            run["measured_steps"] = per_step
+            print(f"{run['name']:<28} {run['measured_seconds']:.3f} s/step {[round(s, 3) for s in per_step]}",
+                  flush=True)
+            with open(path, "w") as handle:
+                json.dump(spec, handle, indent=2)
+    finally:
+        ray.shutdown()
+
+
+def validate_measured(path: str) -> float:
+    with open(path) as handle:
+        spec = json.load(handle)
+    runs = spec["runs"]
+    missing = [run["name"] for run in runs if run.get("measured_seconds") is None]
+    if missing:
+        raise ValueError(f"{path}: runs {missing} have no measured_seconds")
+    predicted = predict(spec)
+    measured = [float(run["measured_seconds"]) for run in runs]
+    print(f"{'run':<28} {'predicted s':>12} {'measured s':>11}")
+    for run, p, m in zip(runs, predicted, measured):
+        print(f"{run['name']:<28} {p:>12.4f} {m:>11.3f}")
+    rho = spearman_correlation(predicted, measured)
+    print(f"Spearman rank correlation over {len(runs)} runs: {rho:.3f}")
+    return rho
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hardware", default="a100-80g", help="profile of the sweep (default a100-80g)")
+    parser.add_argument("--template", metavar="PATH", help="write the tiny-PPO layouts to measure (cpu-local)")
+    parser.add_argument("--template-hardware", default="cpu-local", help="profile of the template's predictions")
+    parser.add_argument("--model", default="tiny", help="template: model of every role (name or HF directory)")
+    parser.add_argument("--prompts", type=int, default=32, help="template: prompts per step")
+    parser.add_argument("--prompt-len", type=int, default=32, help="template: prompt tokens")
+    parser.add_argument("--response-len", type=int, default=32, help="template: response tokens")
+    parser.add_argument("--measure", metavar="PATH", help="runs file: run each layout with the PPO trainer")
+    parser.add_argument("--steps", type=int, default=5, help="--measure: steps per layout (the first is dropped)")
+    parser.add_argument("--validate-measured", metavar="PATH", help="measured-runs JSON: print Spearman rho")
+    args = parser.parse_args(argv)
+    if args.template:
+        write_template(args.template, args.template_hardware, model=args.model, prompts=args.prompts,
+                       prompt_length=args.prompt_len, response_length=args.response_len)
+    elif args.measure:
+        measure(args.measure, steps=args.steps)
+    elif args.validate_measured:
+        validate_measured(args.validate_measured)
+    else:
+        paper_sweep(args.hardware)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""`hybridflow plan` (search a mapping, print it, write it as config) and `hybridflow calibrate`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import replace
+
+from hybridflow.mapping.cluster import Cluster
+from hybridflow.mapping.dataflow import DATAFLOWS, Dataflow, dataflow
+from hybridflow.mapping.hardware import LOCAL_PROFILE_NAME, builtin_profile_names, load_hardware, local_profile_dir
+from hybridflow.mapping.model_spec import KNOWN_MODELS
+from hybridflow.mapping.plan import format_table
+from hybridflow.mapping.search import plan
+from hybridflow.mapping.workload import Workload
+
+
+def _plan_parser() -> argparse.ArgumentParser:
+    models_help = f"a known name ({', '.join(KNOWN_MODELS)}) or a local Hugging Face model directory"
+    parser = argparse.ArgumentParser(
+        prog="hybridflow plan",
+        description="Find the placement, device allocation and parallel sizes that minimize the simulated "
+                    "RLHF iteration time (HybridFlow auto-mapping).")
+    parser.add_argument("--algorithm", default="ppo", choices=sorted(DATAFLOWS), help="dataflow (default ppo)")
+    parser.add_argument("--actor", required=True, help=f"actor model: {models_help}")
+    parser.add_argument("--critic", help="critic model (algorithms with a critic)")
+    parser.add_argument("--reference", help="reference model (default: the actor's)")
+    parser.add_argument("--reward", help="reward model (default: the critic's, else the actor's); 'none' for a "
+                                         "rule-based reward (no reward model to place)")
+    parser.add_argument("--cost", help="cost model for safe-rlhf (default: the reward's)")
+    parser.add_argument("--devices", type=int, required=True, help="devices (GPUs or CPU processes) in all")
+    parser.add_argument("--per-node", type=int, default=8, help="devices per node (default 8)")
+    parser.add_argument("--prompt-len", type=int, required=True, help="prompt tokens")
+    parser.add_argument("--response-len", type=int, required=True, help="response tokens")
+    parser.add_argument("--batch", type=int, required=True, help="prompts per step")
+    parser.add_argument("--samples-per-prompt", type=int, default=1, help="responses per prompt (default 1)")
+    parser.add_argument("--mini-batch", type=int, default=0, help="samples per optimizer update (0: all)")
+    parser.add_argument("--ppo-epochs", type=int, default=1, help="passes over the samples in training")
+    parser.add_argument("--micro-batch-tokens", type=int, default=0, help="per rank (0: one sequence)")
+    parser.add_argument("--hardware", default="a100-80g",
+                        help=f"{', '.join(builtin_profile_names())}, {LOCAL_PROFILE_NAME} (after `hybridflow "
+                             f"calibrate`) or a profile JSON file (default a100-80g)")
+    parser.add_argument("--top", type=int, default=10, help="placements to list (default 10)")
+    parser.add_argument("--write", metavar="PATH", help="write the chosen plan as a YAML config fragment")
+    return parser
+
+
+def _dataflow_and_models(args: argparse.Namespace) -> tuple[Dataflow, dict[str, str]]:
+    flow = dataflow(args.algorithm)
+    if args.reward == "none":  # a rule-based reward runs on the driver: no model to place
+        flow = replace(flow, roles={role: kind for role, kind in flow.roles.items() if role != "reward"})
+    reward_default = args.critic or args.actor
+    given = {"actor": args.actor, "critic": args.critic, "reference": args.reference or args.actor,
+             "reward": args.reward or reward_default, "cost": args.cost or args.reward or reward_default}
+    if "critic" in flow.roles and not args.critic:
+        raise ValueError(f"--critic is required for --algorithm {args.algorithm}")
+    if "critic" not in flow.roles and args.critic:
+        raise ValueError(f"--algorithm {args.algorithm} has no critic; drop --critic")
+    if "cost" in flow.roles and given["cost"] == "none":
+        raise ValueError("--cost is required for --algorithm safe-rlhf when --reward is none")
+    return flow, {role: given[role] for role in flow.roles}
+
+
+def plan_main(argv: list[str]) -> int:
+    args = _plan_parser().parse_args(argv)
+    try:
+        workload = Workload(prompts_per_step=args.batch, prompt_length=args.prompt_len,
+                            response_length=args.response_len, samples_per_prompt=args.samples_per_prompt,
+                            mini_batch_size=args.mini_batch, ppo_epochs=args.ppo_epochs,
+                            micro_batch_tokens=args.micro_batch_tokens)
+        cluster = Cluster(num_devices=args.devices, devices_per_node=args.per_node,
+                          hardware=load_hardware(args.hardware))
+        start = time.perf_counter()
+        flow, models = _dataflow_and_models(args)
+        best = plan(flow, models, workload, cluster, top=args.top)
+        search_seconds = time.perf_counter() - start
+    except ValueError as error:
+        print(f"hybridflow plan: {error}", file=sys.stderr)
+        return 2
+    print(f"{args.algorithm} on {args.devices} x {cluster.hardware.name} ({args.per_node} per node); "
+          f"search took {search_seconds:.2f} s\n")
+    print(best.describe())
+    print(f"\ntop placements (each with its best allocation):\n{format_table([best, *best.alternatives])}")
+    if args.write:
+        import yaml
+
+        with open(args.write, "w") as handle:
+            handle.write(f"# hybridflow plan: {best.placement_label} on {best.allocation_label} devices, "
+                         f"predicted {best.total_seconds:.1f} s per iteration ({cluster.hardware.name})\n")
+            yaml.safe_dump(best.to_config_fragment(), handle, sort_keys=False)
+        print(f"\nwrote {args.write}")
+    return 0
+
+
+def calibrate_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="hybridflow calibrate",
+        description="Measure this machine (one-thread fp32 matmul FLOP/s, memory bandwidth, gloo all-reduce "
+                    f"between 2 local processes) and write the hardware profile '{LOCAL_PROFILE_NAME}'.")
+    default_output = local_profile_dir() / f"{LOCAL_PROFILE_NAME}.json"
+    parser.add_argument("--output", default=str(default_output), help=f"profile file (default {default_output})")
+    parser.add_argument("--quick", action="store_true", help="smaller probes (a few seconds, noisier)")
+    args = parser.parse_args(argv)
+    from hybridflow.mapping.calibrate import calibrate
+
+    profile = calibrate(quick=args.quick)
+    path = profile.save(args.output)
+    print(f"matmul (fp32, 1 thread): {profile.peak_flops / 1e9:.1f} GFLOP/s")
+    print(f"memory bandwidth (1 thread): {profile.memory_bandwidth / 1e9:.2f} GB/s")
+    print(f"gloo all-reduce (2 processes): {profile.intra_node_bandwidth / 1e9:.3f} GB/s bus bandwidth, "
+          f"{profile.intra_node_latency_s * 1e6:.0f} us latency")
+    print(f"eager overhead per decoder layer: {profile.layer_overhead_s * 1e6:.0f} us")
+    print(f"memory per process: {profile.device_memory_gib:.2f} GiB; cores: {profile.compute_units_per_node}")
+    print(f"wrote {path}")
+    return 0

@@ -1,0 +1,140 @@
+"""HardwareProfile: one device type's compute, memory and link numbers, loaded from a JSON data file."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+PROFILE_DIR = Path(__file__).parent / "profiles"
+"""The built-in profiles (public spec sheets), one JSON file per device type."""
+LOCAL_PROFILE_NAME = "cpu-local"
+"""The profile `hybridflow calibrate` measures on this machine."""
+
+GIB = 1024**3
+
+
+def local_profile_dir() -> Path:
+    """Where `hybridflow calibrate` writes the measured profile (HYBRIDFLOW_HOME, else ~/.cache/hybridflow)."""
+    home = os.environ.get("HYBRIDFLOW_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "hybridflow")
+    return Path(home) / "hardware"
+
+
+@dataclass(frozen=True, kw_only=True)
+class HardwareProfile:
+    """What the simulators need to know about a device and the links between devices.
+
+    Peak numbers come from spec sheets (GPUs) or measurements (CPU); each ``*_fraction`` is the share
+    of the peak that real kernels reach, so the simulators use peak * fraction.
+    """
+
+    name: str
+    """Profile name (file stem for the built-in ones)."""
+    device_memory_gib: float
+    """Memory of one device (GiB)."""
+    usable_memory_fraction: float
+    """Share of that memory models may fill (the rest: runtime context, allocator fragmentation)."""
+    peak_flops: float
+    """Dense matrix-multiply FLOP/s of one device in compute_dtype."""
+    flops_fraction: float
+    """Achievable share of peak_flops for transformer training/inference (model FLOPs utilization)."""
+    memory_bandwidth: float
+    """Device memory bandwidth, bytes/s."""
+    memory_bandwidth_fraction: float
+    """Achievable share of memory_bandwidth by decode kernels (weights and KV cache streaming)."""
+    intra_node_bandwidth: float
+    """Collective bandwidth between devices of one node, bytes/s per device and direction."""
+    inter_node_bandwidth: float
+    """Collective bandwidth between nodes, bytes/s per device and direction."""
+    link_bandwidth_fraction: float
+    """Achievable share of the link bandwidths by collectives (NCCL/gloo bus bandwidth)."""
+    intra_node_latency_s: float
+    """Fixed cost of one collective inside a node, seconds."""
+    inter_node_latency_s: float
+    """Fixed cost of one collective across nodes, seconds."""
+    compute_dtype: str = "bf16"
+    """'bf16' (mixed precision: bf16 weights, fp32 master weights and Adam) or 'fp32' (everything fp32)."""
+    compute_units_per_node: int = 0
+    """CPU profiles: cores shared by the processes of one node (when more of its processes are busy
+    at once than it has cores, they divide FLOP/s, memory bandwidth and dispatch speed); 0 for
+    devices that do not share."""
+    layer_overhead_s: float = 0.0
+    """Host seconds per decoder layer per forward pass that do not overlap with compute (a backward
+    counts twice): eager op dispatch on CPU, measured by calibrate; 0 on GPUs, whose kernel launches run
+    ahead asynchronously (and decode engines replay CUDA graphs)."""
+    source: str = ""
+    """Where the numbers come from (spec sheet, calibration command and date)."""
+
+    def __post_init__(self) -> None:
+        positive = ("device_memory_gib", "peak_flops", "memory_bandwidth", "intra_node_bandwidth",
+                    "inter_node_bandwidth")
+        for field_name in positive:
+            value = getattr(self, field_name)
+            if not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"HardwareProfile.{field_name} must be a positive number, got {value!r}")
+        for field_name in ("usable_memory_fraction", "flops_fraction", "memory_bandwidth_fraction",
+                           "link_bandwidth_fraction"):
+            value = getattr(self, field_name)
+            if not isinstance(value, (int, float)) or not 0 < value <= 1:
+                raise ValueError(f"HardwareProfile.{field_name} must be in (0, 1], got {value!r}")
+        for field_name in ("intra_node_latency_s", "inter_node_latency_s", "layer_overhead_s"):
+            value = getattr(self, field_name)
+            if not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"HardwareProfile.{field_name} must be >= 0 seconds, got {value!r}")
+        if self.compute_dtype not in ("bf16", "fp32"):
+            raise ValueError(f"HardwareProfile.compute_dtype must be 'bf16' or 'fp32', got {self.compute_dtype!r}")
+        if not isinstance(self.compute_units_per_node, int) or self.compute_units_per_node < 0:
+            raise ValueError(f"HardwareProfile.compute_units_per_node must be an integer >= 0, "
+                             f"got {self.compute_units_per_node!r}")
+
+    @property
+    def usable_memory_bytes(self) -> float:
+        return self.device_memory_gib * GIB * self.usable_memory_fraction
+
+    @property
+    def element_bytes(self) -> int:
+        """Bytes of one weight or activation element in compute_dtype."""
+        return 2 if self.compute_dtype == "bf16" else 4
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        return path
+
+    @classmethod
+    def from_dict(cls, data: dict, *, source: str = "profile") -> "HardwareProfile":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"{source}: unknown hardware profile fields {unknown}; allowed: {sorted(known)}")
+        return cls(**data)
+
+
+def builtin_profile_names() -> list[str]:
+    return sorted(path.stem for path in PROFILE_DIR.glob("*.json"))
+
+
+def load_hardware(name_or_path: str | HardwareProfile) -> HardwareProfile:
+    """A built-in profile by name (``a100-80g``...), ``cpu-local`` (after calibration) or a JSON file."""
+    if isinstance(name_or_path, HardwareProfile):
+        return name_or_path
+    key = str(name_or_path).lower()
+    if key == LOCAL_PROFILE_NAME:
+        path = local_profile_dir() / f"{LOCAL_PROFILE_NAME}.json"
+        if not path.is_file():
+            raise ValueError(f"hardware {LOCAL_PROFILE_NAME!r} has not been measured on this machine yet "
+                             f"(no {path}); run `hybridflow calibrate` first")
+    elif (PROFILE_DIR / f"{key}.json").is_file():
+        path = PROFILE_DIR / f"{key}.json"
+    else:
+        path = Path(name_or_path)
+        if not path.is_file():
+            raise ValueError(f"unknown hardware {name_or_path!r}; known: "
+                             f"{', '.join(builtin_profile_names() + [LOCAL_PROFILE_NAME])}, or a profile JSON file")
+    with open(path) as handle:
+        return HardwareProfile.from_dict(json.load(handle), source=str(path))

@@ -1,0 +1,386 @@
+"""Planner: the placement, allocation and parallel strategies that minimize simulated iteration time.
+
+Paper Algorithm 1 (placements x allocations) and Algorithm 2 (parallel strategy per model):
+1. every set partition of the dataflow's roles is a placement (colocated sets time-share devices);
+2. each set gets at least the fewest devices on which its roles fit in memory together;
+3. every allocation of the N devices over the sets (node-aligned, each at least its minimum) is tried;
+4. per set and device count each role takes its fastest strategy, cached per (model, devices, role
+   kind); colocated roles share memory, so when the fastest strategies do not fit together the
+   roles give up speed for memory where that costs the fewest seconds per byte;
+5. iteration time = sum over stages of the max over sets of the sum over the set's roles.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Iterator, Mapping, Sequence, TypeVar
+
+from hybridflow.mapping.cluster import Cluster
+from hybridflow.mapping.dataflow import STAGES, Dataflow, dataflow as get_dataflow
+from hybridflow.mapping.hardware import GIB
+from hybridflow.mapping.model_spec import ModelSpec, model_spec
+from hybridflow.mapping.plan import Plan, PoolPlan
+from hybridflow.mapping.simulator import RoleCost, Simulator
+from hybridflow.mapping.strategy import RoleStrategy, generation_strategies, training_strategies
+from hybridflow.mapping.workload import Workload
+
+T = TypeVar("T")
+NO_SHARING = (1.0, 1.0, 1.0)
+"""Compute share per stage when no process waits for a core (always on GPUs)."""
+
+
+def set_partitions(items: Sequence[T]) -> Iterator[list[list[T]]]:
+    """Every split of ``items`` into non-empty unordered blocks (Bell(len(items)) of them), order kept."""
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for partition in set_partitions(rest):
+        yield [[first]] + partition
+        for index in range(len(partition)):
+            yield partition[:index] + [[first] + partition[index]] + partition[index + 1:]
+
+
+def pareto_front(costs: list[RoleCost]) -> list[RoleCost]:
+    """Costs no other cost beats on both time and memory, fastest first (memory then strictly falls)."""
+    front: list[RoleCost] = []
+    for cost in sorted(costs, key=lambda c: (c.total_seconds, c.footprint_bytes)):
+        if not front or cost.footprint_bytes < front[-1].footprint_bytes:
+            front.append(cost)
+    return front
+
+
+@dataclass(frozen=True)
+class SetResult:
+    """The chosen costs of one colocated set's roles on a device count."""
+
+    costs: dict[str, RoleCost]
+
+    @property
+    def stage_seconds(self) -> dict[str, float]:
+        # fsum is exactly rounded, so the result does not depend on the order of the roles
+        return {stage: math.fsum(cost.stage_seconds.get(stage, 0.0) for cost in self.costs.values())
+                for stage in STAGES}
+
+
+class Planner:
+    """Searches the mappings of one dataflow, its models, a workload and a cluster."""
+
+    def __init__(self, *, dataflow: Dataflow, models: Mapping[str, ModelSpec], workload: Workload,
+                 cluster: Cluster) -> None:
+        missing = sorted(set(dataflow.roles) - set(models))
+        extra = sorted(set(models) - set(dataflow.roles))
+        if missing or extra:
+            raise ValueError(f"models must name exactly the roles of {dataflow.name!r} "
+                             f"({', '.join(dataflow.roles)}); missing {missing}, not in the dataflow {extra}")
+        self.dataflow = dataflow
+        self.models = dict(models)
+        self.workload = workload
+        self.cluster = cluster
+        self._simulators: dict[float, Simulator] = {}
+        self.simulator = self._simulator(1.0)
+        self._candidates: dict[tuple, list[RoleCost]] = {}
+        self._actor: dict[tuple, RoleCost | None] = {}
+        self._sets: dict[tuple, SetResult | None] = {}
+
+    # ---- one role ----------------------------------------------------------------------------
+    def _strategies(self, role: str, num_devices: int) -> Iterator[RoleStrategy]:
+        """The role's layouts on ``num_devices`` that split the batch evenly, as the trainer requires:
+        d divides the samples per step (and, for trained roles, the samples per update); the actor's
+        generation replicas n / (pg tg) divide the prompts per step."""
+        spec, kind, workload = self.models[role], self.dataflow.roles[role], self.workload
+        for strategy in training_strategies(spec, num_devices=num_devices, node_size=self.cluster.node_size):
+            dp_size = strategy.dp_size(num_devices)
+            if workload.num_samples % dp_size or (kind != "inference" and workload.samples_per_update % dp_size):
+                continue
+            if kind != "actor":
+                yield strategy
+                continue
+            for with_generation in generation_strategies(strategy):
+                replicas = num_devices // (with_generation.generation_pp_size * with_generation.generation_tp_size)
+                if workload.prompts_per_step % replicas == 0:
+                    yield with_generation
+
+    def _simulator(self, compute_share: float) -> Simulator:
+        if compute_share not in self._simulators:
+            self._simulators[compute_share] = Simulator(workload=self.workload, cluster=self.cluster,
+                                                        generation_passes=self.dataflow.generation_passes,
+                                                        compute_share=compute_share)
+        return self._simulators[compute_share]
+
+    def stage_shares(self, sets: Sequence[tuple[str, ...]], allocation: Sequence[int]) -> tuple[float, ...]:
+        """Per stage, the device share of each busy process: only the pools working in a stage compete
+        for a CPU node's cores (all 1 on GPUs). Every role scores in preparation; generation runs on the
+        actor's pool; training on the pools of trained roles."""
+        actor = self.dataflow.actor_role
+        busy = {
+            "generation": sum(count for roles, count in zip(sets, allocation) if actor in roles),
+            "preparation": sum(allocation),
+            "training": sum(count for roles, count in zip(sets, allocation)
+                            if any(self.dataflow.roles[role] != "inference" for role in roles)),
+        }
+        return tuple(self.cluster.compute_share(busy[stage]) for stage in STAGES)
+
+    def _cost(self, role: str, strategy: RoleStrategy, num_devices: int, other_resident: float = 0.0,
+              other_transient: float = 0.0, shares: tuple[float, ...] = NO_SHARING) -> RoleCost | None:
+        """The role's cost with each stage simulated at that stage's compute share."""
+        by_share = {}
+        for share in sorted(set(shares)):
+            by_share[share] = self._simulator(share).role_cost(
+                kind=self.dataflow.roles[role], spec=self.models[role], head=self.dataflow.head_of(role),
+                strategy=strategy, num_devices=num_devices, other_resident_bytes=other_resident,
+                other_transient_bytes=other_transient)
+            if by_share[share] is None:  # memory does not depend on the share: infeasible for all
+                return None
+        if len(by_share) == 1:
+            return by_share[shares[0]]
+        stage_share = dict(zip(STAGES, shares))
+        first = by_share[shares[0]]
+        stage_seconds = {stage: by_share[stage_share[stage]].stage_seconds[stage] for stage in first.stage_seconds}
+        return replace(first, stage_seconds=stage_seconds, details=by_share[stage_share["generation"]].details)
+
+    def candidates(self, role: str, num_devices: int, shares: tuple[float, ...] = NO_SHARING) -> list[RoleCost]:
+        """A non-actor role's strategies that fit alone on ``num_devices``, Pareto-front, fastest first."""
+        key = (self.dataflow.roles[role], self.dataflow.head_of(role), self.models[role], num_devices, shares)
+        if key not in self._candidates:
+            costs = [self._cost(role, strategy, num_devices, shares=shares)
+                     for strategy in self._strategies(role, num_devices)]
+            self._candidates[key] = pareto_front([cost for cost in costs if cost is not None])
+        return self._candidates[key]
+
+    def best_actor(self, num_devices: int, other_resident: float = 0.0, other_transient: float = 0.0,
+                   shares: tuple[float, ...] = NO_SHARING) -> RoleCost | None:
+        """The actor's fastest strategy next to colocated roles holding the given memory (cached)."""
+        role = self.dataflow.actor_role
+        key = (self.models[role], num_devices, other_resident, other_transient, shares)
+        if key not in self._actor:
+            costs = [self._cost(role, strategy, num_devices, other_resident, other_transient, shares)
+                     for strategy in self._strategies(role, num_devices)]
+            feasible = [cost for cost in costs if cost is not None]
+            self._actor[key] = min(feasible, key=lambda c: c.total_seconds) if feasible else None
+        return self._actor[key]
+
+    # ---- one colocated set -------------------------------------------------------------------
+    def set_result(self, roles: tuple[str, ...], num_devices: int,
+                   shares: tuple[float, ...] = NO_SHARING) -> SetResult | None:
+        """The roles' strategies on one pool of ``num_devices``, or None if they cannot fit together."""
+        key = (roles, num_devices, shares)
+        if key in self._sets:
+            return self._sets[key]
+        actor = self.dataflow.actor_role if self.dataflow.actor_role in roles else None
+        others = [role for role in roles if role != actor]
+        fronts = {role: self.candidates(role, num_devices, shares) for role in others}
+        result = None
+        if all(fronts.values()):
+            choice = {role: 0 for role in others}
+            while True:
+                chosen = {role: fronts[role][choice[role]] for role in others}
+                resident = sum(cost.resident_bytes for cost in chosen.values())
+                transient = max((cost.transient_bytes for cost in chosen.values()), default=0.0)
+                if actor is not None:
+                    actor_cost = self.best_actor(num_devices, resident, transient, shares)
+                    if actor_cost is not None:
+                        result = SetResult(costs={actor: actor_cost, **chosen})
+                        break
+                elif resident + transient <= self.simulator.budget_bytes:
+                    result = SetResult(costs=chosen)
+                    break
+                step = self._cheapest_memory_step(fronts, choice)
+                if step is None:
+                    break
+                choice[step] += 1
+        self._sets[key] = result
+        return result
+
+    @staticmethod
+    def _cheapest_memory_step(fronts: dict[str, list[RoleCost]], choice: dict[str, int]) -> str | None:
+        """The role whose next slower strategy frees memory at the fewest extra seconds per byte."""
+        best_role, best_rate = None, float("inf")
+        for role, index in choice.items():
+            if index + 1 < len(fronts[role]):
+                current, slower = fronts[role][index], fronts[role][index + 1]
+                extra_seconds = slower.total_seconds - current.total_seconds
+                rate = extra_seconds / (current.footprint_bytes - slower.footprint_bytes)
+                if rate < best_rate:
+                    best_role, best_rate = role, rate
+        return best_role
+
+    def min_devices(self, roles: tuple[str, ...]) -> int | None:
+        """Fewest devices (among the node-aligned counts) on which the set fits, or None."""
+        return next((n for n in self.cluster.device_counts() if self.set_result(roles, n) is not None), None)
+
+    # ---- placements and allocations ----------------------------------------------------------
+    def allocations(self, minimums: Sequence[int]) -> Iterator[tuple[int, ...]]:
+        """Device counts per set, each >= its minimum, summing to N and packing into the nodes."""
+        counts = self.cluster.device_counts()
+        total = self.cluster.num_devices
+
+        def extend(prefix: tuple[int, ...], remaining: int) -> Iterator[tuple[int, ...]]:
+            index = len(prefix)
+            if index == len(minimums):
+                if remaining == 0 and self.cluster.fits_nodes(list(prefix)):
+                    yield prefix
+                return
+            reserve = sum(minimums[index + 1:])
+            for count in counts:
+                if minimums[index] <= count <= remaining - reserve:
+                    yield from extend(prefix + (count,), remaining - count)
+
+        yield from extend((), total)
+
+    def plan_for(self, sets: Sequence[tuple[str, ...]], allocation: Sequence[int]) -> Plan | None:
+        """The simulated plan of one placement and allocation (None if a set does not fit)."""
+        shares = self.stage_shares(sets, allocation)
+        results = [self.set_result(roles, count, shares) for roles, count in zip(sets, allocation)]
+        if any(result is None for result in results):
+            return None
+        pools = tuple(PoolPlan(name="_".join(roles), roles=roles,
+                               devices_per_node=tuple(self.cluster.pool_nodes(count)))
+                      for roles, count in zip(sets, allocation))
+        return self._assemble(pools, results)
+
+    @staticmethod
+    def _assemble(pools: Sequence[PoolPlan], results: Sequence[SetResult]) -> Plan:
+        pool_stage_seconds = {pool.name: result.stage_seconds for pool, result in zip(pools, results)}
+        costs = {role: result.costs[role] for pool, result in zip(pools, results) for role in pool.roles}
+        return Plan(
+            pools=tuple(pools),
+            strategies={role: cost.strategy for role, cost in costs.items()},
+            stage_seconds={stage: max(seconds[stage] for seconds in pool_stage_seconds.values()) for stage in STAGES},
+            pool_stage_seconds=pool_stage_seconds,
+            role_stage_seconds={role: dict(cost.stage_seconds) for role, cost in costs.items()},
+        )
+
+    def simulate(self, layout: Plan) -> Plan:
+        """Predicted times of a given placement and strategies (e.g. a hand-written config)."""
+        placed = {role for pool in layout.pools for role in pool.roles}
+        if placed != set(self.dataflow.roles):
+            raise ValueError(f"the plan places roles {sorted(placed)}; {self.dataflow.name!r} needs "
+                             f"{sorted(self.dataflow.roles)}")
+        if sum(pool.num_devices for pool in layout.pools) > self.cluster.num_devices:
+            raise ValueError(f"the plan's pools use {sum(pool.num_devices for pool in layout.pools)} devices; "
+                             f"the cluster has {self.cluster.num_devices}")
+        results = []
+        shares = self.stage_shares([pool.roles for pool in layout.pools], [pool.num_devices for pool in layout.pools])
+        for pool in layout.pools:
+            count = pool.num_devices
+            for role in pool.roles:
+                strategy = layout.strategies[role]
+                if count % strategy.model_parallel_size or strategy.tp_size > self.cluster.node_size:
+                    raise ValueError(f"role {role!r}: pp_size*tp_size = {strategy.model_parallel_size} must divide "
+                                     f"its pool's {count} devices and tp_size {strategy.tp_size} must fit in a "
+                                     f"node of {self.cluster.node_size}")
+                if (self.dataflow.roles[role] == "actor") != strategy.generates:
+                    raise ValueError(f"role {role!r}: generation sizes must be given for the actor and only for it")
+            actor = self.dataflow.actor_role if self.dataflow.actor_role in pool.roles else None
+            costs = {}
+            for role in pool.roles:
+                if role != actor:
+                    costs[role] = self._cost(role, layout.strategies[role], count, shares=shares)
+            if actor is not None and None not in costs.values():
+                resident = sum(cost.resident_bytes for cost in costs.values())
+                transient = max((cost.transient_bytes for cost in costs.values()), default=0.0)
+                costs[actor] = self._cost(actor, layout.strategies[actor], count, resident, transient, shares)
+            if None in costs.values() or sum(c.resident_bytes for c in costs.values()) + \
+                    max(c.transient_bytes for c in costs.values()) > self.simulator.budget_bytes:
+                raise ValueError(f"pool {pool.name!r} ({', '.join(pool.roles)}) does not fit in "
+                                 f"{count} devices of {self._usable_text()} with the given strategies")
+            results.append(SetResult(costs=costs))
+        return self._assemble(layout.pools, results)
+
+    def search(self) -> list[Plan]:
+        """The fastest allocation of every feasible placement, fastest placement first."""
+        self._check_each_role_fits()
+        roles = list(self.dataflow.roles)
+        best_per_placement: list[Plan] = []
+        for partition in set_partitions(roles):
+            sets = [tuple(block) for block in partition]
+            minimums = [self.min_devices(block) for block in sets]
+            if any(minimum is None for minimum in minimums):
+                continue
+            best: Plan | None = None
+            for allocation in self.allocations(minimums):
+                candidate = self.plan_for(sets, allocation)
+                if candidate is not None and (best is None or candidate.total_seconds < best.total_seconds):
+                    best = candidate
+            if best is not None:
+                best_per_placement.append(best)
+        if not best_per_placement:
+            raise ValueError(f"no placement of {', '.join(roles)} fits {self.cluster.num_devices} devices of "
+                             f"{self._usable_text()}: every role fits alone on all devices, but not together "
+                             f"nor split; use more devices or shorter sequences")
+        return sorted(best_per_placement, key=lambda plan: plan.total_seconds)
+
+    def _usable_text(self) -> str:
+        hardware = self.cluster.hardware
+        return (f"{hardware.usable_memory_bytes / GIB:.1f} GiB usable each ({hardware.device_memory_gib:g} GiB x "
+                f"{hardware.usable_memory_fraction:g}, {hardware.name})")
+
+    def _check_each_role_fits(self) -> None:
+        """ValueError naming the memory a role needs if it cannot fit even alone on every device."""
+        total = self.cluster.num_devices
+        for role, kind in self.dataflow.roles.items():
+            fits = self.best_actor(total) if kind == "actor" else self.candidates(role, total)
+            if fits:
+                continue
+            spec = self.models[role]
+            strategies = list(self._strategies(role, total))
+            if not strategies:
+                workload = self.workload
+                rules = [f"its data-parallel size must divide the {workload.num_samples} samples per step"]
+                if kind != "inference":
+                    rules.append(f"the {workload.samples_per_update} samples per update")
+                if kind == "actor":
+                    rules.append(f"its generation replicas the {workload.prompts_per_step} prompts")
+                raise ValueError(
+                    f"role {role!r} ({spec.name}) has no layout on {total} devices that splits the batch evenly: "
+                    f"{' and '.join(rules)} (model-parallel sizes reach at most {spec.num_layers} layers x a node "
+                    f"of {self.cluster.node_size}); use a batch that is a multiple of the device count")
+            need = min(self._footprint(role, strategy, total) for strategy in strategies)
+            params = spec.num_params(head=self.dataflow.head_of(role))
+            raise ValueError(
+                f"role {role!r} ({spec.name}, {params / 1e9:.2f}B parameters, {kind}) does not fit on "
+                f"{total} devices: its most memory-frugal layout needs {need / GIB:.1f} GiB per device "
+                f"(weights{', gradients, optimizer state' if kind != 'inference' else ''}, activations"
+                f"{', generation weights and one sequence of KV cache' if kind == 'actor' else ''}), "
+                f"but a device has {self._usable_text()}; use more devices or a smaller model")
+
+    def _footprint(self, role: str, strategy: RoleStrategy, num_devices: int) -> float:
+        simulator = self.simulator
+        spec, head, kind = self.models[role], self.dataflow.head_of(role), self.dataflow.roles[role]
+        trained = kind != "inference"
+        need = simulator.resident_bytes(spec, head, strategy, num_devices, trained=trained)
+        if kind != "actor":
+            return need + simulator.transient_bytes(spec, head, strategy, trained=trained)
+        model_bytes = spec.num_params(head="lm") * simulator.element_bytes
+        extra = model_bytes if strategy.layout == "fsdp" else \
+            simulator.generation_weight_bytes(spec, strategy) - model_bytes / strategy.model_parallel_size
+        generation = extra + simulator.kv_bytes_per_sequence(spec, strategy)
+        return need + max(simulator.transient_bytes(spec, head, strategy, trained=trained), generation)
+
+
+def resolve_models(models: Mapping[str, str | ModelSpec]) -> dict[str, ModelSpec]:
+    """Model specs per role from names, config paths or specs (the Planner checks the roles)."""
+    return {role: model_spec(value) for role, value in models.items()}
+
+
+def plan(dataflow: Dataflow | str, models: Mapping[str, str | ModelSpec], workload: Workload,
+         cluster: Cluster, *, top: int = 10) -> Plan:
+    """The fastest plan, with up to ``top - 1`` other placements (ranked) as ``alternatives``."""
+    flow = get_dataflow(dataflow)
+    if not isinstance(top, int) or top < 1:
+        raise ValueError(f"top must be a positive integer, got {top!r}")
+    ranked = Planner(dataflow=flow, models=resolve_models(models), workload=workload, cluster=cluster).search()
+    best = ranked[0]
+    return Plan(pools=best.pools, strategies=best.strategies, stage_seconds=best.stage_seconds,
+                pool_stage_seconds=best.pool_stage_seconds, role_stage_seconds=best.role_stage_seconds,
+                alternatives=tuple(ranked[1:top]))
+
+
+def simulate_plan(layout: Plan, dataflow: Dataflow | str, models: Mapping[str, str | ModelSpec],
+                  workload: Workload, cluster: Cluster) -> Plan:
+    """``layout`` (e.g. ``Plan.from_config_fragment(config)``) with its predicted stage times filled in."""
+    flow = get_dataflow(dataflow)
+    planner = Planner(dataflow=flow, models=resolve_models(models), workload=workload, cluster=cluster)
+    return planner.simulate(layout)

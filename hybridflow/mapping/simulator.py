@@ -1,0 +1,297 @@
+"""Simulator: predicted memory and seconds of one role under one parallel strategy (paper section 6).
+
+Training and inference are modeled as compute-bound (model FLOPs / achievable FLOP/s) plus the
+communication they cannot hide: tensor-parallel all-reduces, pipeline sends and bubble,
+data-parallel gradient all-reduce (3d), overlapped parameter gathers (fsdp). Generation is modeled
+as memory-bound: every decode step streams the weights and the KV cache of its batch through
+memory (roofline with the step's FLOPs), the batch is bounded by the memory left for the KV cache,
+and the actor pays the 3D-HybridEngine's resharding (paper Table 2) before generating.
+
+Symbols in the formulas: N parameters (that multiply per token), L layers, h hidden size,
+S = P + T sequence length, e bytes per element, p/t/d training pipeline/tensor/data sizes,
+pg/tg generation sizes, n devices of the role's pool.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from hybridflow.mapping.cluster import Cluster
+from hybridflow.mapping.model_spec import ModelSpec
+from hybridflow.mapping.strategy import RoleStrategy
+from hybridflow.mapping.workload import Workload
+
+# Activations one decoder layer keeps for backward, in elements per token per hidden unit, with
+# flash attention (no S x S scores) and sequence parallelism (all of it split over t): the 34 bytes
+# of Korthikanti et al. 2022 ("Reducing Activation Recomputation", table 2) at 2 bytes per element.
+ACTIVATION_ELEMENTS_PER_TOKEN_PER_HIDDEN = 17
+# Per trained parameter, bytes that are sharded over t*p only (weights + gradients) and bytes of the
+# optimizer (fp32 master copy + Adam moments with bf16 compute; Adam moments with fp32) that the 3d
+# layout shards over d too, as Megatron's distributed optimizer does.
+WEIGHT_GRAD_BYTES = {"bf16": 2 + 2, "fp32": 4 + 4}
+OPTIMIZER_BYTES = {"bf16": 4 + 4 + 4, "fp32": 4 + 4}
+# FSDP2 keeps fp32 sharded parameters (bf16 copies exist only while gathered), fp32 gradients and Adam.
+FSDP_STATE_BYTES = 4 + 4 + 8
+LOGIT_BYTES = 4  # log-softmax of the vocabulary head is taken in fp32
+
+
+@dataclass(frozen=True)
+class RoleCost:
+    """A role's predicted seconds per stage and per-device memory under one strategy on n devices."""
+
+    strategy: RoleStrategy
+    stage_seconds: dict[str, float]
+    """Stage name -> seconds this role spends in it (stages it takes no part in are absent)."""
+    resident_bytes: float
+    """Per device, held for the whole iteration (weights, gradients, optimizer state)."""
+    transient_bytes: float
+    """Per device, peak working memory of its training/inference (activations, logits, gathers)."""
+    details: dict[str, float] = field(default_factory=dict, compare=False)
+    """Parts of the prediction (e.g. generation waves, transition seconds), for reports."""
+
+    @property
+    def total_seconds(self) -> float:
+        return sum(self.stage_seconds.values())
+
+    @property
+    def footprint_bytes(self) -> float:
+        return self.resident_bytes + self.transient_bytes
+
+
+class Simulator:
+    """Cost model of one workload on one cluster; every method is per role and per strategy."""
+
+    def __init__(self, *, workload: Workload, cluster: Cluster, generation_passes: int = 1,
+                 compute_share: float = 1.0) -> None:
+        """``compute_share``: the share of a device each process gets (Cluster.compute_share of the
+        processes busy at the same time; below 1 only for CPU processes outnumbering cores)."""
+        assert 0 < compute_share <= 1, compute_share
+        self.workload = workload
+        self.cluster = cluster
+        self.generation_passes = generation_passes
+        self.compute_share = compute_share
+        hardware = cluster.hardware
+        self.element_bytes = hardware.element_bytes
+        self.flops = hardware.peak_flops * hardware.flops_fraction * compute_share
+        self.memory_bandwidth = hardware.memory_bandwidth * hardware.memory_bandwidth_fraction * compute_share
+        self.budget_bytes = hardware.usable_memory_bytes
+        # dispatch is host work: an oversubscribed core slows it down like compute
+        self.layer_overhead_s = hardware.layer_overhead_s / compute_share
+
+    # ---- links -------------------------------------------------------------------------------
+    def _link(self, group_span: int) -> tuple[float, float]:
+        """(bandwidth bytes/s, latency s) of a group whose ranks lie within ``group_span`` consecutive ranks."""
+        hardware = self.cluster.hardware
+        # a collective waits for every rank to be scheduled: when processes outnumber cores its fixed
+        # cost grows like host work (compute_share is 1 on devices that do not share cores)
+        share = self.compute_share
+        if group_span <= self.cluster.node_size:
+            bandwidth, latency = hardware.intra_node_bandwidth, hardware.intra_node_latency_s
+        else:
+            bandwidth, latency = hardware.inter_node_bandwidth, hardware.inter_node_latency_s
+        return bandwidth * hardware.link_bandwidth_fraction, latency / share
+
+    def all_reduce_seconds(self, num_bytes: float, group_size: int, group_span: int) -> float:
+        """Ring all-reduce of ``num_bytes`` on every rank: 2 (g-1)/g of it crosses each rank's link."""
+        if group_size <= 1:
+            return 0.0
+        bandwidth, latency = self._link(group_span)
+        return latency + 2 * (group_size - 1) / group_size * num_bytes / bandwidth
+
+    def all_gather_seconds(self, num_bytes: float, group_size: int, group_span: int, *,
+                           num_collectives: int = 1) -> float:
+        """Ring all-gather (or reduce-scatter) of a ``num_bytes`` whole: (g-1)/g of it crosses each link;
+        split over ``num_collectives`` calls (e.g. one per FSDP unit), each paying the latency."""
+        if group_size <= 1:
+            return 0.0
+        bandwidth, latency = self._link(group_span)
+        return num_collectives * latency + (group_size - 1) / group_size * num_bytes / bandwidth
+
+    def send_seconds(self, num_bytes: float, group_span: int) -> float:
+        bandwidth, latency = self._link(group_span)
+        return latency + num_bytes / bandwidth
+
+    # ---- memory ------------------------------------------------------------------------------
+    def resident_bytes(self, spec: ModelSpec, head: str, strategy: RoleStrategy, num_devices: int, *,
+                       trained: bool) -> float:
+        params = spec.num_params(head=head)
+        dtype = self.cluster.hardware.compute_dtype
+        if strategy.layout == "fsdp":
+            per_param = FSDP_STATE_BYTES if trained else self.element_bytes
+            return params * per_param / num_devices
+        shard = params / strategy.model_parallel_size
+        if not trained:
+            return shard * self.element_bytes
+        return shard * WEIGHT_GRAD_BYTES[dtype] + shard * OPTIMIZER_BYTES[dtype] / strategy.dp_size(num_devices)
+
+    def transient_bytes(self, spec: ModelSpec, head: str, strategy: RoleStrategy, *, trained: bool) -> float:
+        """Activations of the micro-batches in flight (1F1B keeps L layers' worth on the first stage)."""
+        tokens = self.workload.sequences_per_micro_batch * self.workload.sequence_length
+        tp_size = strategy.tp_size
+        per_layer = ACTIVATION_ELEMENTS_PER_TOKEN_PER_HIDDEN * self.element_bytes * tokens * spec.hidden_size / tp_size
+        layers_held = spec.num_layers if trained else 1
+        logits = tokens * spec.vocab_size * LOGIT_BYTES / tp_size if head == "lm" else 0.0
+        gathered = 2 * spec.params_per_layer * self.element_bytes if strategy.layout == "fsdp" else 0.0
+        return per_layer * layers_held + logits * (2 if trained else 1) + gathered
+
+    # ---- training and inference --------------------------------------------------------------
+    def _forward_pass_seconds(self, spec: ModelSpec, head: str, strategy: RoleStrategy, num_devices: int, *,
+                              sequences: int, passes: int, backward: bool) -> float:
+        """Seconds for ``passes`` rounds over ``sequences`` sequences split over the data-parallel ranks.
+
+        A forward costs 2 FLOPs per parameter per token plus 2 h L S for causal attention; a backward
+        twice that. Per micro-batch and layer, tensor parallelism all-reduces the activations twice
+        forward and twice more backward; pipeline stages send activations (and their gradients back).
+        """
+        workload = self.workload
+        seq_len = workload.sequence_length
+        dp_size = strategy.dp_size(num_devices)
+        sequences_per_rank = math.ceil(sequences / dp_size)
+        work_factor = 3 if backward else 1
+        attention_flops = spec.num_layers * spec.hidden_size * seq_len
+        flops_per_token = 2 * work_factor * (spec.matmul_params(head=head) + attention_flops)
+        micro_batches = math.ceil(sequences_per_rank / workload.sequences_per_micro_batch)
+        compute = passes * sequences_per_rank * seq_len * flops_per_token / strategy.model_parallel_size / self.flops
+        compute += passes * micro_batches * work_factor * spec.num_layers / strategy.pp_size * self.layer_overhead_s
+        micro_tokens = workload.sequences_per_micro_batch * seq_len
+        activation_bytes = micro_tokens * spec.hidden_size * self.element_bytes
+        if strategy.layout == "fsdp":
+            # each micro-batch gathers the parameters for forward (and again for backward), one
+            # collective per FSDP unit (a decoder layer, plus the root); FSDP2 prefetches the next
+            # unit's while computing, so the gathers hide behind compute
+            gathers = passes * micro_batches * (2 if backward else 1) * self.all_gather_seconds(
+                spec.num_params(head=head) * self.element_bytes, num_devices, num_devices,
+                num_collectives=spec.num_layers + 1)
+            return max(compute, gathers)
+        bubble = (micro_batches + strategy.pp_size - 1) / micro_batches
+        layers_per_stage = spec.num_layers / strategy.pp_size
+        all_reduces = passes * micro_batches * layers_per_stage * (4 if backward else 2)
+        tp_comm = all_reduces * self.all_reduce_seconds(activation_bytes, strategy.tp_size, strategy.tp_size)
+        pp_comm = 0.0
+        if strategy.pp_size > 1:
+            sends = passes * micro_batches * (2 if backward else 1)
+            pp_comm = sends * self.send_seconds(activation_bytes / strategy.tp_size, strategy.model_parallel_size)
+        return compute * bubble + tp_comm + pp_comm
+
+    def training_seconds(self, spec: ModelSpec, head: str, strategy: RoleStrategy, num_devices: int) -> float:
+        """Forward + backward over every update, then the gradient synchronization of each update."""
+        workload = self.workload
+        updates = workload.updates_per_step
+        seconds = self._forward_pass_seconds(spec, head, strategy, num_devices,
+                                             sequences=workload.samples_per_update, passes=updates, backward=True)
+        params = spec.num_params(head=head)
+        if strategy.layout == "fsdp":
+            # one reduce-scatter of the fp32 gradients per unit and update (accumulated over micro-batches)
+            return seconds + updates * self.all_gather_seconds(params * 4, num_devices, num_devices,
+                                                               num_collectives=spec.num_layers + 1)
+        # data-parallel all-reduce of each rank's gradient shard (3d: sharded over t*p only)
+        shard_bytes = params / strategy.model_parallel_size * self.element_bytes
+        return seconds + updates * self.all_reduce_seconds(shard_bytes, strategy.dp_size(num_devices), num_devices)
+
+    def inference_seconds(self, spec: ModelSpec, head: str, strategy: RoleStrategy, num_devices: int) -> float:
+        """One forward over every sample of the iteration (log-probs, values or scores)."""
+        return self._forward_pass_seconds(spec, head, strategy, num_devices,
+                                          sequences=self.workload.num_samples, passes=1, backward=False)
+
+    # ---- generation --------------------------------------------------------------------------
+    def generation_weight_bytes(self, spec: ModelSpec, strategy: RoleStrategy) -> float:
+        """Per device: the generation shard of the weights, 1/(tg*pg) of the model."""
+        gen_size = strategy.generation_pp_size * strategy.generation_tp_size
+        return spec.num_params(head="lm") * self.element_bytes / gen_size
+
+    def transition_seconds(self, spec: ModelSpec, strategy: RoleStrategy, num_devices: int) -> float:
+        """3D-HybridEngine train -> generate: all-gather inside micro-DP groups of dg = t p / (tg pg) ranks.
+
+        Each rank receives (t p - tg pg) / (tg pg t p) of the model (paper Table 2, HybridFlow row);
+        fsdp gathers the whole model on every rank. Going back to training drops the extra copy (free).
+        """
+        model_bytes = spec.num_params(head="lm") * self.element_bytes
+        if strategy.layout == "fsdp":
+            return self.all_gather_seconds(model_bytes, num_devices, num_devices, num_collectives=spec.num_layers + 1)
+        train_size = strategy.model_parallel_size
+        gen_size = strategy.generation_pp_size * strategy.generation_tp_size
+        micro_dp_size = train_size // gen_size
+        if micro_dp_size == 1:
+            return 0.0
+        received = (train_size - gen_size) / (gen_size * train_size) * model_bytes
+        bandwidth, latency = self._link(micro_dp_size)
+        return latency + received / bandwidth
+
+    def kv_bytes_per_sequence(self, spec: ModelSpec, strategy: RoleStrategy) -> float:
+        """Per device: keys and values of one full sequence on this rank's layers and heads."""
+        kv_shards = min(strategy.generation_tp_size, spec.num_kv_heads)
+        layers = spec.num_layers / strategy.generation_pp_size
+        return 2 * layers * spec.kv_dim / kv_shards * self.workload.sequence_length * self.element_bytes
+
+    def generation_seconds(self, spec: ModelSpec, strategy: RoleStrategy, num_devices: int,
+                           kv_budget_bytes: float) -> tuple[float, dict[str, float]] | None:
+        """Prefill + decode of every sample by num_devices / (tg pg) replicas; None if no sequence fits."""
+        workload = self.workload
+        tg, pg = strategy.generation_tp_size, strategy.generation_pp_size
+        kv_per_sequence = self.kv_bytes_per_sequence(spec, strategy)
+        max_batch = int(kv_budget_bytes // kv_per_sequence) if kv_budget_bytes > 0 else 0
+        if max_batch < 1:
+            return None
+        replicas = num_devices // (tg * pg)
+        sequences = math.ceil(workload.num_samples / replicas)
+        waves = math.ceil(sequences / max_batch)
+        batch = math.ceil(sequences / waves)
+        h, layers, e = spec.hidden_size, spec.num_layers, self.element_bytes
+        matmul_params = spec.matmul_params(head="lm")
+        prompt_len, response_len = workload.prompt_length, workload.response_length
+
+        kv_bytes_per_token = 2 * layers / pg * spec.kv_dim / min(tg, spec.num_kv_heads) * e
+
+        def pass_seconds(new_tokens: int, kv_tokens: float, attention_pairs: float) -> float:
+            """One forward of ``new_tokens`` through all stages, reading ``kv_tokens`` cached keys/values.
+
+            Roofline per stage: streaming the weight and KV shards vs the FLOPs (2 per parameter per
+            token, 4 h L per query-key pair); without micro-batching across stages a token visits
+            the pg stages one after another.
+            """
+            stage_bytes = matmul_params * e / (tg * pg) + kv_tokens * kv_bytes_per_token
+            stage_flops = (2 * new_tokens * matmul_params + 4 * attention_pairs * h * layers) / (tg * pg)
+            stage_tp = 2 * layers / pg * self.all_reduce_seconds(new_tokens * h * e, tg, tg)
+            stage = max(stage_bytes / self.memory_bandwidth, stage_flops / self.flops) + stage_tp \
+                + layers / pg * self.layer_overhead_s
+            sends = (pg - 1) * self.send_seconds(new_tokens * h * e, tg * pg) if pg > 1 else 0.0
+            return pg * stage + sends
+
+        prefill = pass_seconds(batch * prompt_len, batch * prompt_len, batch * prompt_len * prompt_len / 2)
+        mean_context = prompt_len + response_len / 2
+        decode = response_len * pass_seconds(batch, batch * mean_context, batch * mean_context)
+        seconds = self.generation_passes * waves * (prefill + decode)
+        return seconds, {"generation_waves": float(waves), "generation_batch": float(batch)}
+
+    # ---- one role ----------------------------------------------------------------------------
+    def role_cost(self, *, kind: str, spec: ModelSpec, head: str, strategy: RoleStrategy, num_devices: int,
+                  other_resident_bytes: float = 0.0, other_transient_bytes: float = 0.0) -> RoleCost | None:
+        """Seconds per stage and memory of a role of ``kind`` (see dataflow.ROLE_KINDS), or None if it
+        does not fit next to colocated roles holding ``other_resident_bytes`` per device."""
+        trained = kind in ("actor", "critic")
+        resident = self.resident_bytes(spec, head, strategy, num_devices, trained=trained)
+        transient = self.transient_bytes(spec, head, strategy, trained=trained)
+        if other_resident_bytes + resident + max(transient, other_transient_bytes) > self.budget_bytes:
+            return None
+        stages = {"preparation": self.inference_seconds(spec, head, strategy, num_devices)}
+        if trained:
+            stages["training"] = self.training_seconds(spec, head, strategy, num_devices)
+        details: dict[str, float] = {}
+        if kind == "actor":
+            model_bytes = spec.num_params(head="lm") * self.element_bytes
+            if strategy.layout == "fsdp":
+                generation_extra = model_bytes  # a full compute-dtype copy next to the fp32 shards
+            else:  # the training shard lies inside the generation shard (zero redundancy)
+                training_shard = model_bytes / strategy.model_parallel_size
+                generation_extra = self.generation_weight_bytes(spec, strategy) - training_shard
+            kv_budget = self.budget_bytes - other_resident_bytes - resident - generation_extra
+            generated = self.generation_seconds(spec, strategy, num_devices, kv_budget)
+            if generated is None:
+                return None
+            generation, details = generated
+            transition = self.transition_seconds(spec, strategy, num_devices)
+            details["transition_seconds"] = transition
+            stages["generation"] = generation + transition
+        return RoleCost(strategy=strategy, stage_seconds=stages, resident_bytes=resident,
+                        transient_bytes=transient, details=details)

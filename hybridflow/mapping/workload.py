@@ -1,0 +1,64 @@
+"""Workload: how much data one RL iteration processes (prompts, samples, lengths, updates)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def _check_positive_int(owner: str, name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{owner}.{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    """One RL iteration's data, in the project's batch vocabulary (DESIGN.md section 5)."""
+
+    prompts_per_step: int
+    """Prompts drawn from the dataset for one iteration (the paper's 'batch', 1024 in its runs)."""
+    prompt_length: int
+    """Tokens per prompt P (prompts are padded to it)."""
+    response_length: int
+    """Tokens per response T; every response is assumed to run to this length (the paper's setting)."""
+    samples_per_prompt: int = 1
+    """Responses generated per prompt."""
+    mini_batch_size: int = 0
+    """Samples per optimizer update; 0 means one update over all the step's samples."""
+    ppo_epochs: int = 1
+    """Passes over the step's samples during training."""
+    micro_batch_tokens: int = 0
+    """Per rank: tokens one forward/backward holds; 0 means one sequence (prompt + response)."""
+
+    def __post_init__(self) -> None:
+        for name in ("prompts_per_step", "prompt_length", "response_length", "samples_per_prompt", "ppo_epochs"):
+            _check_positive_int("Workload", name, getattr(self, name))
+        for name in ("mini_batch_size", "micro_batch_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"Workload.{name} must be an integer >= 0 (0: default), got {value!r}")
+        if self.mini_batch_size and self.num_samples % self.mini_batch_size:
+            raise ValueError(f"Workload.mini_batch_size {self.mini_batch_size} must divide prompts_per_step * "
+                             f"samples_per_prompt = {self.num_samples}")
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences per iteration."""
+        return self.prompts_per_step * self.samples_per_prompt
+
+    @property
+    def sequence_length(self) -> int:
+        """S = P + T."""
+        return self.prompt_length + self.response_length
+
+    @property
+    def samples_per_update(self) -> int:
+        return self.mini_batch_size or self.num_samples
+
+    @property
+    def updates_per_step(self) -> int:
+        """Optimizer updates per iteration (mini-batches times epochs)."""
+        return self.num_samples // self.samples_per_update * self.ppo_epochs
+
+    @property
+    def sequences_per_micro_batch(self) -> int:
+        return max(1, (self.micro_batch_tokens or self.sequence_length) // self.sequence_length)

@@ -1,0 +1,442 @@
+"""Auto-mapping: partitions, model sizes, memory feasibility, cost formulas and composition, search."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from hybridflow.mapping import (Cluster, Plan, PoolPlan, RoleStrategy, Workload, load_hardware, model_spec, plan,
+                                set_partitions, simulate_plan)
+from hybridflow.mapping.dataflow import dataflow
+from hybridflow.mapping.hardware import GIB, HardwareProfile
+from hybridflow.mapping.search import Planner, SetResult, resolve_models
+from hybridflow.mapping.simulator import RoleCost, Simulator
+
+PPO_ROLES = ("actor", "critic", "reference", "reward")
+PAPER_WORKLOAD = Workload(prompts_per_step=1024, prompt_length=1024, response_length=1024)
+
+
+def a100_cluster(num_devices: int, per_node: int = 8) -> Cluster:
+    return Cluster(num_devices=num_devices, devices_per_node=per_node, hardware=load_hardware("a100-80g"))
+
+
+def same_model(name: str, roles=PPO_ROLES) -> dict[str, str]:
+    return {role: name for role in roles}
+
+
+# ---- placements ------------------------------------------------------------------------------
+@pytest.mark.parametrize("count, bell", [(1, 1), (2, 2), (3, 5), (4, 15), (5, 52)])
+def test_set_partitions_count_the_bell_numbers_and_cover_every_item_once(count, bell):
+    items = list("abcde"[:count])
+    partitions = list(set_partitions(items))
+    assert len(partitions) == bell
+    canonical = {frozenset(frozenset(block) for block in partition) for partition in partitions}
+    assert len(canonical) == bell  # no placement twice
+    for partition in partitions:
+        assert sorted(item for block in partition for item in block) == items
+
+
+# ---- model specs -----------------------------------------------------------------------------
+def test_known_llama_shapes_have_their_published_parameter_counts():
+    # Llama-2 7B/13B/70B model cards (exact counts of the Hugging Face checkpoints)
+    assert model_spec("llama-7b").num_params() == 6_738_415_616
+    assert model_spec("llama-13b").num_params() == 13_015_864_320
+    assert model_spec("llama-70b").num_params() == 68_976_648_192
+
+
+def test_parameter_counts_equal_those_of_the_transformers_models():
+    torch = pytest.importorskip("torch")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hybridflow.models.tiny import TINY_DEFAULTS
+
+    with torch.device("meta"):
+        tiny = LlamaForCausalLM(LlamaConfig(**TINY_DEFAULTS))
+        big = LlamaForCausalLM(LlamaConfig(hidden_size=8192, num_hidden_layers=48, num_attention_heads=64,
+                                           num_key_value_heads=8, intermediate_size=22016, vocab_size=32000))
+    assert model_spec("tiny").num_params() == sum(p.numel() for p in tiny.parameters())
+    assert model_spec("llama-34b").num_params() == sum(p.numel() for p in big.parameters())
+
+
+def test_model_spec_reads_a_hugging_face_config_directory(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "qwen2", "hidden_size": 128, "num_hidden_layers": 3, "num_attention_heads": 8,
+        "num_key_value_heads": 2, "intermediate_size": 256, "vocab_size": 1000, "tie_word_embeddings": True}))
+    spec = model_spec(str(tmp_path))
+    assert (spec.hidden_size, spec.num_layers, spec.num_heads, spec.num_kv_heads) == (128, 3, 8, 2)
+    # tied head: embedding once, 3 layers of (2*128*128 + 2*128*32 + 3*128*256 + 2*128), final norm
+    assert spec.num_params() == 1000 * 128 + 3 * (32768 + 8192 + 98304 + 256) + 128
+
+
+def test_unknown_model_name_lists_the_known_ones():
+    with pytest.raises(ValueError, match="known: tiny, llama-7b, llama-13b, llama-34b, llama-70b"):
+        model_spec("llama-8b")
+
+
+# ---- bad input -------------------------------------------------------------------------------
+@pytest.mark.parametrize("num_devices, per_node, message", [
+    (0, 8, "num_devices must be a positive integer"),
+    (16, 0, "devices_per_node must be a positive integer"),
+    (12, 8, "must be a multiple of devices_per_node 8"),
+])
+def test_bad_device_counts_are_rejected(num_devices, per_node, message):
+    with pytest.raises(ValueError, match=message):
+        a100_cluster(num_devices, per_node)
+
+
+def test_a_model_that_fits_nowhere_reports_what_it_needs_and_what_a_device_has():
+    # a 70B reward model (inference only) on one A100: 3d p1 t1 holds bf16 weights plus one
+    # layer's activations of a 2048-token micro-batch (17 elements per token per hidden unit)
+    spec = model_spec("llama-70b")
+    value_params = spec.num_params(head="value")
+    need = 2 * value_params + 17 * 2 * 2048 * 8192
+    models = same_model("tiny") | {"reward": "llama-70b"}
+    with pytest.raises(ValueError) as caught:
+        plan("ppo", models, PAPER_WORKLOAD, a100_cluster(1, 1))
+    message = str(caught.value)
+    assert "role 'reward' (llama-70b, 68.71B parameters, inference)" in message
+    assert f"needs {need / GIB:.1f} GiB per device" in message
+    assert "72.0 GiB usable each (80 GiB x 0.9, a100-80g)" in message
+
+
+def test_models_must_match_the_roles_of_the_dataflow():
+    with pytest.raises(ValueError, match=r"missing \['critic'\]"):
+        plan("ppo", {"actor": "tiny", "reference": "tiny", "reward": "tiny"}, PAPER_WORKLOAD, a100_cluster(8))
+
+
+# ---- memory ----------------------------------------------------------------------------------
+def test_trained_3d_memory_shards_weights_over_t_p_and_optimizer_over_d_too():
+    simulator = Simulator(workload=PAPER_WORKLOAD, cluster=a100_cluster(16))
+    spec = model_spec("llama-7b")
+    params = spec.num_params()
+    strategy = RoleStrategy(layout="3d", pp_size=2, tp_size=4)
+    trained = simulator.resident_bytes(spec, "lm", strategy, 16, trained=True)
+    assert trained == pytest.approx(params / 8 * (2 + 2) + params / 8 * 12 / 2)
+    assert simulator.resident_bytes(spec, "lm", strategy, 16, trained=False) == pytest.approx(params / 8 * 2)
+    fsdp = simulator.resident_bytes(spec, "lm", RoleStrategy(layout="fsdp"), 16, trained=True)
+    assert fsdp == pytest.approx(params * 16 / 16)
+
+
+def test_minimum_devices_grow_with_the_models_colocated_on_them():
+    flow = dataflow("ppo")
+    planner = Planner(dataflow=flow, models=resolve_models(same_model("llama-13b")),
+                      workload=PAPER_WORKLOAD, cluster=a100_cluster(64))
+    alone = planner.min_devices(("reference",))
+    together = planner.min_devices(PPO_ROLES)
+    # 13B bf16 weights (26 GB) fit one 72 GiB (77.3 GB) device. Together on 8 devices (t*p = 8, d = 1):
+    # actor and critic 16 bytes/param / 8 = 26 GB each, reference and reward 2 bytes/param / 8 = 3.3 GB
+    # each: 58.6 GB plus activations fits; on 4 devices the two trained models alone need 104 GB
+    assert alone == 1
+    assert together == 8
+    assert planner.set_result(PPO_ROLES, 4) is None
+
+
+def test_colocated_models_leave_less_kv_cache_so_the_actor_generates_in_more_waves():
+    flow = dataflow("ppo")
+    planner = Planner(dataflow=flow, models=resolve_models(same_model("llama-7b")),
+                      workload=PAPER_WORKLOAD, cluster=a100_cluster(8))
+    alone = planner.best_actor(8)
+    crowded = planner.best_actor(8, other_resident=40 * GIB)
+    assert crowded.stage_seconds["generation"] > alone.stage_seconds["generation"]
+
+
+# ---- cost formulas ---------------------------------------------------------------------------
+def test_single_device_training_is_model_flops_over_achievable_flops():
+    cluster = a100_cluster(1, 1)
+    workload = Workload(prompts_per_step=8, prompt_length=96, response_length=32, mini_batch_size=4, ppo_epochs=2)
+    simulator = Simulator(workload=workload, cluster=cluster)
+    spec = model_spec("llama-7b")
+    strategy = RoleStrategy(layout="3d")
+    flops = 312e12 * 0.5
+    tokens_per_pass = 4 * 128
+    per_token = spec.matmul_params() + 32 * 4096 * 128
+    assert simulator.training_seconds(spec, "lm", strategy, 1) == pytest.approx(
+        4 * tokens_per_pass * 6 * per_token / flops)  # 2 mini-batches x 2 epochs, no communication
+    assert simulator.inference_seconds(spec, "lm", strategy, 1) == pytest.approx(8 * 128 * 2 * per_token / flops)
+
+
+def test_ring_all_reduce_moves_twice_the_shard_fraction_of_the_bytes():
+    simulator = Simulator(workload=PAPER_WORKLOAD, cluster=a100_cluster(16))
+    intra, inter = 300e9 * 0.8, 25e9 * 0.8
+    assert simulator.all_reduce_seconds(1e9, 4, 4) == pytest.approx(1e-5 + 2 * 3 / 4 * 1e9 / intra)
+    assert simulator.all_reduce_seconds(1e9, 2, 16) == pytest.approx(2e-5 + 1e9 / inter)
+    assert simulator.all_reduce_seconds(1e9, 1, 1) == 0.0
+
+
+def test_hybrid_engine_transition_moves_the_paper_volume_inside_micro_dp_groups():
+    simulator = Simulator(workload=PAPER_WORKLOAD, cluster=a100_cluster(16))
+    spec = model_spec("llama-7b")
+    model_bytes = spec.num_params() * 2
+    strategy = RoleStrategy(layout="3d", pp_size=2, tp_size=4, generation_pp_size=1, generation_tp_size=2)
+    # (t p - tg pg) / (tg pg t p) = (8 - 2) / 16 of the model per rank, over NVLink (micro-DP group of 4)
+    assert simulator.transition_seconds(spec, strategy, 16) == pytest.approx(1e-5 + 6 / 16 * model_bytes / 240e9)
+    same = RoleStrategy(layout="3d", pp_size=2, tp_size=4, generation_pp_size=2, generation_tp_size=4)
+    assert simulator.transition_seconds(spec, same, 16) == 0.0
+
+
+def test_generation_runs_in_as_many_waves_as_the_kv_budget_requires():
+    workload = Workload(prompts_per_step=64, prompt_length=100, response_length=28)
+    simulator = Simulator(workload=workload, cluster=a100_cluster(2, 2))
+    spec = model_spec("llama-7b")
+    strategy = RoleStrategy(layout="3d", tp_size=2, generation_pp_size=1, generation_tp_size=1)
+    per_sequence = 2 * 32 * 4096 * 128 * 2  # keys and values, every layer, 128 tokens, bf16
+    assert simulator.kv_bytes_per_sequence(spec, strategy) == per_sequence
+    # 2 replicas of 32 sequences; room for 10 at once -> 4 waves of 8
+    seconds, details = simulator.generation_seconds(spec, strategy, 2, 10.5 * per_sequence)
+    assert details == {"generation_waves": 4.0, "generation_batch": 8.0}
+    assert simulator.generation_seconds(spec, strategy, 2, 0.5 * per_sequence) is None
+    # decoding streams the weights every step: it is memory-bound, so it beats compute-bound time
+    decode_floor = 4 * 28 * spec.matmul_params() * 2 / (2.039e12 * 0.8)
+    assert seconds > decode_floor
+
+
+def test_generation_with_more_tensor_parallelism_is_faster_per_replica_when_memory_bound():
+    workload = Workload(prompts_per_step=8, prompt_length=128, response_length=128)
+    simulator = Simulator(workload=workload, cluster=a100_cluster(8))
+    spec = model_spec("llama-13b")
+
+    def seconds(tg: int) -> float:
+        strategy = RoleStrategy(layout="3d", tp_size=8, generation_pp_size=1, generation_tp_size=tg)
+        return simulator.generation_seconds(spec, strategy, tg, 60 * GIB)[0]
+
+    assert seconds(8) < seconds(4) < seconds(2) < seconds(1)
+
+
+# ---- composition and search ------------------------------------------------------------------
+def _fake_cost(**stages: float) -> RoleCost:
+    return RoleCost(strategy=RoleStrategy(layout="fsdp"), stage_seconds=stages, resident_bytes=0.0,
+                    transient_bytes=0.0)
+
+
+def test_iteration_time_sums_within_a_pool_maxes_across_pools_and_sums_stages():
+    pools = (PoolPlan(name="a", roles=("actor", "reference"), devices_per_node=(4,)),
+             PoolPlan(name="b", roles=("critic", "reward"), devices_per_node=(4,)))
+    results = [
+        SetResult(costs={"actor": _fake_cost(generation=10.0, preparation=3.0, training=5.0),
+                         "reference": _fake_cost(preparation=2.0)}),
+        SetResult(costs={"critic": _fake_cost(preparation=4.0, training=6.0), "reward": _fake_cost(preparation=1.5)}),
+    ]
+    combined = Planner._assemble(pools, results)
+    assert combined.stage_seconds == {"generation": 10.0, "preparation": 5.5, "training": 6.0}
+    assert combined.total_seconds == 21.5
+    assert combined.pool_stage_seconds["a"] == {"generation": 10.0, "preparation": 5.0, "training": 5.0}
+
+
+def test_search_returns_the_fastest_of_every_placement_and_allocation_it_enumerates():
+    flow = dataflow("ppo")
+    cluster = a100_cluster(16)
+    planner = Planner(dataflow=flow, models=resolve_models(same_model("llama-7b")), workload=PAPER_WORKLOAD,
+                      cluster=cluster)
+    every = []
+    for partition in set_partitions(list(PPO_ROLES)):
+        sets = [tuple(block) for block in partition]
+        minimums = [planner.min_devices(block) for block in sets]
+        for allocation in planner.allocations(minimums):
+            candidate = planner.plan_for(sets, allocation)
+            if candidate is not None:
+                every.append(candidate.total_seconds)
+    best = plan("ppo", same_model("llama-7b"), PAPER_WORKLOAD, cluster, top=15)
+    assert best.total_seconds == min(every)
+    ranked = [best, *best.alternatives]
+    assert len(ranked) == 15  # every placement of 4 models fits 16 A100s for 7B
+    assert [p.total_seconds for p in ranked] == sorted(p.total_seconds for p in ranked)
+    assert len({p.placement_label for p in ranked}) == 15
+
+
+def test_allocations_use_every_device_and_respect_node_boundaries():
+    flow = dataflow("ppo")
+    planner = Planner(dataflow=flow, models=resolve_models(same_model("tiny")), workload=PAPER_WORKLOAD,
+                      cluster=a100_cluster(16))
+    allocations = list(planner.allocations([1, 1, 1]))
+    assert all(sum(allocation) == 16 for allocation in allocations)
+    assert (8, 4, 4) in allocations and (4, 8, 4) in allocations
+    assert (6, 6, 4) not in allocations  # 6 is not a node-aligned pool size
+    assert all(count in (1, 2, 4, 8, 16) for allocation in allocations for count in allocation)
+
+
+@pytest.mark.parametrize("model, num_devices", [("llama-7b", 16), ("llama-13b", 32), ("llama-34b", 64)])
+def test_planner_colocates_all_models_up_to_64_gpus_like_the_paper(model, num_devices):
+    best = plan("ppo", same_model(model), PAPER_WORKLOAD, a100_cluster(num_devices), top=1)
+    assert best.placement_label == "actor+critic+reference+reward"
+    assert best.allocation_label == str(num_devices)
+
+
+def test_actor_generation_sizes_divide_its_training_sizes_in_every_plan():
+    best = plan("ppo", same_model("llama-13b"), PAPER_WORKLOAD, a100_cluster(32), top=15)
+    for candidate in [best, *best.alternatives]:
+        actor = candidate.strategies["actor"]
+        assert actor.pp_size % actor.generation_pp_size == 0 and actor.tp_size % actor.generation_tp_size == 0
+        for role, strategy in candidate.strategies.items():
+            pool = candidate.pool_of(role)
+            assert pool.num_devices % strategy.model_parallel_size == 0 and strategy.tp_size <= 8
+
+
+# ---- plan <-> config ---------------------------------------------------------------------------
+def test_plan_survives_a_round_trip_through_the_config_fragment():
+    models = same_model("llama-7b")
+    cluster = a100_cluster(32)
+    best = plan("ppo", models, PAPER_WORKLOAD, cluster, top=15)
+    for candidate in [best, *best.alternatives]:
+        fragment = candidate.to_config_fragment()
+        restored = Plan.from_config_fragment(json.loads(json.dumps(fragment)))
+        assert restored == candidate.without_prediction()
+        assert restored.to_config_fragment() == fragment
+        assert simulate_plan(restored, "ppo", models, PAPER_WORKLOAD, cluster).stage_seconds == candidate.stage_seconds
+
+
+def test_config_fragment_uses_the_shared_placement_and_engine_keys():
+    fragment = Plan(
+        pools=(PoolPlan(name="actor_reference", roles=("actor", "reference"), devices_per_node=(8, 8)),
+               PoolPlan(name="critic_reward", roles=("critic", "reward"), devices_per_node=(8,))),
+        strategies={"actor": RoleStrategy(layout="3d", pp_size=2, tp_size=4, generation_pp_size=1,
+                                          generation_tp_size=2),
+                    "reference": RoleStrategy(layout="fsdp"), "critic": RoleStrategy(layout="3d", tp_size=2),
+                    "reward": RoleStrategy(layout="fsdp")},
+    ).to_config_fragment()
+    assert fragment == {
+        "placement": {"pools": {"actor_reference": [8, 8], "critic_reward": [8]},
+                      "roles": {"actor": "actor_reference", "reference": "actor_reference",
+                                "critic": "critic_reward", "reward": "critic_reward"}},
+        "actor": {"engine": {"layout": "3d", "pp_size": 2, "tp_size": 4}, "generation": {"pp_size": 1, "tp_size": 2}},
+        "reference": {"engine": {"layout": "fsdp", "pp_size": 1, "tp_size": 1}},
+        "critic": {"engine": {"layout": "3d", "pp_size": 1, "tp_size": 2}},
+        "reward": {"engine": {"layout": "fsdp", "pp_size": 1, "tp_size": 1}},
+    }
+
+
+def test_config_fragment_with_bad_values_is_rejected():
+    with pytest.raises(ValueError, match="needs placement.pools and placement.roles"):
+        Plan.from_config_fragment({"actor": {}})
+    with pytest.raises(ValueError, match="generation tp_size 3 must divide"):
+        Plan.from_config_fragment({"placement": {"pools": {"p": [4]}, "roles": {"actor": "p"}},
+                                   "actor": {"engine": {"layout": "3d", "tp_size": 4},
+                                             "generation": {"tp_size": 3}}})
+    with pytest.raises(ValueError, match=r"missing from placement.pools \['p'\]"):
+        Plan.from_config_fragment({"placement": {"pools": {"p": [4]}, "roles": {"actor": "q"}}})
+
+
+def test_simulating_a_layout_that_does_not_fit_its_pool_is_rejected():
+    layout = Plan.from_config_fragment({
+        "placement": {"pools": {"all": [8]}, "roles": {role: "all" for role in PPO_ROLES}},
+        "actor": {"engine": {"layout": "3d", "tp_size": 2}, "generation": {"tp_size": 2}}})
+    with pytest.raises(ValueError, match="does not fit in 8 devices"):
+        simulate_plan(layout, "ppo", same_model("llama-13b"), PAPER_WORKLOAD, a100_cluster(8))
+
+
+# ---- hardware profiles -----------------------------------------------------------------------
+def test_builtin_hardware_profiles_load_and_unknown_ones_are_listed():
+    assert load_hardware("h100-80g").peak_flops == 989e12
+    assert load_hardware("h200").device_memory_gib == 140
+    with pytest.raises(ValueError, match="known: a100-80g, h100-80g, h200, cpu-local"):
+        load_hardware("tpu-v5")
+
+
+def test_profile_files_with_unknown_fields_or_bad_values_are_rejected(tmp_path):
+    data = load_hardware("a100-80g").to_dict()
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps(data | {"tflops": 1}))
+    with pytest.raises(ValueError, match=r"unknown hardware profile fields \['tflops'\]"):
+        load_hardware(str(path))
+    with pytest.raises(ValueError, match=r"flops_fraction must be in \(0, 1\], got 1.5"):
+        HardwareProfile(**(data | {"flops_fraction": 1.5}))
+
+
+def test_cpu_local_profile_asks_for_calibration_until_measured(tmp_path, monkeypatch):
+    monkeypatch.setenv("HYBRIDFLOW_HOME", str(tmp_path))
+    with pytest.raises(ValueError, match="run `hybridflow calibrate` first"):
+        load_hardware("cpu-local")
+
+
+def test_oversubscribed_cpu_processes_share_the_cores():
+    profile = HardwareProfile(**(load_hardware("a100-80g").to_dict() | {"compute_units_per_node": 2}))
+    cpu = Cluster(num_devices=4, devices_per_node=4, hardware=profile)
+    assert (cpu.compute_share(4), cpu.compute_share(2), cpu.compute_share(1)) == (0.5, 1.0, 1.0)
+    assert a100_cluster(16).compute_share(16) == 1.0
+    assert math.isclose(Simulator(workload=PAPER_WORKLOAD, cluster=cpu, compute_share=0.5).flops, 312e12 * 0.5 * 0.5)
+
+
+def test_only_the_processes_busy_in_a_stage_compete_for_the_cores():
+    profile = HardwareProfile(**(load_hardware("a100-80g").to_dict() | {"compute_units_per_node": 2}))
+    cluster = Cluster(num_devices=4, devices_per_node=4, hardware=profile)
+    flow = dataflow("ppo")
+    planner = Planner(dataflow=flow, models=resolve_models(same_model("tiny")), workload=PAPER_WORKLOAD,
+                      cluster=cluster)
+    standalone = [("actor",), ("critic",), ("reference",), ("reward",)]
+    # generation: the actor's 1 process; preparation: all 4 on 2 cores; training: actor + critic
+    assert planner.stage_shares(standalone, [1, 1, 1, 1]) == (1.0, 0.5, 1.0)
+    assert planner.stage_shares([PPO_ROLES], [4]) == (0.5, 0.5, 0.5)
+    alone = planner.plan_for(standalone, [1, 1, 1, 1])
+    crowded = Simulator(workload=PAPER_WORKLOAD, cluster=cluster, compute_share=0.5)
+    spec, strategy = model_spec("tiny"), alone.strategies["reference"]
+    assert alone.role_stage_seconds["reference"]["preparation"] == crowded.inference_seconds(spec, "lm", strategy, 1)
+    full = Simulator(workload=PAPER_WORKLOAD, cluster=cluster)
+    critic_strategy = alone.strategies["critic"]
+    assert alone.role_stage_seconds["critic"]["training"] == full.training_seconds(spec, "value", critic_strategy, 1)
+
+
+# ---- predicted vs measured ranking -----------------------------------------------------------
+def test_spearman_correlation_matches_hand_computed_values():
+    from hybridflow.mapping import spearman_correlation
+
+    assert spearman_correlation([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman_correlation([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    # one swapped pair in each half: 1 - 6 * (1+1+1+1) / (5 * 24) = 0.8
+    assert spearman_correlation([1, 2, 3, 4, 5], [2, 1, 4, 3, 5]) == pytest.approx(0.8)
+    # ties share ranks: [1.5, 1.5, 3] vs [1, 2, 3] -> 1.5 / sqrt(1.5 * 2)
+    assert spearman_correlation([7, 7, 9], [1, 2, 3]) == pytest.approx(1.5 / math.sqrt(3.0))
+    with pytest.raises(ValueError, match="need equal lengths"):
+        spearman_correlation([1, 2], [1, 2, 3])
+    with pytest.raises(ValueError, match="undefined when all predicted or all measured values are equal"):
+        spearman_correlation([1, 1, 1], [1, 2, 3])
+
+
+def test_measured_validation_ranks_the_benchmark_layouts_against_their_predictions(tmp_path, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_mapping.py"
+    loader = importlib.util.spec_from_file_location("bench_mapping", script)
+    bench = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(bench)
+    path = tmp_path / "measured.json"
+    bench.write_template(str(path), "a100-80g")
+    spec = json.loads(path.read_text())
+    assert len(spec["runs"]) >= 4
+    predicted = bench.predict(spec)
+    assert [round(value, 6) for value in predicted] == [run["predicted_seconds"] for run in spec["runs"]]
+    for run, value in zip(spec["runs"], predicted):
+        run["measured_seconds"] = 1000.0 - value  # the exact reverse order
+    path.write_text(json.dumps(spec))
+    assert bench.validate_measured(str(path)) == pytest.approx(-1.0)
+    for run, value in zip(spec["runs"], predicted):
+        run["measured_seconds"] = 3 * value + 1
+    path.write_text(json.dumps(spec))
+    assert bench.validate_measured(str(path)) == pytest.approx(1.0)
+    assert f"Spearman rank correlation over {len(predicted)} runs: 1.000" in capsys.readouterr().out
+
+
+def test_safe_rlhf_searches_the_52_placements_of_its_five_models():
+    models = same_model("llama-7b", roles=("actor", "critic", "reference", "reward", "cost"))
+    best = plan("safe-rlhf", models, PAPER_WORKLOAD, a100_cluster(32), top=60)
+    ranked = [best, *best.alternatives]
+    assert len({candidate.placement_label for candidate in ranked}) == len(ranked) == 52
+    assert set(best.to_config_fragment()["placement"]["roles"]) == {"actor", "critic", "reference", "reward", "cost"}
+
+
+def test_layouts_split_the_batch_evenly_or_the_planner_says_why():
+    best = plan("ppo", same_model("llama-7b"), Workload(prompts_per_step=96, prompt_length=512, response_length=512,
+                                                        mini_batch_size=32), a100_cluster(32), top=15)
+    for candidate in [best, *best.alternatives]:
+        for role, strategy in candidate.strategies.items():
+            dp_size = strategy.dp_size(candidate.pool_of(role).num_devices)
+            assert 96 % dp_size == 0
+            if role in ("actor", "critic"):
+                assert 32 % dp_size == 0
+        actor = candidate.strategies["actor"]
+        replicas = candidate.pool_of("actor").num_devices // (actor.generation_pp_size * actor.generation_tp_size)
+        assert 96 % replicas == 0
+    with pytest.raises(ValueError, match="role 'actor' \\(tiny\\) has no layout on 128 devices that splits the batch"):
+        plan("ppo", same_model("tiny"), Workload(prompts_per_step=4, prompt_length=8, response_length=8),
+             a100_cluster(128))

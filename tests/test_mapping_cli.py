@@ -1,0 +1,86 @@
+"""`hybridflow plan` and `hybridflow calibrate`: output, written config, errors, measured profile."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from hybridflow.mapping import Cluster, Plan, Workload, load_hardware, plan
+from hybridflow.mapping.cli import calibrate_main, plan_main
+
+TINY_PPO = ["--actor", "tiny", "--critic", "tiny", "--prompt-len", "32", "--response-len", "32", "--batch", "16"]
+
+
+def test_plan_prints_the_plan_and_writes_the_config_fragment_the_api_returns(tmp_path, capsys):
+    out = tmp_path / "plan.yaml"
+    argv = ["--actor", "llama-7b", "--critic", "llama-7b", "--devices", "16", "--per-node", "8",
+            "--prompt-len", "1024", "--response-len", "1024", "--batch", "1024", "--top", "4", "--write", str(out)]
+    assert plan_main(argv) == 0
+    printed = capsys.readouterr().out
+    expected = plan("ppo", {role: "llama-7b" for role in ("actor", "critic", "reference", "reward")},
+                    Workload(prompts_per_step=1024, prompt_length=1024, response_length=1024),
+                    Cluster(num_devices=16, devices_per_node=8, hardware=load_hardware("a100-80g")), top=4)
+    assert expected.describe() in printed
+    assert f"{expected.total_seconds:>9.1f}s" in printed
+    assert len([line for line in printed.splitlines() if line.lstrip()[:2] in ("1 ", "2 ", "3 ", "4 ")]) == 4
+    written = yaml.safe_load(out.read_text())
+    assert written == expected.to_config_fragment()
+    assert Plan.from_config_fragment(written) == expected.without_prediction()
+
+
+def test_plan_for_an_algorithm_without_critic_defaults_reference_and_reward_to_the_actor(capsys):
+    argv = ["--algorithm", "grpo", "--actor", "tiny", "--devices", "2", "--per-node", "2",
+            "--prompt-len", "16", "--response-len", "16", "--batch", "8", "--hardware", "h100-80g"]
+    assert plan_main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "grpo on 2 x h100-80g" in printed
+    assert "critic" not in printed and "reference" in printed and "reward" in printed
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--devices", "12"], "Cluster.num_devices 12 must be a multiple of devices_per_node 8"),
+    (["--devices", "8", "--hardware", "tpu"], "unknown hardware 'tpu'; known: a100-80g, h100-80g, h200, cpu-local"),
+    (["--devices", "8", "--reward", "gpt-9"], "unknown model 'gpt-9'"),
+    (["--devices", "8", "--batch", "0"], "Workload.prompts_per_step must be a positive integer, got 0"),
+])
+def test_plan_reports_bad_input_on_stderr_with_exit_code_2(extra, message, capsys):
+    assert plan_main(TINY_PPO + extra) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_plan_with_a_rule_based_reward_places_no_reward_model(tmp_path):
+    out = tmp_path / "plan.yaml"
+    argv = ["--actor", "tiny", "--critic", "tiny", "--reward", "none", "--devices", "4", "--per-node", "4",
+            "--prompt-len", "16", "--response-len", "16", "--batch", "8", "--write", str(out)]
+    assert plan_main(argv) == 0
+    written = yaml.safe_load(out.read_text())
+    assert set(written["placement"]["roles"]) == {"actor", "critic", "reference"}
+    assert "reward" not in written
+
+
+def test_plan_requires_a_critic_for_ppo(capsys):
+    argv = ["--actor", "tiny", "--devices", "2", "--prompt-len", "8", "--response-len", "8", "--batch", "4"]
+    assert plan_main(argv) == 2
+    assert "--critic is required for --algorithm ppo" in capsys.readouterr().err
+
+
+def test_calibrate_writes_a_profile_that_the_planner_loads_as_cpu_local(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HYBRIDFLOW_HOME", str(tmp_path))
+    assert calibrate_main(["--quick"]) == 0
+    assert "wrote" in capsys.readouterr().out
+    profile = load_hardware("cpu-local")
+    assert profile.compute_dtype == "fp32" and profile.compute_units_per_node >= 1
+    # a 2-core VM does more than 1 GFLOP/s and 0.1 GB/s in one thread; gloo moves more than 1 MB/s
+    assert profile.peak_flops > 1e9 and profile.memory_bandwidth > 1e8 and profile.intra_node_bandwidth > 1e6
+    assert 0 < profile.intra_node_latency_s < 1.0
+    assert plan_main(TINY_PPO + ["--devices", "4", "--per-node", "4", "--hardware", "cpu-local"]) == 0
+    assert "cpu-local" in capsys.readouterr().out
+
+
+def test_mapping_package_imports_neither_torch_nor_ray():
+    import subprocess
+    import sys
+
+    code = "import sys, hybridflow.mapping, hybridflow.mapping.cli; print('torch' in sys.modules, 'ray' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.split() == ["False", "False"]
