@@ -60,11 +60,11 @@ def test_an_exception_on_one_rank_names_role_rank_method_and_carries_the_remote_
 
 
 def test_a_call_past_its_timeout_is_a_timeout_error_naming_the_pending_ranks(faulty):
-    future = faulty.sleep(3.0)
+    future = faulty.sleep(2.0)
     start = time.monotonic()
     with pytest.raises(WorkerTimeoutError) as info:
         future.get(timeout_s=0.5)
-    assert time.monotonic() - start < 2.0
+    assert time.monotonic() - start < 1.5  # the driver gave up long before the call could finish
     assert info.value.pending_ranks == [0, 1] and info.value.method == "sleep"
     assert future.get() == [0, 1]
 

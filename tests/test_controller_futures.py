@@ -54,11 +54,14 @@ class StageWorker(Worker):
 
     @register("DP_METRICS")
     def score(self, batch: DataProto) -> dict:
-        """What this rank received, and what it had to fetch to get it."""
-        fetched = lazy_fetch_stats()
+        """What this rank received."""
         return {"prompt_ids": batch["prompt_id"].tolist(), "tokens_ok": bool(
-            torch.equal(batch["tokens"], batch["prompt_id"][:, None] * 10_000 + torch.arange(TOKENS)[None, :])),
-            "objects_fetched": fetched.objects}
+            torch.equal(batch["tokens"], batch["prompt_id"][:, None] * 10_000 + torch.arange(TOKENS)[None, :]))}
+
+    @register("ONE_TO_ALL")
+    def objects_fetched(self) -> int:
+        """Source outputs this process has fetched so far to resolve future arguments."""
+        return lazy_fetch_stats().objects
 
     @register("DP_PROTO")
     def passthrough(self, batch: DataProto) -> DataProto:
@@ -69,9 +72,34 @@ class StageWorker(Worker):
         time.sleep(seconds)
         return self.rank
 
+    @register("ONE_TO_ALL", blocking=False)
+    def busy_interval(self, seconds: float) -> tuple[float, float]:
+        start = time.time()
+        time.sleep(seconds)
+        return start, time.time()
+
     @register("ONE_TO_ALL")
     def count_lists(self, value: list) -> int:
         return len(value)
+
+
+@pytest.fixture
+def driver_unpickled_bytes(monkeypatch) -> list[int]:
+    """Tensor bytes of every DataProto deserialized in the driver process during the test.
+
+    Independent of the controller's own accounting: whatever route a batch takes into the driver
+    (ray.get, a future, an object reference), it arrives through DataProto.__setstate__.
+    """
+    sizes: list[int] = []
+    original = DataProto.__setstate__
+
+    def counting_setstate(self, state: dict) -> None:
+        original(self, state)
+        sizes.append(sum(t.numel() * t.element_size() for t in (self.batch[k] for k in self.batch.keys()))
+                     if self.batch is not None else 0)
+
+    monkeypatch.setattr(DataProto, "__setstate__", counting_setstate)
+    return sizes
 
 
 @pytest.fixture(scope="module")
@@ -86,38 +114,46 @@ def groups(ray_session):
     pool2.release()
 
 
-def test_chaining_dp4_into_dp2_moves_no_batch_bytes_through_the_driver(groups):
+def test_chaining_dp4_into_dp2_moves_no_batch_bytes_through_the_driver(groups, driver_unpickled_bytes):
     dp4, dp2 = groups
     dp4.declare(1)
-    before = [m["objects_fetched"] for m in dp2.score(dp4.generate(prompts(2)))]
+    before = dp2.objects_fetched()
     reset_driver_fetch_stats()
     future = dp4.generate(prompts(8))
     assert isinstance(future, Future)
     metrics = dp2.score(future)
     assert driver_fetch_stats().bytes == 0
+    assert driver_unpickled_bytes == []
     assert [m["prompt_ids"] for m in metrics] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert all(m["tokens_ok"] for m in metrics)
     # destination rank j fetched exactly source chunks 2j and 2j+1
-    assert [m["objects_fetched"] - b for m, b in zip(metrics, before)] == [2, 2]
+    assert [after - b for after, b in zip(dp2.objects_fetched(), before)] == [2, 2]
 
 
-def test_a_blocking_call_fetches_exactly_the_batch_into_the_driver(groups):
+def test_a_blocking_call_fetches_exactly_the_batch_into_the_driver(groups, driver_unpickled_bytes):
     dp4, _ = groups
     dp4.declare(1)
     reset_driver_fetch_stats()
     batch = dp4.generate(prompts(8)).get()
     assert torch.equal(batch["tokens"], expected_tokens(list(range(8))))
-    assert driver_fetch_stats().bytes == batch.nbytes
+    assert driver_fetch_stats().bytes == batch.nbytes == 8 * (TOKENS + 1) * 8
+    # the same bytes, seen where they arrive: one chunk of two rows from each of the four ranks
+    assert driver_unpickled_bytes == [2 * (TOKENS + 1) * 8] * 4
 
 
-def test_chaining_dp2_into_dp4_gives_each_destination_rank_its_slice_of_one_source_chunk(groups):
+def test_chaining_dp2_into_dp4_gives_each_destination_rank_its_slice_of_one_source_chunk(groups,
+                                                                                         driver_unpickled_bytes):
     dp4, dp2 = groups
     dp4.declare(1)
+    before = dp4.objects_fetched()
     reset_driver_fetch_stats()
     metrics = dp4.score(dp2.generate(prompts(8)))
     assert driver_fetch_stats().bytes == 0
+    assert driver_unpickled_bytes == []
     assert [m["prompt_ids"] for m in metrics] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert all(m["tokens_ok"] for m in metrics)
+    # destination rank i fetched only source chunk i // 2
+    assert [after - b for after, b in zip(dp4.objects_fetched(), before)] == [1, 1, 1, 1]
 
 
 def test_padding_survives_a_chain_of_dp4_dp2_dp4_with_seven_rows(groups):
@@ -154,7 +190,7 @@ def test_a_future_of_a_list_collecting_protocol_reaches_every_rank_whole(groups)
 
 def test_groups_on_different_pools_run_at_the_same_time(groups):
     dp4, dp2 = groups
-    start = time.monotonic()
-    first, second = dp4.nap(2.0), dp2.nap(2.0)
-    assert first.get() == [0, 1, 2, 3] and second.get() == [0, 1]
-    assert time.monotonic() - start < 3.8  # one after the other would take at least 4 s
+    first, second = dp4.busy_interval(1.5), dp2.busy_interval(1.5)
+    intervals = first.get() + second.get()
+    # every rank of both groups was busy at one common moment: the calls overlapped, none waited
+    assert max(start for start, _ in intervals) < min(end for _, end in intervals)

@@ -41,6 +41,23 @@ class Generator(Worker):
     def explode(self) -> None:
         raise RuntimeError("inspect me with breakpoint()")
 
+    @register("ONE_TO_ALL")
+    def pause_here(self) -> str:
+        local_name = "seen by the debugger"  # noqa: F841 (read from the frame by the test's hook)
+        breakpoint()
+        return "resumed"
+
+
+class ShadowsTheGroup(Worker):
+    @register("ONE_TO_ALL")
+    def shutdown(self) -> None:
+        pass
+
+
+class BrokenInit(Worker):
+    def __init__(self) -> None:
+        raise OSError("checkpoint not found")
+
 
 class Scorer(Worker):
     @register("DP_PROTO")
@@ -86,6 +103,38 @@ def test_local_mode_errors_name_the_role_and_chain_the_original_exception():
     assert isinstance(info.value.__cause__, RuntimeError)
 
 
+def test_breakpoint_in_a_worker_method_stops_in_the_driver_process_in_the_methods_frame(monkeypatch):
+    stops = []
+
+    def debugger(*args, **kwargs) -> None:  # stands in for pdb: records where breakpoint() stopped
+        frame = sys._getframe(1)
+        stops.append((os.getpid(), frame.f_code.co_name, frame.f_locals.get("local_name")))
+
+    monkeypatch.setattr(sys, "breakpointhook", debugger)
+    group = WorkerGroup(ResourcePool([2], mode="local"), Generator)
+    assert group.pause_here() == ["resumed"]
+    assert stops == [(os.getpid(), "pause_here", "seen by the debugger")]
+    group.shutdown()
+
+
+def test_a_constructor_error_names_init_and_frees_the_slot_for_the_next_group():
+    pool = ResourcePool([1], mode="local")
+    with pytest.raises(WorkerError) as info:
+        WorkerGroup(pool, BrokenInit, name="broken")
+    assert (info.value.role, info.value.rank, info.value.method) == ("broken", 0, "__init__")
+    assert "OSError: checkpoint not found" in info.value.remote_traceback
+    assert WorkerGroup(pool, Scorer).world_size == 1
+
+
+def test_a_worker_class_that_is_not_a_worker_or_shadows_a_group_method_is_a_value_error_before_it_starts():
+    pool = ResourcePool([1], mode="local")
+    with pytest.raises(ValueError, match="subclass of hybridflow.controller.Worker"):
+        WorkerGroup(pool, dict)
+    with pytest.raises(ValueError, match="ShadowsTheGroup.shutdown clashes with WorkerGroup.shutdown"):
+        WorkerGroup.colocate(pool, {"fine": (Scorer,), "clash": (ShadowsTheGroup,)})
+    WorkerGroup(pool, Scorer).shutdown()  # nothing was started, so the slot is still free
+
+
 def test_the_environment_variable_switches_new_pools_to_local_mode(monkeypatch):
     monkeypatch.setenv("HYBRIDFLOW_LOCAL", "1")
     assert local_mode_enabled()
@@ -101,9 +150,3 @@ def test_a_worker_built_by_hand_is_rank_zero_of_a_world_of_one_and_checks_its_la
     assert (worker.rank, worker.world_size, worker.coords.dp_rank) == (0, 1, 0)
     with pytest.raises(ValueError, match="covers 2 ranks"):
         worker.set_parallel_layout(ParallelLayout(tp_size=2))
-
-
-@pytest.mark.parametrize("devices", [[], [0], [2, -1], "4"])
-def test_a_pool_with_a_bad_device_list_is_a_value_error(devices):
-    with pytest.raises(ValueError, match="devices_per_node"):
-        ResourcePool(devices, mode="local")

@@ -1,4 +1,4 @@
-"""A two-node Ray cluster simulated on this machine: ResourcePool([2, 2]) puts two ranks on each node.
+"""Ray started on demand by a pool, then a simulated two-node cluster that ResourcePool([2, 2]) joins.
 
 The scenario runs in a subprocess (this file run as a script) so that its cluster never meets the
 test session's own Ray instance: a process can only be connected to one Ray at a time.
@@ -17,8 +17,9 @@ RESULT_PREFIX = "MULTINODE_RESULT "
 
 
 @pytest.mark.slow
-def test_a_two_node_pool_places_two_ranks_per_node_and_the_protocols_still_hold():
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+def test_a_pool_starts_ray_on_demand_and_a_two_node_pool_joins_a_cluster_with_two_ranks_per_node():
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    env.update(RAY_AUTH_MODE="disabled", OMP_NUM_THREADS="1")
     completed = subprocess.run([sys.executable, __file__], capture_output=True, text=True, timeout=400, env=env)
     lines = [line for line in completed.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
     assert completed.returncode == 0 and lines, completed.stdout[-3000:] + completed.stderr[-5000:]
@@ -29,6 +30,9 @@ def test_a_two_node_pool_places_two_ranks_per_node_and_the_protocols_still_hold(
     assert result["dp_x"] == list(range(7)) and result["dp_rank"] == [0, 0, 1, 1, 2, 2, 3]
     assert result["three_d_x"] == list(range(5)) and result["three_d_rank"] == [0, 0, 0, 2, 2]
     assert result["all_reduce"] == [4.0] * 4
+    # before the cluster, with no Ray anywhere: the pool started a local Ray with a CPU slot per process
+    assert result["on_demand_cpus"] == max(os.cpu_count() or 1, 32)
+    assert result["on_demand_all_reduce"] == [2.0, 2.0]
 
 
 def _scenario() -> dict:
@@ -64,12 +68,22 @@ def _scenario() -> dict:
         def three_d(self, batch: DataProto) -> DataProto:
             return self.dp(batch)
 
+    assert not ray.is_initialized()
+    pool = ResourcePool([2], name="on-demand")
+    group = WorkerGroup(pool, NodeProbe, timeout_s=180)
+    on_demand = {"on_demand_cpus": ray.cluster_resources()["CPU"], "on_demand_all_reduce": group.all_reduce()}
+    group.shutdown()
+    pool.release()
+    ray.shutdown()
+
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "object_store_memory": 100 * 2**20})
     cluster.add_node(num_cpus=2, object_store_memory=100 * 2**20)
     cluster.wait_for_nodes()
-    ray.init(address=cluster.address)
+    # the driver does not call ray.init: the pool joins the running cluster as `hybridflow train` would
+    os.environ["RAY_ADDRESS"] = cluster.address
     try:
         pool = ResourcePool([2, 2], name="two-nodes")
+        assert ray.is_initialized() and len(ray.nodes()) == 2
         group = WorkerGroup(pool, NodeProbe, timeout_s=180)
         where = group.where()
         dp = group.dp(DataProto.from_dict({"x": torch.arange(7.0)}))
@@ -78,7 +92,7 @@ def _scenario() -> dict:
         result = {"node_ids": [node for node, _ in where], "local_ranks": [local for _, local in where],
                   "dp_x": dp["x"].tolist(), "dp_rank": dp["rank"].tolist(),
                   "three_d_x": three_d["x"].tolist(), "three_d_rank": three_d["rank"].tolist(),
-                  "all_reduce": group.all_reduce()}
+                  "all_reduce": group.all_reduce(), **on_demand}
         group.shutdown()
         pool.release()
         return result

@@ -7,6 +7,7 @@ import sys
 import pytest
 import ray.cloudpickle
 import torch
+import torch.distributed as dist
 
 from hybridflow.controller import (
     Dispatch,
@@ -18,6 +19,7 @@ from hybridflow.controller import (
     register,
     register_protocol,
 )
+from hybridflow.device import distributed_backend
 from hybridflow.parallel.layout import GenerationLayout, ParallelLayout
 from hybridflow.protocol import DataProto
 
@@ -161,6 +163,20 @@ class ProbeWorker(Worker):
     def whoami(self, token: str) -> tuple:
         return self.rank, self.world_size, token, self.calls
 
+    @register("ONE_TO_ALL")
+    def sum_of_ranks(self) -> tuple[str, int]:
+        """All-reduce over the group's torch.distributed world: every rank must have joined it."""
+        total = torch.tensor([self.rank], device=self.device)
+        dist.all_reduce(total)
+        return dist.get_backend(), int(total.item())
+
+    @register("ONE_TO_ALL")
+    def where_in_mesh(self) -> tuple:
+        coords, generation = self.coords, self.generation_coords
+        return ((coords.dp_rank, coords.pp_rank, coords.tp_rank),
+                None if generation is None else (generation.replica, generation.micro_dp_rank),
+                self.micro_dp_group)
+
     @register("ALL_TO_ALL")
     def echo(self, value: int) -> int:
         return value * 100 + self.rank
@@ -199,27 +215,34 @@ class ProbeWorker(Worker):
         return self.rank + value
 
 
-@pytest.fixture(scope="module")
-def group4(ray_session):
-    pool = ResourcePool([4], name="protocols4")
-    group = WorkerGroup(pool, ProbeWorker, 0, name="probe4", timeout_s=120)
+def probe_group(world_size: int, offset: int):
+    """A ProbeWorker group on its own pool, shut down when the module's tests are done."""
+    pool = ResourcePool([world_size], name=f"protocols{world_size}")
+    group = WorkerGroup(pool, ProbeWorker, offset, name=f"probe{world_size}", timeout_s=120)
     yield group
     group.shutdown()
     pool.release()
+
+
+@pytest.fixture(scope="module")
+def group4(ray_session):
+    yield from probe_group(4, 0)
 
 
 @pytest.fixture(scope="module")
 def group8(ray_session):
-    pool = ResourcePool([8], name="protocols8")
-    group = WorkerGroup(pool, ProbeWorker, 1000, name="probe8", timeout_s=120)
-    yield group
-    group.shutdown()
-    pool.release()
+    yield from probe_group(8, 1000)
 
 
 def test_one_to_all_and_all_to_all_reach_every_rank_of_a_4_rank_group(group4):
     assert [out[:3] for out in group4.whoami("t")] == [(r, 4, "t") for r in range(4)]
     assert group4.echo([1, 2, 3, 4]) == [100, 201, 302, 403]
+
+
+def test_every_rank_of_a_group_joins_one_torch_distributed_world_of_the_groups_size(group4, group8):
+    backend = distributed_backend()  # gloo here (CPU), nccl on a GPU machine
+    assert group4.sum_of_ranks() == [(backend, 0 + 1 + 2 + 3)] * 4
+    assert group8.sum_of_ranks() == [(backend, sum(range(8)))] * 8
 
 
 def test_dp_proto_on_layout_1_1_4_round_trips_seven_rows_exactly(group4):
@@ -269,6 +292,21 @@ def test_3d_all_micro_dp_on_layout_2_2_2_with_generation_1_2_collects_one_output
     assert out["x"].tolist() == list(range(7))
     assert out["rank"].tolist() == [1000 + heads[0]] * 2 + [1000 + heads[1]] * 2 + [1000 + heads[2]] * 2 + [
         1000 + heads[3]]
+
+
+def test_workers_see_their_2_2_2_mesh_coordinates_and_micro_dp_groups(group8):
+    group8.declare(2, 2)
+    plain = group8.where_in_mesh()
+    # rank = (dp * pp_size + pp) * tp_size + tp
+    assert [coords for coords, _, _ in plain] == [(r // 4, r // 2 % 2, r % 2) for r in range(8)]
+    assert [(generation, group) for _, generation, group in plain] == [(None, None)] * 8
+    group8.declare(2, 2, gen_pp=1, gen_tp=2)
+    hybrid = group8.where_in_mesh()
+    # generation (pg, tg) = (1, 2): each training TP pair is a replica; the two stages of one training
+    # replica hold the same generation shard, so the micro-DP groups pair rank r with rank r + 2
+    assert [generation for _, generation, _ in hybrid] == [(0, 0), (0, 0), (1, 1), (1, 1),
+                                                           (2, 0), (2, 0), (3, 1), (3, 1)]
+    assert [group for _, _, group in hybrid] == [[0, 2], [1, 3], [0, 2], [1, 3], [4, 6], [5, 7], [4, 6], [5, 7]]
 
 
 def test_3d_pp_only_on_layout_2_2_2_returns_one_output_per_pipeline_stage(group8):

@@ -13,7 +13,13 @@ import torch
 from hybridflow.controller.batch import is_splittable, num_rows
 from hybridflow.controller.errors import WorkerError
 from hybridflow.controller.future import resolve_arguments
-from hybridflow.controller.worker import Worker, WorkerContext, add_process_role, set_worker_context
+from hybridflow.controller.worker import (
+    Worker,
+    WorkerContext,
+    add_process_role,
+    remove_process_role,
+    set_worker_context,
+)
 from hybridflow.device import init_process_group
 
 RoleSpec = tuple[type, tuple, dict]
@@ -29,6 +35,8 @@ def build_roles(context: WorkerContext, roles: dict[str, RoleSpec]) -> dict[str,
                 built[role] = worker_cls(*args, **kwargs)
                 add_process_role(role, built[role])
             except Exception as error:
+                for built_role, worker in built.items():  # the group will not exist: forget its other roles
+                    remove_process_role(built_role, worker)
                 raise WorkerError(role=role, rank=context.rank, method="__init__",
                                   remote_traceback=traceback.format_exc()) from error
     finally:

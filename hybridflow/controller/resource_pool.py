@@ -22,6 +22,24 @@ def _local_cpu_slots() -> int | None:
     return max(os.cpu_count() or 1, MIN_LOCAL_CPU_SLOTS)
 
 
+def running_cluster_address() -> str | None:
+    """The cluster a bare ``ray.init()`` joins: RAY_ADDRESS, else the one ``ray start`` recorded on this machine."""
+    from ray._private.utils import read_ray_address  # the file ray.init() itself reads; no public accessor
+
+    return os.environ.get("RAY_ADDRESS") or read_ray_address()
+
+
+def ray_init_options() -> dict:
+    """Arguments of the on-demand ``ray.init``: join a running cluster as it is, or size a new local one.
+
+    Ray refuses resource counts when it joins a cluster (the cluster's nodes declared theirs).
+    """
+    options = {"include_dashboard": False, "runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1"}}}
+    if running_cluster_address() is None:
+        options["num_cpus"] = _local_cpu_slots()
+    return options
+
+
 class ResourcePool:
     """Device slots per node: ``ResourcePool([4])`` is 4 slots on one node, ``[8, 8]`` two nodes of 8.
 
@@ -40,11 +58,16 @@ class ResourcePool:
                  placement_timeout_s: float = 60.0) -> None:
         if (not isinstance(devices_per_node, (list, tuple)) or not devices_per_node
                 or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in devices_per_node)):
-            raise ValueError(f"devices_per_node must be a non-empty list of positive integers, got {devices_per_node!r}")
+            raise ValueError(f"devices_per_node must be a non-empty list of positive integers, "
+                             f"got {devices_per_node!r}")
         if mode is not None and mode not in MODES:
             raise ValueError(f"mode must be one of {MODES} or None, got {mode!r}")
         if not isinstance(max_processes_per_slot, int) or max_processes_per_slot < 1:
             raise ValueError(f"max_processes_per_slot must be a positive integer, got {max_processes_per_slot!r}")
+        if use_gpu not in (None, True, False):
+            raise ValueError(f"use_gpu must be True, False or None (detect), got {use_gpu!r}")
+        if not isinstance(placement_timeout_s, (int, float)) or placement_timeout_s <= 0:
+            raise ValueError(f"placement_timeout_s must be a positive number of seconds, got {placement_timeout_s!r}")
         self.devices_per_node = list(devices_per_node)
         self.name = name or f"pool{id(self):x}"
         self.mode = mode or ("local" if local_mode_enabled() else "ray")
@@ -88,10 +111,13 @@ class ResourcePool:
 
     def _reserve(self, use_gpu: bool | None, timeout_s: float) -> bool:
         if not ray.is_initialized():
-            ray.init(num_cpus=_local_cpu_slots(), include_dashboard=False,
-                     runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+            ray.init(**ray_init_options())
+        cluster_gpus = ray.cluster_resources().get("GPU", 0)
         if use_gpu is None:
-            use_gpu = ray.cluster_resources().get("GPU", 0) > 0
+            use_gpu = cluster_gpus > 0
+        elif use_gpu and cluster_gpus == 0:
+            raise ValueError(f"use_gpu=True but the Ray cluster has no GPUs ({ray.cluster_resources()}); "
+                             f"allowed: use_gpu=False or None (slots are CPUs then)")
         bundles = [{"CPU": float(n), "GPU": float(n)} if use_gpu else {"CPU": float(n)}
                    for n in self.devices_per_node]
         strategy = "STRICT_SPREAD" if len(bundles) > 1 else "STRICT_PACK"

@@ -111,6 +111,14 @@ class Worker:
             return None
         return self._generation_layout.coords(self.rank)
 
+    @property
+    def micro_dp_group(self) -> list[int] | None:
+        """Ranks of this rank's micro-DP group (the hybrid engine's all-gather group), when a generation
+        layout is declared: the ranks of its training replica holding the same generation shard."""
+        if self._generation_layout is None:
+            return None
+        return next(group for group in self._generation_layout.micro_dp_groups() if self.rank in group)
+
     def colocated_role(self, role: str) -> "Worker":
         """Another role object living in this process (built by ``WorkerGroup.colocate`` on the same pool)."""
         if role not in _process_roles:

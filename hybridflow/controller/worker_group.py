@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any
+from typing import Any, Iterator
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -15,7 +16,7 @@ from hybridflow.controller.local import init_local_process_group
 from hybridflow.controller.protocols import Dispatch, GroupMesh, Protocol, get_protocol
 from hybridflow.controller.register import Registration, registered_methods
 from hybridflow.controller.resource_pool import ResourcePool
-from hybridflow.controller.worker import WorkerContext, remove_process_role
+from hybridflow.controller.worker import Worker, WorkerContext, remove_process_role
 from hybridflow.parallel.layout import ParallelLayout
 from hybridflow.protocol import DataProto
 
@@ -33,12 +34,15 @@ class _Hosts:
         self.actors: list = []
         self.local_roles: dict[str, Any] = {}
         pool.claim_processes()
-        if pool.is_local:
-            init_local_process_group()
-            self.local_roles = build_roles(WorkerContext(rank=0, world_size=1, local_rank=0, node_id="local"), roles)
-            self.pids = [os.getpid()]
-        else:
-            self.pids = self._spawn(dist_timeout_s)
+        self._claimed = True
+        with _shut_down_on_error(self):  # a rank failed to start: free the slots, kill the ranks that started
+            if pool.is_local:
+                init_local_process_group()
+                context = WorkerContext(rank=0, world_size=1, local_rank=0, node_id="local")
+                self.local_roles = build_roles(context, roles)
+                self.pids = [os.getpid()]
+            else:
+                self.pids = self._spawn(dist_timeout_s)
 
     @property
     def world_size(self) -> int:
@@ -71,7 +75,8 @@ class _Hosts:
         return [pids[rank] for rank in range(len(self.actors))]
 
     def shutdown(self) -> None:
-        if not self.actors and not self.local_roles:
+        """Kill the processes (or forget the in-driver roles) and free the pool's slots; idempotent."""
+        if not self._claimed:
             return
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
@@ -79,6 +84,7 @@ class _Hosts:
             remove_process_role(role, worker)
         self.actors = []
         self.local_roles = {}
+        self._claimed = False
         self.pool.release_processes()
 
 
@@ -114,9 +120,12 @@ class WorkerGroup:
 
     def __init__(self, pool: ResourcePool, worker_cls: type, *args: Any, name: str | None = None,
                  timeout_s: float | None = None, dist_timeout_s: float = 600.0, **kwargs: Any) -> None:
-        role = name or worker_cls.__name__
+        role = name or getattr(worker_cls, "__name__", repr(worker_cls))
+        _check_worker_class(role, worker_cls)
+        _check_timeouts(timeout_s, dist_timeout_s)
         hosts = _Hosts(pool, {role: (worker_cls, args, kwargs)}, dist_timeout_s=dist_timeout_s, timeout_s=timeout_s)
-        self._attach(hosts, role, worker_cls)
+        with _shut_down_on_error(hosts):
+            self._attach(hosts, role, worker_cls)
 
     @classmethod
     def colocate(cls, pool: ResourcePool, roles: dict[str, tuple], *, timeout_s: float | None = None,
@@ -134,13 +143,16 @@ class WorkerGroup:
             if not 1 <= len(spec) <= 3 or not isinstance(spec[0], type):
                 raise ValueError(f"role {role!r}: expected (WorkerCls,), (WorkerCls, args) or "
                                  f"(WorkerCls, args, kwargs), got {spec!r}")
+            _check_worker_class(role, spec[0])
             specs[role] = (spec[0], tuple(spec[1]) if len(spec) > 1 else (), dict(spec[2]) if len(spec) > 2 else {})
+        _check_timeouts(timeout_s, dist_timeout_s)
         hosts = _Hosts(pool, specs, dist_timeout_s=dist_timeout_s, timeout_s=timeout_s)
         views = {}
-        for role, (worker_cls, _, _) in specs.items():
-            view = cls.__new__(cls)
-            view._attach(hosts, role, worker_cls)
-            views[role] = view
+        with _shut_down_on_error(hosts):
+            for role, (worker_cls, _, _) in specs.items():
+                view = cls.__new__(cls)
+                view._attach(hosts, role, worker_cls)
+                views[role] = view
         return views
 
     def _attach(self, hosts: _Hosts, role: str, worker_cls: type) -> None:
@@ -149,8 +161,6 @@ class WorkerGroup:
         self.worker_cls = worker_cls
         self._methods = registered_methods(worker_cls)
         for method, registration in self._methods.items():
-            if hasattr(WorkerGroup, method):
-                raise ValueError(f"{worker_cls.__name__}.{method} clashes with WorkerGroup.{method}; rename the method")
             setattr(self, method, _BoundMethod(self, method, registration))
         self._pending_infos: dict[ray.ObjectRef, int] = {}  # info reference -> rank, of calls not yet seen done
         self._mesh_stale = False
@@ -277,6 +287,33 @@ class WorkerGroup:
         self._mesh_versions = [state[2] for state in states]
         self._mesh_stale = False
         return GroupMesh(layout=layout, generation=generation)
+
+
+@contextlib.contextmanager
+def _shut_down_on_error(hosts: _Hosts) -> Iterator[None]:
+    """Shut ``hosts`` down if the block fails: a group that never came to be must not hold processes or slots."""
+    try:
+        yield
+    except BaseException:
+        hosts.shutdown()
+        raise
+
+
+def _check_worker_class(role: str, worker_cls: Any) -> None:
+    """Before any process starts: the role is a Worker subclass whose methods do not shadow the group's."""
+    if not isinstance(worker_cls, type) or not issubclass(worker_cls, Worker):
+        raise ValueError(f"role {role!r}: the worker class must be a subclass of hybridflow.controller.Worker, "
+                         f"got {worker_cls!r}")
+    for method in registered_methods(worker_cls):
+        if hasattr(WorkerGroup, method):
+            raise ValueError(f"{worker_cls.__name__}.{method} clashes with WorkerGroup.{method}; rename the method")
+
+
+def _check_timeouts(timeout_s: float | None, dist_timeout_s: float) -> None:
+    if timeout_s is not None and (not isinstance(timeout_s, (int, float)) or timeout_s <= 0):
+        raise ValueError(f"timeout_s must be a positive number of seconds or None (wait forever), got {timeout_s!r}")
+    if not isinstance(dist_timeout_s, (int, float)) or dist_timeout_s <= 0:
+        raise ValueError(f"dist_timeout_s must be a positive number of seconds, got {dist_timeout_s!r}")
 
 
 def _shared_batches(calls: list) -> dict[int, ray.ObjectRef]:

@@ -1,0 +1,59 @@
+"""Resource pools: argument checks, and how a pool starts or joins Ray when none is connected yet."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import ray._private.utils
+
+from hybridflow.controller import ResourcePool, Worker, WorkerGroup
+from hybridflow.controller.resource_pool import MIN_LOCAL_CPU_SLOTS, ray_init_options
+
+
+@pytest.fixture
+def no_recorded_cluster(monkeypatch):
+    """Neither RAY_ADDRESS nor a cluster left by `ray start` on this machine."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray._private.utils, "read_ray_address", lambda temp_dir=None: None)
+
+
+def test_without_a_running_cluster_the_pool_starts_a_local_ray_with_a_cpu_slot_per_process(no_recorded_cluster):
+    options = ray_init_options()
+    assert options["num_cpus"] == max(os.cpu_count() or 1, MIN_LOCAL_CPU_SLOTS)
+    assert options["runtime_env"] == {"env_vars": {"OMP_NUM_THREADS": "1"}}
+
+
+def test_with_ray_address_set_the_pool_joins_that_cluster_without_declaring_resources(no_recorded_cluster,
+                                                                                         monkeypatch):
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    assert "num_cpus" not in ray_init_options()  # ray.init refuses resource counts when it joins a cluster
+
+
+def test_after_ray_start_on_this_machine_the_pool_joins_that_cluster(no_recorded_cluster, monkeypatch):
+    monkeypatch.setattr(ray._private.utils, "read_ray_address", lambda temp_dir=None: "10.0.0.1:6379")
+    assert "num_cpus" not in ray_init_options()
+
+
+@pytest.mark.parametrize("devices", [[], [0], [2, -1], "4", [True]])
+def test_a_pool_with_a_bad_device_list_is_a_value_error(devices):
+    with pytest.raises(ValueError, match="devices_per_node"):
+        ResourcePool(devices, mode="local")
+
+
+@pytest.mark.parametrize(("argument", "value"), [("mode", "cluster"), ("max_processes_per_slot", 0),
+                                                 ("use_gpu", "yes"), ("placement_timeout_s", 0)])
+def test_a_pool_argument_out_of_range_is_a_value_error_naming_it(argument, value):
+    with pytest.raises(ValueError, match=argument):
+        ResourcePool([1], **{"mode": "local", argument: value})
+
+
+def test_use_gpu_on_a_cluster_without_gpus_is_a_value_error_not_a_placement_timeout(ray_session):
+    with pytest.raises(ValueError, match="use_gpu=True"):
+        ResourcePool([1], use_gpu=True, placement_timeout_s=1)
+
+
+@pytest.mark.parametrize(("argument", "value"), [("timeout_s", 0), ("timeout_s", -1.0), ("dist_timeout_s", 0)])
+def test_a_worker_group_timeout_that_is_not_positive_is_a_value_error_naming_it(argument, value):
+    with pytest.raises(ValueError, match=argument):
+        WorkerGroup(ResourcePool([1], mode="local"), Worker, **{argument: value})
