@@ -57,3 +57,12 @@ def test_cpu_machine_picks_cpu_gloo_and_fp32(monkeypatch):
 def test_backend_override_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv("HYBRIDFLOW_BACKEND", "gloo")
     assert device.distributed_backend() == "gloo"
+
+
+def _return_a_tensor(rank: int, world_size: int) -> torch.Tensor:
+    return torch.full((3,), float(rank))
+
+
+def test_ranks_may_return_tensors_after_their_process_exits():
+    results = run_distributed(_return_a_tensor, 2)
+    assert [r.tolist() for r in results] == [[0.0] * 3, [1.0] * 3]

@@ -8,6 +8,7 @@ back. An exception in any rank is re-raised in the caller with that rank's trace
 from __future__ import annotations
 
 import os
+import pickle
 import queue as queue_module
 import socket
 import time
@@ -36,8 +37,9 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
     try:
         init_process_group(rank=rank, world_size=world_size, master_addr="127.0.0.1",
                            master_port=port, timeout_s=timeout_s)
-        result = fn(rank, world_size, *args)
-        queue.put((rank, True, result))
+        # plain pickle bytes, not torch's shared-memory tensor handles: those die with this process,
+        # which may exit before the parent reads the queue
+        queue.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -50,7 +52,7 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 300.0) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return the results by rank.
 
-    ``fn`` must be importable (a module-level function) and its result picklable.
+    ``fn`` must be importable (a module-level function) and its result picklable (tensors are fine).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -79,7 +81,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
                                 f"{sorted(set(range(world_size)) - set(results))}")
             continue
         if ok:
-            results[rank] = payload
+            results[rank] = pickle.loads(payload)
         else:
             # the other ranks may now block in a collective forever; they are killed below
             failures.append(f"--- rank {rank} ---\n{payload}")

@@ -1,0 +1,179 @@
+"""Checkpoints of a TrainingEngine (torch.distributed.checkpoint, any layout) and Hugging Face export.
+
+Checkpoints are keyed by Hugging Face parameter names (global layer indices), so a checkpoint saved
+under one layout loads under another: DCP reads each rank's slices of the saved tensors. Both
+writers are atomic: they write ``<dir>.tmp`` and rename it over ``<dir>`` only when complete, so a
+crash mid-save leaves the previous checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import shutil
+import warnings
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.tensor import DTensor
+
+if TYPE_CHECKING:
+    from hybridflow.engine.training import TrainingEngine
+
+ENGINE_FILE = "engine.json"
+
+
+@contextlib.contextmanager
+def _single_process_quiet():
+    """DCP warns that it assumes one process when torch.distributed is off; that is intended here."""
+    with warnings.catch_warnings():
+        if not dist.is_initialized():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _layout_record(engine: "TrainingEngine") -> dict:
+    layout = engine.layout
+    return {"layout": engine.config.layout, "pp_size": layout.pp_size, "tp_size": layout.tp_size,
+            "dp_size": layout.dp_size, "head": engine.head}
+
+
+def _begin_atomic(directory: str) -> str:
+    tmp = directory.rstrip("/") + ".tmp"
+    if _is_rank0():
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    _barrier()
+    return tmp
+
+
+def _commit_atomic(tmp: str, directory: str) -> None:
+    _barrier()
+    if _is_rank0():
+        old = directory.rstrip("/") + ".old"
+        shutil.rmtree(old, ignore_errors=True)
+        if os.path.exists(directory):
+            os.rename(directory, old)
+        os.rename(tmp, directory)
+        shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+
+
+EMBEDDING, OUTPUT_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+def _state(engine: "TrainingEngine") -> tuple[dict, dict]:
+    """(DCP state keyed by HF names, optimizer template); a tied embedding appears once, as EMBEDDING."""
+    # get_optimizer_state_dict creates the (zero) optimizer state if no step ran yet, so the same
+    # keys exist before loading as after saving
+    optim_state = get_optimizer_state_dict(engine.model, engine.optimizer)
+    model_state = get_model_state_dict(engine.model)
+    optim_tensors = dict(optim_state["state"])
+    if engine.ties_embeddings:
+        # pp=1 holds both names for one tensor; the last stage under pp>1 holds only the head's copy
+        head = model_state.pop(OUTPUT_HEAD, None)
+        if EMBEDDING not in model_state and head is not None:
+            model_state[EMBEDDING] = head
+            optim_tensors[EMBEDDING] = optim_tensors.pop(OUTPUT_HEAD)
+    return {"model": model_state, "optim": optim_tensors}, optim_state
+
+
+def _local_names(engine: "TrainingEngine", state: dict) -> dict:
+    """Undo the tied-embedding renaming of ``_state`` for a stage that holds only the output head."""
+    names = {name for name, _ in engine.model.named_parameters()}
+    if engine.ties_embeddings and EMBEDDING not in names and EMBEDDING in state:
+        state = dict(state)
+        state[OUTPUT_HEAD] = state.pop(EMBEDDING)
+    return state
+
+
+def save_checkpoint(engine: "TrainingEngine", directory: str) -> None:
+    """Write model + optimizer state (DCP) and engine.json (step, layout) to ``directory``."""
+    tmp = _begin_atomic(directory)
+    state, _ = _state(engine)
+    with _single_process_quiet():
+        dcp.save(state, checkpoint_id=tmp, no_dist=not dist.is_initialized())
+    if _is_rank0():
+        with open(os.path.join(tmp, ENGINE_FILE), "w") as handle:
+            json.dump({"step": engine.step, **_layout_record(engine)}, handle, indent=2)
+    _commit_atomic(tmp, directory)
+
+
+def load_checkpoint(engine: "TrainingEngine", directory: str) -> None:
+    """Restore model, optimizer and step from ``directory``, resharding to this engine's layout."""
+    record_path = os.path.join(directory, ENGINE_FILE)
+    if not os.path.isfile(record_path):
+        raise ValueError(f"checkpoint directory {directory!r} has no {ENGINE_FILE}; expected a directory "
+                         f"written by TrainingEngine.save_checkpoint")
+    with open(record_path) as handle:
+        record = json.load(handle)
+    if record["head"] != engine.head:
+        raise ValueError(f"checkpoint {directory!r} holds a head={record['head']!r} model; this engine has "
+                         f"head={engine.head!r}")
+    state, optim_template = _state(engine)
+    with _single_process_quiet():
+        dcp.load(state, checkpoint_id=directory, no_dist=not dist.is_initialized())
+    # strict=False: with tied embeddings at pp=1 the head shares the embedding's tensor
+    set_model_state_dict(engine.model, _local_names(engine, state["model"]),
+                         options=StateDictOptions(strict=False))
+    set_optimizer_state_dict(engine.model, engine.optimizer,
+                             {"state": _local_names(engine, state["optim"]),
+                              "param_groups": optim_template["param_groups"]})
+    engine.step = int(record["step"])
+
+
+def gather_full_state_dict(engine: "TrainingEngine") -> dict[str, torch.Tensor]:
+    """Full CPU tensors of every parameter (HF names) on global rank 0, {} on the other ranks."""
+    local: dict[str, torch.Tensor] = {}
+    for name, tensor in engine.model.state_dict().items():
+        if name.endswith("rotary_emb.inv_freq") or "rotary_emb" in name:
+            continue
+        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        local[name] = full.detach().to("cpu", copy=True)
+    if engine.layout.pp_size == 1:
+        return local if _is_rank0() else {}
+    # one rank per stage (dp 0, tp 0) contributes its stage's tensors
+    coords = engine.coords
+    mine = local if coords.dp_rank == 0 and coords.tp_rank == 0 else {}
+    gathered = [None] * dist.get_world_size() if _is_rank0() else None
+    dist.gather_object(mine, gathered, dst=0)
+    if not _is_rank0():
+        return {}
+    merged: dict[str, torch.Tensor] = {}
+    for part in gathered:
+        merged.update(part)
+    return merged
+
+
+def export_hf(engine: "TrainingEngine", directory: str) -> None:
+    """Write config.json + model.safetensors that ``from_pretrained`` loads (any layout -> full weights)."""
+    from safetensors.torch import save_file
+
+    state = gather_full_state_dict(engine)
+    tmp = _begin_atomic(directory)
+    if _is_rank0():
+        hf_config = copy.deepcopy(engine.hf_config)
+        if getattr(hf_config, "tie_word_embeddings", False):
+            state.pop("lm_head.weight", None)  # transformers re-ties it to the input embedding
+        family = type(engine.hf_config).__name__.removesuffix("Config")
+        suffix = "ForCausalLM" if engine.head == "lm" else "ForTokenClassification"
+        hf_config.architectures = [family + suffix]
+        hf_config.save_pretrained(tmp)
+        save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(tmp, "model.safetensors"),
+                  metadata={"format": "pt"})
+    _commit_atomic(tmp, directory)

@@ -1,0 +1,126 @@
+"""Configuration of the training/inference engine: parallel layout, micro-batching, precision, optimizer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from hybridflow.device import default_dtype
+
+LAYOUTS = ("fsdp", "3d")
+LR_SCHEDULES = ("constant", "linear", "cosine")
+PIPELINE_SCHEDULES = ("1f1b", "gpipe")
+DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _check_non_negative(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    """AdamW with gradient clipping and a warmup + decay learning-rate schedule."""
+
+    lr: float = 1e-5
+    """Peak learning rate (reached at the end of warmup)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW (beta1, beta2), each in [0, 1)."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay applied to every parameter."""
+    eps: float = 1e-8
+    """AdamW denominator epsilon."""
+    grad_clip: float | None = 1.0
+    """Clip the global gradient 2-norm (over all ranks and shards) to this value; None disables clipping."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Decay after warmup: constant, linear to 0 at total_steps, or cosine to 0 at total_steps."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warmup from 0 to lr."""
+    total_steps: int | None = None
+    """Optimizer steps of the whole run; required by the linear and cosine schedules."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or self.lr <= 0:
+            raise ValueError(f"optim.lr must be a number > 0, got {self.lr!r}")
+        if (not isinstance(self.betas, (tuple, list)) or len(self.betas) != 2
+                or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in self.betas)):
+            raise ValueError(f"optim.betas must be two numbers in [0, 1), got {self.betas!r}")
+        object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
+        _check_non_negative("optim.weight_decay", self.weight_decay)
+        if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float)) or self.eps <= 0:
+            raise ValueError(f"optim.eps must be a number > 0, got {self.eps!r}")
+        if self.grad_clip is not None and (isinstance(self.grad_clip, bool)
+                                           or not isinstance(self.grad_clip, (int, float))
+                                           or self.grad_clip <= 0):
+            raise ValueError(f"optim.grad_clip must be a number > 0 or None, got {self.grad_clip!r}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"optim.lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
+        if not isinstance(self.warmup_steps, int) or isinstance(self.warmup_steps, bool) or self.warmup_steps < 0:
+            raise ValueError(f"optim.warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
+        if self.total_steps is not None:
+            _check_positive_int("optim.total_steps", self.total_steps)
+        if self.lr_schedule != "constant" and self.total_steps is None:
+            raise ValueError(f"optim.total_steps is required by lr_schedule={self.lr_schedule!r}; "
+                             f"given None, allowed: a positive integer")
+        if self.total_steps is not None and self.warmup_steps > self.total_steps:
+            raise ValueError(f"optim.warmup_steps {self.warmup_steps} exceeds optim.total_steps "
+                             f"{self.total_steps}; allowed: 0..{self.total_steps}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """How one model is laid out over its worker group and how it trains."""
+
+    layout: Literal["fsdp", "3d"] = "fsdp"
+    """'fsdp': FSDP2 over all ranks; '3d': tensor x pipeline x data parallel (replicated over dp)."""
+    pp_size: int = 1
+    """Pipeline stages (3d only); must be <= the model's layers."""
+    tp_size: int = 1
+    """Tensor-parallel ranks (3d only); must divide the attention and key/value heads."""
+    fsdp_cpu_offload: bool = False
+    """FSDP only: keep sharded parameters, gradients and optimizer state in CPU memory."""
+    micro_batch_tokens: int = 4096
+    """Per-rank token budget of one forward/backward (real tokens; padding is removed)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Compute dtype: 'auto' is bf16 on GPUs that support it, fp32 on CPU; weights stay fp32."""
+    pipeline_schedule: Literal["1f1b", "gpipe"] = "1f1b"
+    """Pipeline schedule of the 3d layout when pp_size > 1."""
+    seed: int = 0
+    """Seed set before the model is built (same initial weights on every rank)."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and learning-rate schedule."""
+
+    def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"engine.layout must be one of {LAYOUTS}, got {self.layout!r}")
+        _check_positive_int("engine.pp_size", self.pp_size)
+        _check_positive_int("engine.tp_size", self.tp_size)
+        if self.layout == "fsdp" and (self.pp_size, self.tp_size) != (1, 1):
+            raise ValueError(f"engine.pp_size/tp_size must be 1 with layout='fsdp', got "
+                             f"pp_size={self.pp_size}, tp_size={self.tp_size}; use layout='3d' for them")
+        if not isinstance(self.fsdp_cpu_offload, bool):
+            raise ValueError(f"engine.fsdp_cpu_offload must be a bool, got {self.fsdp_cpu_offload!r}")
+        if self.fsdp_cpu_offload and self.layout != "fsdp":
+            raise ValueError("engine.fsdp_cpu_offload=True needs layout='fsdp', got layout='3d'")
+        _check_positive_int("engine.micro_batch_tokens", self.micro_batch_tokens)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"engine.dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
+            raise ValueError(f"engine.pipeline_schedule must be one of {PIPELINE_SCHEDULES}, "
+                             f"got {self.pipeline_schedule!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"engine.seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.optim, OptimConfig):
+            raise ValueError(f"engine.optim must be an OptimConfig, got {type(self.optim).__name__}")
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype forward/backward compute in (resolves 'auto' on this device)."""
+        return DTYPES[self.dtype] or default_dtype()

@@ -1,0 +1,77 @@
+"""Optimizer, learning-rate schedule and global gradient-norm clipping over sharded parameters."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from hybridflow.engine.config import OptimConfig
+
+
+def build_optimizer(module: nn.Module, config: OptimConfig) -> torch.optim.Optimizer:
+    """AdamW over the module's trainable parameters (plain tensors or DTensors)."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=lr_at(0, config), betas=config.betas, eps=config.eps,
+                             weight_decay=config.weight_decay)
+
+
+def lr_at(step: int, config: OptimConfig) -> float:
+    """Learning rate of optimizer step ``step`` (0-based): linear warmup, then constant/linear/cosine decay."""
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / (config.warmup_steps + 1)
+    if config.lr_schedule == "constant":
+        return config.lr
+    decay_steps = max(config.total_steps - config.warmup_steps, 1)
+    progress = min((step - config.warmup_steps) / decay_steps, 1.0)
+    if config.lr_schedule == "linear":
+        return config.lr * (1.0 - progress)
+    return config.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def global_grad_norm(params: list[nn.Parameter], *, shard_group, stage_group) -> torch.Tensor:
+    """2-norm of the whole model's gradient, identical on every rank.
+
+    ``shard_group``: the ranks a sharded (``Shard`` DTensor) gradient is split over (tp ranks in the
+    3d layout, dp ranks under FSDP); replicated gradients count once. ``stage_group``: the pipeline
+    stages, whose parameters are disjoint. Either may be None (not split).
+    """
+    device = params[0].device if params else torch.device("cpu")
+    sharded_sq = torch.zeros((), dtype=torch.float64, device=device)
+    replicated_sq = torch.zeros((), dtype=torch.float64, device=device)
+    for param in params:
+        if param.grad is None:
+            continue
+        grad = param.grad
+        if isinstance(grad, DTensor):
+            local_sq = grad.to_local().double().pow(2).sum()
+            if any(isinstance(p, Shard) for p in grad.placements):
+                sharded_sq += local_sq
+            else:
+                replicated_sq += local_sq
+        else:
+            replicated_sq += grad.double().pow(2).sum()
+    if shard_group is not None:
+        dist.all_reduce(sharded_sq, group=shard_group)
+    total_sq = sharded_sq + replicated_sq
+    if stage_group is not None:
+        dist.all_reduce(total_sq, group=stage_group)
+    return total_sq.sqrt().float()
+
+
+def clip_gradients(params: list[nn.Parameter], max_norm: float, total_norm: torch.Tensor) -> None:
+    """Scale gradients in place so their global norm is at most ``max_norm`` (as torch's clip_grad_norm_)."""
+    coef = min(1.0, max_norm / (float(total_norm) + 1e-6))
+    if coef == 1.0:
+        return
+    for param in params:
+        if param.grad is not None:
+            param.grad.mul_(coef)

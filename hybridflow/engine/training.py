@@ -1,0 +1,420 @@
+"""TrainingEngine: one model under the fsdp or 3d layout; train steps, inference, checkpoints, export.
+
+Legend: B = batch rows on this rank, S = sequence columns, T = response columns, b = rows of one
+micro-batch, N = packed tokens of one micro-batch, V = vocabulary.
+
+Every rank of the group runs the same calls (SPMD). Ranks of one data-parallel replica (same dp
+rank: its tp and pp ranks) must receive the same batch; different replicas receive different rows.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from hybridflow.device import current_device, device_type
+from hybridflow.engine import checkpoint as checkpoint_io
+from hybridflow.engine.config import EngineConfig
+from hybridflow.engine.micro_batch import (PackedMicroBatch, default_position_ids, last_token_values, pack_rows,
+                                           plan_micro_batches, shift_to_next_token, unpack_columns)
+from hybridflow.engine.optim import build_optimizer, clip_gradients, global_grad_norm, lr_at, set_lr
+from hybridflow.parallel.fsdp import apply_fsdp
+from hybridflow.parallel.layout import ParallelLayout
+from hybridflow.parallel.mesh import build_training_mesh, group_rank_to_global, group_size, mesh_group, world_size
+from hybridflow.parallel.pipeline import HEADS, build_pipeline_stage, build_schedule, build_stage
+
+LossFn = Callable[[dict[str, Tensor], dict[str, Tensor]], tuple[Tensor, dict[str, Tensor]]]
+OUTPUTS_OF_HEAD = {"lm": ("logprobs", "entropy"), "value": ("values",), "score": ("scores",)}
+
+
+class TrainingEngine:
+    """A model laid out over this process group, trained and queried in token-budget micro-batches."""
+
+    def __init__(self, config: EngineConfig, build_model: Callable[[], nn.Module], *, head: str = "lm"):
+        if head not in HEADS:
+            raise ValueError(f"head must be one of {HEADS}, got {head!r}")
+        self.config, self.head = config, head
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(config.seed)
+            full_model = build_model()
+        self.hf_config = full_model.config
+        self._check_model_fits(full_model)
+        self.layout = self._layout_for_world(config)
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.coords = self.layout.coords(self.rank)
+        self.device = current_device(int(os.environ.get("LOCAL_RANK", "0")))
+        self.mesh = build_training_mesh(self.layout)
+        self.model = self._build_stage(full_model)
+        del full_model
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.ties_embeddings = head == "lm" and bool(getattr(self.hf_config, "tie_word_embeddings", False))
+        """Input and output embeddings are one matrix (checkpoints store it as model.embed_tokens.weight)."""
+        self._tied_group, self._tied_param = self._build_tied_embedding_sync()
+        self.optimizer = build_optimizer(self.model, config.optim)
+        self._pipeline_stage = None  # built on first use (3d layout with pp_size > 1)
+        self.last_batch_stats: dict[str, int] = {}
+        """This rank's last batch: micro_batches, real_tokens, computed_tokens (packed, with filler),
+        padded_tokens (B*S of the padded input): padding ratio = 1 - real/computed."""
+        self.step = 0
+        """Optimizer steps taken (the LR schedule position); restored by load_checkpoint."""
+
+    # ----------------------------------------------------------------- setup
+    @staticmethod
+    def _layout_for_world(config: EngineConfig) -> ParallelLayout:
+        if config.layout == "fsdp":
+            return ParallelLayout(dp_size=world_size())
+        return ParallelLayout.for_world(world_size(), pp_size=config.pp_size, tp_size=config.tp_size)
+
+    def _check_model_fits(self, model: nn.Module) -> None:
+        from hybridflow.models.families import family_of
+        from hybridflow.parallel.tensor_parallel import validate_tp_size
+
+        family_of(model.config, source=f"build_model() returned {type(model).__name__}")
+        if not isinstance(getattr(model, "model", None), nn.Module) or not hasattr(model.model, "layers"):
+            raise ValueError(f"build_model returned a {type(model).__name__}; the engine needs a Hugging Face "
+                             f"decoder with `.model.layers` (Llama, Mistral or Qwen2 family)")
+        validate_tp_size(model.config, self.config.tp_size)
+        num_layers = len(model.model.layers)
+        if self.config.pp_size > num_layers:
+            raise ValueError(f"pp_size {self.config.pp_size} is larger than the model's {num_layers} layers; "
+                             f"allowed: 1..{num_layers}")
+
+    def _build_stage(self, model: nn.Module) -> nn.Module:
+        # fp32 master weights whatever dtype the model was built in; compute runs in config.dtype (autocast)
+        model.to(device=self.device, dtype=torch.float32).train()
+        stage = build_stage(model, head=self.head, pp_size=self.layout.pp_size, pp_rank=self.coords.pp_rank)
+        if self.layout.tp_size > 1:
+            from hybridflow.parallel.tensor_parallel import apply_tensor_parallel
+
+            apply_tensor_parallel(stage, self.mesh["tp"])
+        if self.config.layout == "fsdp" and self.layout.dp_size > 1:
+            apply_fsdp(stage, self.mesh["dp"], cpu_offload=self.config.fsdp_cpu_offload)
+        return stage
+
+    def _build_tied_embedding_sync(self):
+        """Under pp > 1 a tied embedding lives on the first stage (input) and the last (output head):
+        each keeps a copy and their gradients are summed, like Megatron's embedding group."""
+        if not self.ties_embeddings or self.layout.pp_size == 1:
+            return None, None
+        mine = None
+        for dp_rank in range(self.layout.dp_size):
+            for tp_rank in range(self.layout.tp_size):
+                ranks = [self.layout.rank_of(dp_rank=dp_rank, pp_rank=p, tp_rank=tp_rank)
+                         for p in (0, self.layout.pp_size - 1)]
+                group = dist.new_group(ranks)  # every rank creates every group, in the same order
+                if self.rank in ranks:
+                    mine = group
+        if self.coords.pp_rank == 0:
+            return mine, self.model.model.embed_tokens.weight
+        if self.is_last_stage:
+            return mine, self.model.lm_head.weight
+        return None, None
+
+    def _norm_params(self) -> list[nn.Parameter]:
+        """Parameters counted in the gradient norm: a tied embedding once (on the first stage)."""
+        if self._tied_param is not None and self.coords.pp_rank != 0:
+            return [p for p in self.params if p is not self._tied_param]
+        return self.params
+
+    def _sync_tied_embedding_gradients(self) -> None:
+        if self._tied_group is None:
+            return
+        param = self._tied_param
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+        dist.all_reduce(grad, group=self._tied_group)
+
+    @property
+    def dp_group(self):
+        return mesh_group(self.mesh, "dp") if self.layout.dp_size > 1 else None
+
+    @property
+    def pp_group(self):
+        return mesh_group(self.mesh, "pp") if self.layout.pp_size > 1 else None
+
+    @property
+    def tp_group(self):
+        return mesh_group(self.mesh, "tp") if self.layout.tp_size > 1 else None
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.coords.pp_rank == self.layout.pp_size - 1
+
+    # ----------------------------------------------------------------- batches
+    def _prepare(self, batch: dict[str, Tensor],
+                 group_size_rows: int) -> tuple[dict[str, Tensor], list[PackedMicroBatch], int]:
+        """Move the batch to the device, plan and pack micro-batches; return (batch, packed, T)."""
+        for key in ("input_ids", "attention_mask"):
+            if key not in batch:
+                raise ValueError(f"batch needs {key!r}; got keys {sorted(batch)}")
+        batch = {k: (v.to(self.device) if isinstance(v, Tensor) else v) for k, v in batch.items()}
+        input_ids_BS, mask_BS = batch["input_ids"], batch["attention_mask"]
+        if input_ids_BS.dim() != 2 or mask_BS.shape != input_ids_BS.shape:
+            raise ValueError(f"input_ids and attention_mask must both be [B, S]; got {tuple(input_ids_BS.shape)} "
+                             f"and {tuple(mask_BS.shape)}")
+        position_ids_BS = batch.get("position_ids")
+        if position_ids_BS is None:
+            position_ids_BS = default_position_ids(mask_BS)
+        lengths_B = mask_BS.sum(-1)
+        if bool((lengths_B == 0).any()):
+            empty = (lengths_B == 0).nonzero()[:, 0].tolist()
+            raise ValueError(f"batch rows {empty} have no real tokens (attention_mask all 0); every row needs "
+                             f"at least one")
+        num_columns = self._response_columns(batch)
+        min_count = self.layout.pp_size
+        plans = plan_micro_batches(lengths_B, token_budget=self.config.micro_batch_tokens,
+                                   group_size=group_size_rows, min_count=min_count)
+        count = max(len(plans), min_count)
+        if self.config.layout == "fsdp" and self.dp_group is not None:
+            # FSDP gathers parameters in every forward: all ranks must run as many micro-batches
+            count_t = torch.tensor(count, device=self.device)
+            dist.all_reduce(count_t, op=dist.ReduceOp.MAX, group=self.dp_group)
+            count = int(count_t)
+        plans = plans + [[] for _ in range(count - len(plans))]
+        pad_to = self.config.micro_batch_tokens if self.layout.pp_size > 1 else None
+        packed = [pack_rows(rows, input_ids_BS, mask_BS, position_ids_BS, pad_to=pad_to) for rows in plans]
+        self.last_batch_stats = {
+            "micro_batches": len(packed),
+            "real_tokens": sum(m.num_real_tokens for m in packed),
+            "computed_tokens": sum(m.packed_length for m in packed),
+            "padded_tokens": mask_BS.numel(),
+        }
+        return batch, packed, num_columns
+
+    @staticmethod
+    def _response_columns(batch: dict[str, Tensor]) -> int:
+        for key in ("responses", "response_mask"):
+            if key in batch:
+                return batch[key].shape[1]
+        return batch["input_ids"].shape[1]
+
+    def _normalisers(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Global counts over the whole mini-batch on all data-parallel ranks."""
+        num_rows = batch["input_ids"].shape[0]
+        token_mask = batch.get("response_mask", batch["attention_mask"])
+        counts = torch.tensor([float(token_mask.sum()), float(num_rows)], dtype=torch.float64, device=self.device)
+        if self.dp_group is not None:
+            dist.all_reduce(counts, group=self.dp_group)
+        return {"num_tokens_global": counts[0].float(), "num_sequences_global": counts[1].float()}
+
+    # ----------------------------------------------------------------- outputs
+    def _outputs_of(self, head_out_1N, packed: PackedMicroBatch, outputs: tuple[str, ...],
+                    num_columns: int) -> dict[str, Tensor]:
+        """Requested per-token [b, T] / per-sequence [b] outputs from the head output of one micro-batch."""
+        n_real = packed.num_real_tokens
+        result: dict[str, Tensor] = {}
+        if self.head == "lm":
+            logits_NV = head_out_1N[0, :n_real].float()
+            logp_NV = torch.log_softmax(logits_NV, dim=-1)
+            if "logprobs" in outputs:
+                next_ids_N = torch.roll(packed.input_ids_1N[0, :n_real], -1)
+                next_lp_N = logp_NV.gather(-1, next_ids_N[:, None])[:, 0]
+                result["logprobs"] = unpack_columns(shift_to_next_token(next_lp_N, packed), packed, num_columns)
+            if "entropy" in outputs:
+                entropy_N = -(logp_NV.exp() * logp_NV).sum(-1)
+                result["entropy"] = unpack_columns(shift_to_next_token(entropy_N, packed), packed, num_columns)
+        else:
+            scalar_N = head_out_1N[0, :n_real].float()
+            if "values" in outputs:
+                result["values"] = unpack_columns(shift_to_next_token(scalar_N, packed), packed, num_columns)
+            if "scores" in outputs:
+                result["scores"] = last_token_values(scalar_N, packed)
+        return result
+
+    def _check_outputs(self, outputs: tuple[str, ...]) -> tuple[str, ...]:
+        allowed = OUTPUTS_OF_HEAD[self.head]
+        outputs = tuple(outputs)
+        bad = [name for name in outputs if name not in allowed]
+        if bad or not outputs:
+            raise ValueError(f"outputs {outputs} not available from head {self.head!r}; allowed: {allowed}")
+        return outputs
+
+    def _micro_batch_loss(self, head_out, packed: PackedMicroBatch, batch: dict, normalisers: dict,
+                          loss_fn: LossFn, outputs: tuple[str, ...], num_columns: int, records: list):
+        if packed.is_filler:
+            return head_out.sum() * 0.0  # keeps collectives in step; contributes nothing
+        num_rows = batch["input_ids"].shape[0]
+        micro_batch = {k: v[packed.rows_b] for k, v in batch.items()
+                       if isinstance(v, Tensor) and v.dim() > 0 and v.shape[0] == num_rows}
+        micro_batch.update(normalisers)
+        loss, metrics = loss_fn(self._outputs_of(head_out, packed, outputs, num_columns), micro_batch)
+        scalars = {k: float(v.detach() if isinstance(v, Tensor) else v) for k, v in metrics.items()}
+        records.append((float(loss.detach()), scalars))
+        return loss
+
+    def _autocast(self):
+        dtype = self.config.compute_dtype
+        return torch.autocast(device_type(), dtype=dtype, enabled=dtype != torch.float32)
+
+    # ----------------------------------------------------------------- training
+    def train_step(self, batch: dict[str, Tensor], loss_fn: LossFn, *, outputs: tuple[str, ...] | None = None,
+                   group_size: int = 1) -> dict[str, float]:
+        """Forward/backward over token-budget micro-batches, then clip, optimizer step and LR step.
+
+        ``outputs``: what ``loss_fn`` reads (default: all outputs of the head). Returns metrics
+        averaged over micro-batches and data-parallel ranks, plus ``loss`` (summed over
+        micro-batches and ranks: the mini-batch loss), ``grad_norm`` (before clipping) and ``lr``.
+        """
+        outputs = self._check_outputs(outputs or OUTPUTS_OF_HEAD[self.head])
+        batch, packed, num_columns = self._prepare(batch, group_size)
+        normalisers = self._normalisers(batch)
+        lr = lr_at(self.step, self.config.optim)
+        set_lr(self.optimizer, lr)
+        self.optimizer.zero_grad(set_to_none=True)
+        records: list = []
+
+        def micro_loss(head_out, index) -> Tensor:
+            return self._micro_batch_loss(head_out, packed[index], batch, normalisers, loss_fn, outputs,
+                                          num_columns, records)
+
+        if self.layout.pp_size > 1:
+            self._run_pipeline(packed, micro_loss, train=True)
+        else:
+            for index, micro in enumerate(packed):
+                with self._autocast():
+                    head_out = self.model(micro.input_ids_1N, micro.position_ids_1N)
+                (micro_loss(head_out, index) * self._fsdp_loss_scale).backward()
+        self._sync_tied_embedding_gradients()
+        self._all_reduce_dp_gradients()
+        grad_norm = global_grad_norm(self._norm_params(), shard_group=self._shard_group(), stage_group=self.pp_group)
+        if self.config.optim.grad_clip is not None:
+            clip_gradients(self.params, self.config.optim.grad_clip, grad_norm)
+        self.optimizer.step()
+        self.step += 1
+        metrics = self._reduce_metrics(records)
+        metrics.update(grad_norm=float(grad_norm), lr=lr)
+        return metrics
+
+    @property
+    def _fsdp_loss_scale(self) -> float:
+        """FSDP2 averages gradients over dp; scaling the loss by dp turns that average into the needed sum."""
+        return float(self.layout.dp_size) if self.config.layout == "fsdp" else 1.0
+
+    def _shard_group(self):
+        return self.tp_group if self.config.layout == "3d" else self.dp_group
+
+    def _all_reduce_dp_gradients(self) -> None:
+        """3d layout: replicas hold full copies of their shard, so gradients are summed over dp."""
+        if self.config.layout != "3d" or self.dp_group is None:
+            return
+        grads = []
+        for param in self.params:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            grads.append(param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad)
+        # one flat all-reduce instead of one per parameter (collective latency dominates small tensors)
+        flat = torch.cat([grad.reshape(-1) for grad in grads])
+        dist.all_reduce(flat, group=self.dp_group)
+        offset = 0
+        for grad in grads:
+            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+
+    def _reduce_metrics(self, records: list) -> dict[str, float]:
+        """Loss summed, other metrics averaged over micro-batches; then over dp ranks; shared by pp stages."""
+        metrics: dict[str, float] = {}
+        if records:
+            metrics["loss"] = sum(loss for loss, _ in records)
+            for name in records[0][1]:
+                metrics[name] = sum(m[name] for _, m in records) / len(records)
+        if self.pp_group is not None:
+            box = [metrics]
+            dist.broadcast_object_list(box, group_rank_to_global(self.pp_group, self.layout.pp_size - 1),
+                                       group=self.pp_group)
+            metrics = box[0]
+        if self.dp_group is not None:
+            names = sorted(metrics)
+            values = torch.tensor([metrics[n] for n in names], dtype=torch.float64, device=self.device)
+            dist.all_reduce(values, group=self.dp_group)
+            dp_size = group_size(self.dp_group)
+            metrics = {n: float(v) if n == "loss" else float(v) / dp_size for n, v in zip(names, values.tolist())}
+        return metrics
+
+    def _run_pipeline(self, packed: list[PackedMicroBatch], micro_loss, *, train: bool):
+        """Run all micro-batches through the pipeline; ``micro_loss(head_out, index)`` on the last stage."""
+        ids = torch.cat([m.input_ids_1N for m in packed])
+        positions = torch.cat([m.position_ids_1N for m in packed])
+        targets = torch.arange(len(packed), device=self.device)[:, None]
+
+        def schedule_loss(head_out, target):
+            return micro_loss(head_out, int(target[0, 0]))
+
+        if self._pipeline_stage is None:
+            self._pipeline_stage = build_pipeline_stage(
+                self.model, pp_rank=self.coords.pp_rank, pp_size=self.layout.pp_size, group=self.pp_group,
+                device=self.device, num_tokens=self.config.micro_batch_tokens,
+                hidden_size=self.hf_config.hidden_size, vocab_size=self.hf_config.vocab_size,
+                compute_dtype=self.config.compute_dtype)
+        schedule = build_schedule(self._pipeline_stage, num_micro_batches=len(packed), loss_fn=schedule_loss,
+                                  schedule=self.config.pipeline_schedule)
+        args = (ids, positions) if self.coords.pp_rank == 0 else ()
+        kwargs = {"target": targets, "losses": []} if self.is_last_stage else {}
+        with self._autocast():
+            if train:
+                schedule.step(*args, **kwargs)
+            else:
+                schedule.eval(*args, **kwargs)
+
+    # ----------------------------------------------------------------- inference
+    @torch.no_grad()
+    def forward(self, batch: dict[str, Tensor], *, outputs: tuple[str, ...] | None = None) -> dict[str, Tensor]:
+        """Requested outputs for every row, without grad: per-token [B, T], per-sequence [B] (CPU tensors)."""
+        outputs = self._check_outputs(outputs or OUTPUTS_OF_HEAD[self.head])
+        batch, packed, num_columns = self._prepare(batch, 1)
+        num_rows = batch["input_ids"].shape[0]
+        results = {name: torch.zeros((num_rows,) if name == "scores" else (num_rows, num_columns),
+                                     dtype=torch.float32, device=self.device) for name in outputs}
+
+        def collect(head_out, index) -> Tensor:
+            micro = packed[index]
+            if not micro.is_filler:
+                for name, value in self._outputs_of(head_out, micro, outputs, num_columns).items():
+                    results[name][micro.rows_b] = value
+            return head_out.sum() * 0.0
+
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            if self.layout.pp_size > 1:
+                self._run_pipeline(packed, collect, train=False)
+                last = group_rank_to_global(self.pp_group, self.layout.pp_size - 1)
+                for name in outputs:
+                    dist.broadcast(results[name], last, group=self.pp_group)
+            else:
+                for index, micro in enumerate(packed):
+                    with self._autocast():
+                        collect(self.model(micro.input_ids_1N, micro.position_ids_1N), index)
+        finally:
+            self.model.train(was_training)
+        return {name: value.cpu() for name, value in results.items()}
+
+    # ----------------------------------------------------------------- weights
+    def local_shards(self) -> dict[str, Tensor]:
+        """3d layout: HF parameter name -> this rank's live local tensor (shares storage) for its stage."""
+        if self.config.layout != "3d":
+            raise ValueError(f"local_shards() needs layout='3d' (parameters sharded only over tp and pp); "
+                             f"this engine has layout={self.config.layout!r}")
+        return {name: (p.to_local() if isinstance(p, DTensor) else p).data
+                for name, p in self.model.named_parameters()}
+
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """The whole model's parameters as full CPU tensors (HF names) on global rank 0; {} elsewhere."""
+        return checkpoint_io.gather_full_state_dict(self)
+
+    def save_checkpoint(self, directory: str) -> None:
+        """Save model, optimizer and step with torch.distributed.checkpoint (atomic: temp dir + rename)."""
+        checkpoint_io.save_checkpoint(self, directory)
+
+    def load_checkpoint(self, directory: str) -> None:
+        """Load a checkpoint saved by save_checkpoint under any layout (DCP reshards it)."""
+        checkpoint_io.load_checkpoint(self, directory)
+
+    def export_hf(self, directory: str) -> None:
+        """Write a Hugging Face model directory (config.json + model.safetensors) from global rank 0."""
+        checkpoint_io.export_hf(self, directory)

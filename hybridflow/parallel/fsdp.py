@@ -1,0 +1,24 @@
+"""FSDP2 (``fully_shard``) over data-parallel ranks: one unit per decoder layer plus the root."""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from hybridflow.device import device_type
+
+
+def apply_fsdp(stage: nn.Module, dp_mesh: DeviceMesh, *, cpu_offload: bool = False) -> nn.Module:
+    """Shard ``stage`` (a ``DecoderStage``) over ``dp_mesh`` in place and return it.
+
+    FSDP2 averages gradients over ``dp_mesh``; hybridflow losses are already normalised by global
+    token/sequence counts and need the sum, so the engine scales each loss by the dp size before
+    backward (``set_gradient_divide_factor(1)`` would use PREMUL_SUM, which gloo lacks).
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    offload = CPUOffloadPolicy(pin_memory=device_type() == "cuda") if cpu_offload else OffloadPolicy()
+    for layer in stage.model.layers.values():
+        fully_shard(layer, mesh=dp_mesh, offload_policy=offload, reshard_after_forward=True)
+    fully_shard(stage, mesh=dp_mesh, offload_policy=offload, reshard_after_forward=True)
+    return stage
