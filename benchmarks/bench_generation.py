@@ -1,0 +1,89 @@
+"""Generation throughput (tokens/s) of hybridflow's engine vs transformers' generate, same model, batch and lengths.
+
+Greedy decoding without EOS, so both produce exactly batch x new-tokens tokens; the script also
+checks that both produce the same tokens. Single process, fp32, on the device hybridflow picks.
+
+    python benchmarks/bench_generation.py                  # tiny model
+    python benchmarks/bench_generation.py --smollm2        # SmolLM2-135M-Instruct too (if converted)
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from hybridflow.device import current_device
+from hybridflow.engine.decoder import DecoderStage
+from hybridflow.engine.generation import GenerationConfig, GenerationEngine
+
+
+def load(name: str, device):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    if name == "tiny":
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                             num_attention_heads=8, num_key_value_heads=4)
+        return AutoModelForCausalLM.from_config(config).to(device).eval()
+    from hybridflow.models.smollm2 import smollm2_path
+
+    return AutoModelForCausalLM.from_pretrained(smollm2_path(), dtype=torch.float32).to(device).eval()
+
+
+def timed(fn, repeats: int) -> tuple[float, object]:
+    best, result = float("inf"), None
+    for _ in range(repeats):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        result = fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return best, result
+
+
+def bench(name: str, *, batch: int, prompt_len: int, new_tokens: int, repeats: int) -> None:
+    device = current_device()
+    model = load(name, device)
+    engine = GenerationEngine(DecoderStage.from_state_dict(model.config, model.state_dict()))
+    prompts = torch.randint(3, 1000, (batch, prompt_len), generator=torch.Generator().manual_seed(0)).to(device)
+    mask = torch.ones_like(prompts)
+    config = GenerationConfig(max_new_tokens=new_tokens, greedy=True)
+
+    def ours():
+        return engine.generate(prompts, mask, config)["responses"]
+
+    def theirs():
+        with torch.no_grad():
+            return model.generate(prompts, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0)[:, prompt_len:]
+
+    ours(), theirs()  # warm-up
+    ours_s, ours_tokens = timed(ours, repeats)
+    theirs_s, theirs_tokens = timed(theirs, repeats)
+    same = torch.equal(ours_tokens, theirs_tokens)
+    generated = batch * new_tokens
+    print(f"{name:>8} {str(device):>6} threads={torch.get_num_threads()} batch={batch} prompt={prompt_len} "
+          f"new={new_tokens}: hybridflow {generated / ours_s:8.1f} tok/s ({ours_s:.3f} s), "
+          f"transformers generate {generated / theirs_s:8.1f} tok/s ({theirs_s:.3f} s), "
+          f"ratio {theirs_s / ours_s:.2f}x, same tokens: {same}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smollm2", action="store_true")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    names = ["tiny"] + (["smollm2"] if args.smollm2 else [])
+    for name in names:
+        bench(name, batch=args.batch, prompt_len=args.prompt_len, new_tokens=args.new_tokens, repeats=args.repeats)
+
+
+if __name__ == "__main__":
+    main()

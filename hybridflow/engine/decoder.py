@@ -1,0 +1,293 @@
+"""A compact Llama-family decoder for generation, tensor-parallel over explicit groups, weights held as pieces.
+
+Why our own forward instead of the Hugging Face module: the 3D-HybridEngine keeps the actor's
+generation weights as *pieces* (the rank's own training shard, reused in place, plus the pieces
+gathered from its micro-DP group). A column-parallel projection is computed piecewise and its
+outputs concatenated; a row-parallel projection splits its input at the piece boundaries and sums
+the partial products, then all-reduces over the generation tensor-parallel group (Megatron style).
+No concatenated copy of the weights ever exists, so no rank holds a redundant copy.
+
+Supported families: Llama, Qwen2 (q/k/v biases), Mistral (full attention): RMSNorm, rotary
+embeddings as the HF config describes them (rope_theta and the static rope scalings that
+transformers implements), grouped-query attention, SiLU-gated MLP, tied or untied output head.
+
+Shape legend: B batch rows (the active ones), S positions in this forward, L cache positions,
+H hidden size, I local intermediate features, Nq / Nkv local query / key-value heads, D head dim,
+V vocabulary (Vl the local slice).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+Pieces = list[torch.Tensor]
+"""One parameter as consecutive pieces along its tensor-parallel dim (a single piece when whole)."""
+
+_STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "proportional")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecoderSpec:
+    """The architecture numbers of a Llama-family decoder, read from its Hugging Face config."""
+
+    vocab_size: int
+    """V: rows of the input embedding and of the output head."""
+    hidden_size: int
+    """H: width of the residual stream."""
+    num_layers: int
+    """Decoder layers of the whole model."""
+    num_heads: int
+    """Query heads of the whole model."""
+    num_kv_heads: int
+    """Key/value heads of the whole model (grouped-query attention when fewer than num_heads)."""
+    head_dim: int
+    """D: width of one attention head."""
+    rms_norm_eps: float
+    """Epsilon of every RMSNorm."""
+    tie_word_embeddings: bool
+    """Whether the output head reuses the input embedding matrix."""
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} must be a multiple of num_kv_heads {self.num_kv_heads}")
+
+    @classmethod
+    def from_hf(cls, hf_config) -> "DecoderSpec":
+        """Read the numbers from a transformers config of the Llama, Qwen2 or Mistral family."""
+        window = getattr(hf_config, "sliding_window", None)
+        if window is not None and getattr(hf_config, "use_sliding_window", True):
+            raise ValueError(f"sliding_window={window}: sliding-window attention is not supported by the "
+                             "generation decoder; allowed: None (full attention)")
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        return cls(vocab_size=hf_config.vocab_size, hidden_size=hf_config.hidden_size,
+                   num_layers=hf_config.num_hidden_layers, num_heads=hf_config.num_attention_heads,
+                   num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,
+                   head_dim=head_dim, rms_norm_eps=hf_config.rms_norm_eps,
+                   tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)))
+
+    def check_tp_size(self, tp_size: int) -> None:
+        """ValueError unless heads, key/value heads and vocabulary divide evenly over ``tp_size`` ranks."""
+        for name, count in (("num_attention_heads", self.num_heads), ("num_key_value_heads", self.num_kv_heads),
+                            ("vocab_size", self.vocab_size)):
+            if count % tp_size:
+                raise ValueError(f"generation tp_size {tp_size} does not divide the model's {name} {count}; "
+                                 f"allowed: a divisor of {count}")
+
+
+def rope_inverse_frequencies(hf_config) -> tuple[torch.Tensor, float]:
+    """(inv_freq [D/2], attention scaling) exactly as transformers computes them for this config."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type not in _STATIC_ROPE_TYPES:
+        raise ValueError(f"rope_type {rope_type!r} is not supported by the generation decoder; "
+                         f"allowed: {_STATIC_ROPE_TYPES}")
+    if rope_type == "default":
+        spec = DecoderSpec.from_hf(hf_config)
+        theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        exponents = torch.arange(0, spec.head_dim, 2, dtype=torch.int64).float() / spec.head_dim
+        return 1.0 / (theta ** exponents), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config)
+    return inv_freq.float(), float(scaling)
+
+
+class TensorParallelGroup:
+    """The generation tensor-parallel group of one rank: all-reduce of partial sums, gather of vocab slices."""
+
+    def __init__(self, group=None, *, size: int = 1, rank: int = 0) -> None:
+        self.group, self.size, self.rank = group, size, rank
+
+    def all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(partial, group=self.group)
+        return partial
+
+    def gather_last_dim(self, local: torch.Tensor) -> torch.Tensor:
+        if self.size == 1:
+            return local
+        slices = [torch.empty_like(local) for _ in range(self.size)]
+        dist.all_gather(slices, local.contiguous(), group=self.group)
+        return torch.cat(slices, dim=-1)
+
+
+class KVCache:
+    """Keys and values of one stage's layers for the active rows, preallocated to the final length."""
+
+    def __init__(self, *, num_layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        shape = (batch, kv_heads, max_len, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.length = 0
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    def keep_rows(self, keep_B: torch.Tensor) -> None:
+        """Drop finished rows: later steps compute only the rows still generating."""
+        self.keys = [k[keep_B] for k in self.keys]
+        self.values = [v[keep_B] for v in self.values]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+class DecoderStage:
+    """The layers of one generation pipeline stage on one tensor-parallel rank, computed from weight pieces.
+
+    ``weights`` maps Hugging Face parameter names (of this stage only) to their pieces; for a
+    tensor-parallel parameter the pieces concatenated along ``tp_shard_dim`` are this rank's
+    generation shard, which is chunk ``tp.rank`` of ``tp.size``.
+    """
+
+    def __init__(self, spec: DecoderSpec, hf_config, weights: dict[str, Pieces], *, layers: range,
+                 has_embedding: bool, has_final_norm: bool, has_head: bool,
+                 tp: TensorParallelGroup | None = None) -> None:
+        self.spec, self.weights, self.layers = spec, weights, layers
+        self.tp = tp or TensorParallelGroup()
+        spec.check_tp_size(self.tp.size)
+        self.has_embedding, self.has_final_norm, self.has_head = has_embedding, has_final_norm, has_head
+        self.local_heads = spec.num_heads // self.tp.size
+        self.local_kv_heads = spec.num_kv_heads // self.tp.size
+        self.vocab_start = self.tp.rank * (spec.vocab_size // self.tp.size)
+        self.inv_freq, self.rope_scaling = rope_inverse_frequencies(hf_config)
+        self._check_weights()
+        any_piece = next(iter(weights.values()))[0]
+        self.dtype, self.device = any_piece.dtype, any_piece.device
+
+    @classmethod
+    def from_state_dict(cls, hf_config, state_dict: dict[str, torch.Tensor]) -> "DecoderStage":
+        """The whole model on one process, each parameter a single piece (no copy of the tensors)."""
+        spec = DecoderSpec.from_hf(hf_config)
+        weights = {name: [tensor.detach()] for name, tensor in state_dict.items()
+                   if name.startswith("model.") or name.startswith("lm_head.")}
+        return cls(spec, hf_config, weights, layers=range(spec.num_layers),
+                   has_embedding=True, has_final_norm=True, has_head=True)
+
+    def _check_weights(self) -> None:
+        names = [f"model.layers.{i}.{m}.weight" for i in self.layers for m in
+                 ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
+                  "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+        if self.has_embedding or (self.has_head and self.spec.tie_word_embeddings):
+            names.append("model.embed_tokens.weight")
+        if self.has_final_norm:
+            names.append("model.norm.weight")
+        if self.has_head and not self.spec.tie_word_embeddings:
+            names.append("lm_head.weight")
+        missing = [n for n in names if n not in self.weights]
+        assert not missing, f"decoder stage is missing weights {missing[:4]}"
+
+    # ----- building blocks -------------------------------------------------------------------------
+    def _column(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """Column-parallel projection: the local output features, piece by piece."""
+        biases = self.weights.get(f"{name}.bias")
+        weights = self.weights[f"{name}.weight"]
+        outs = [F.linear(x, w, biases[i] if biases is not None else None) for i, w in enumerate(weights)]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+    def _row(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """Row-parallel projection: partial sums over the local input features, all-reduced over tp."""
+        weights = self.weights[f"{name}.weight"]
+        inputs = x.split([w.shape[1] for w in weights], dim=-1)
+        partial = F.linear(inputs[0], weights[0])
+        for inp, w in zip(inputs[1:], weights[1:]):
+            partial = partial + F.linear(inp, w)
+        out = self.tp.all_reduce(partial)
+        bias = self.weights.get(f"{name}.bias")
+        return out + bias[0] if bias is not None else out
+
+    def _rms_norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.spec.rms_norm_eps)
+        return self.weights[name][0] * x32.to(x.dtype)
+
+    def embed(self, ids_BS: torch.Tensor) -> torch.Tensor:
+        """Vocab-parallel embedding: each piece looks up the ids in its vocabulary range; sum over tp."""
+        out = None
+        start = self.vocab_start
+        for w in self.weights["model.embed_tokens.weight"]:
+            inside = (ids_BS >= start) & (ids_BS < start + w.shape[0])
+            rows = F.embedding((ids_BS - start).clamp(0, w.shape[0] - 1), w) * inside.unsqueeze(-1).to(w.dtype)
+            out = rows if out is None else out + rows
+            start += w.shape[0]
+        return self.tp.all_reduce(out)
+
+    def head(self, hidden_BH: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits [B, V] in fp32: local vocabulary slices, gathered over tp."""
+        name = "model.embed_tokens.weight" if self.spec.tie_word_embeddings else "lm_head.weight"
+        local = torch.cat([F.linear(hidden_BH, w) for w in self.weights[name]], dim=-1)
+        return self.tp.gather_last_dim(local.float())
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._rms_norm(hidden, "model.norm.weight")
+
+    def _rope(self, positions_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs_BSd = positions_BS.float().unsqueeze(-1) * self.inv_freq.to(positions_BS.device)
+        angles_BSD = torch.cat((freqs_BSd, freqs_BSd), dim=-1)
+        cos = (angles_BSD.cos() * self.rope_scaling).to(self.dtype).unsqueeze(1)
+        sin = (angles_BSD.sin() * self.rope_scaling).to(self.dtype).unsqueeze(1)
+        return cos, sin
+
+    def _attention(self, x_BSH: torch.Tensor, layer: int, slot: int, cache: KVCache,
+                   cos, sin, mask_B1SL: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x_BSH.shape
+        D = self.spec.head_dim
+        prefix = f"model.layers.{layer}.self_attn"
+        q_BNSD = self._column(x_BSH, f"{prefix}.q_proj").view(B, S, self.local_heads, D).transpose(1, 2)
+        k_BNSD = self._column(x_BSH, f"{prefix}.k_proj").view(B, S, self.local_kv_heads, D).transpose(1, 2)
+        v_BNSD = self._column(x_BSH, f"{prefix}.v_proj").view(B, S, self.local_kv_heads, D).transpose(1, 2)
+        q_BNSD = q_BNSD * cos + _rotate_half(q_BNSD) * sin
+        k_BNSD = k_BNSD * cos + _rotate_half(k_BNSD) * sin
+        end = cache.length + S
+        cache.keys[slot][:, :, cache.length:end] = k_BNSD
+        cache.values[slot][:, :, cache.length:end] = v_BNSD
+        keys_BNLD, values_BNLD = cache.keys[slot][:, :, :end], cache.values[slot][:, :, :end]
+        groups = self.local_heads // self.local_kv_heads
+        if groups > 1:
+            keys_BNLD = keys_BNLD.repeat_interleave(groups, dim=1)
+            values_BNLD = values_BNLD.repeat_interleave(groups, dim=1)
+        out_BNSD = F.scaled_dot_product_attention(q_BNSD, keys_BNLD, values_BNLD, attn_mask=mask_B1SL,
+                                                  scale=D ** -0.5)
+        out_BSX = out_BNSD.transpose(1, 2).reshape(B, S, self.local_heads * D)
+        return self._row(out_BSX, f"{prefix}.o_proj")
+
+    def _mlp(self, x_BSH: torch.Tensor, layer: int) -> torch.Tensor:
+        prefix = f"model.layers.{layer}.mlp"
+        gated_BSI = F.silu(self._column(x_BSH, f"{prefix}.gate_proj")) * self._column(x_BSH, f"{prefix}.up_proj")
+        return self._row(gated_BSI, f"{prefix}.down_proj")
+
+    def new_cache(self, *, batch: int, max_len: int) -> KVCache:
+        return KVCache(num_layers=len(self.layers), batch=batch, kv_heads=self.local_kv_heads, max_len=max_len,
+                       head_dim=self.spec.head_dim, dtype=self.dtype, device=self.device)
+
+    def forward_layers(self, hidden_BSH: torch.Tensor, positions_BS: torch.Tensor, cache: KVCache,
+                       key_valid_BL: torch.Tensor) -> torch.Tensor:
+        """Run this stage's layers on S new positions, appending their keys/values to ``cache``.
+
+        ``key_valid_BL`` marks the real tokens among the L = cache.length + S positions; a query
+        attends to valid keys at or before its own position (and always to itself, so rows of
+        left padding stay finite).
+        """
+        S = hidden_BSH.shape[1]
+        L = cache.length + S
+        query_pos = torch.arange(cache.length, L, device=hidden_BSH.device)
+        key_pos = torch.arange(L, device=hidden_BSH.device)
+        causal_SL = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)
+        mask_B1SL = (key_valid_BL[:, None, None, :L] & causal_SL) | (key_pos == query_pos.unsqueeze(1))
+        cos, sin = self._rope(positions_BS)
+        for slot, layer in enumerate(self.layers):
+            prefix = f"model.layers.{layer}"
+            normed = self._rms_norm(hidden_BSH, f"{prefix}.input_layernorm.weight")
+            hidden_BSH = hidden_BSH + self._attention(normed, layer, slot, cache, cos, sin, mask_B1SL)
+            normed = self._rms_norm(hidden_BSH, f"{prefix}.post_attention_layernorm.weight")
+            hidden_BSH = hidden_BSH + self._mlp(normed, layer)
+        cache.length = L
+        return hidden_BSH
+

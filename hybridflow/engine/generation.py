@@ -1,0 +1,237 @@
+"""The generation engine: batched KV-cache sampling on a (possibly tensor- and pipeline-parallel) decoder.
+
+One call of ``GenerationEngine.generate`` decodes a batch of left-padded prompts. Rows that hit an
+EOS/stop token leave the active batch and their rows are cut out of the KV cache, so finished
+sequences cost nothing; the cache lives only inside the call. Under pipeline parallelism (pg > 1)
+each stage receives hidden states from the previous one, the stage holding the output head samples,
+and the sampled tokens are broadcast to every stage of the pipeline so all stages drop the same rows.
+
+Shape legend: B rows (prompts x samples per prompt), P prompt length, T max new tokens,
+S = P + T, V vocabulary, H hidden size.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from hybridflow.engine.decoder import DecoderStage
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerationConfig:
+    """How to sample responses."""
+
+    max_new_tokens: int = 32
+    """T: the most tokens generated per response; responses are right-padded to exactly T."""
+    temperature: float = 1.0
+    """Logits are divided by it before top-k/top-p and sampling (ignored when greedy)."""
+    top_k: int = 0
+    """Sample among the k most likely tokens only; 0 turns it off."""
+    top_p: float = 1.0
+    """Nucleus sampling: the smallest set of tokens whose probability reaches top_p; 1.0 turns it off."""
+    greedy: bool = False
+    """Take the most likely token at every step (temperature, top_k, top_p and seed are ignored)."""
+    num_samples_per_prompt: int = 1
+    """Responses generated per prompt; output rows are prompt-major (prompt 0's samples first)."""
+    eos_token_ids: tuple[int, ...] = ()
+    """Tokens that end a response (kept in it, response_mask 1)."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Further tokens that end a response, e.g. an end-of-turn token; kept like EOS."""
+    pad_token_id: int = 0
+    """Fills responses after their end."""
+    seed: int = 0
+    """Seed of the sampling generator: same prompts, weights and config give the same responses."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature!r}; use greedy=True for argmax")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.num_samples_per_prompt, int) or self.num_samples_per_prompt < 1:
+            raise ValueError(f"num_samples_per_prompt must be a positive integer, got {self.num_samples_per_prompt!r}")
+        for name in ("eos_token_ids", "stop_token_ids"):
+            ids = getattr(self, name)
+            if not isinstance(ids, tuple) or not all(isinstance(i, int) and i >= 0 for i in ids):
+                raise ValueError(f"{name} must be a tuple of non-negative token ids, got {ids!r}")
+
+
+@dataclass
+class GenerationStats:
+    """What one ``generate`` call computed (for tests of early-finish compaction and for benchmarks)."""
+
+    decode_steps: int = 0
+    """Forward passes after the prefill."""
+    rows_decoded: int = 0
+    """Sum over decode steps of the rows in the active batch: compute is proportional to it."""
+    peak_kv_cache_bytes: int = 0
+    """Largest KV cache of this rank during the call."""
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class PipelinePeers:
+    """Where this rank sits in its generation pipeline (one per generation tensor-parallel rank)."""
+
+    group: object
+    """The torch.distributed group of the pipeline's ranks (stage 0 first)."""
+    ranks: list[int] = field(default_factory=list)
+    """Global ranks of the stages, stage 0 first."""
+    stage: int = 0
+    """This rank's stage."""
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.ranks)
+
+
+def sample_tokens(logits_BV: torch.Tensor, config: GenerationConfig,
+                  generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens [B], logprobs [B]) of one step.
+
+    Greedy: argmax and its log-probability under the model (temperature 1). Sampling: the
+    log-probability under the tempered distribution softmax(logits / temperature) before top-k/top-p
+    truncation: the distribution a training engine recomputes with the same temperature.
+    """
+    if config.greedy:
+        logprobs_BV = torch.log_softmax(logits_BV, dim=-1)
+        tokens_B = logits_BV.argmax(dim=-1)
+        return tokens_B, logprobs_BV.gather(-1, tokens_B[:, None]).squeeze(-1)
+    scaled_BV = logits_BV / config.temperature
+    logprobs_BV = torch.log_softmax(scaled_BV, dim=-1)
+    filtered_BV = scaled_BV.clone()
+    if config.top_k and config.top_k < filtered_BV.shape[-1]:
+        kth_B1 = filtered_BV.topk(config.top_k, dim=-1).values[:, -1:]
+        filtered_BV[filtered_BV < kth_B1] = float("-inf")
+    if config.top_p < 1.0:
+        sorted_BV, order_BV = filtered_BV.sort(dim=-1, descending=True)
+        probs_BV = sorted_BV.softmax(dim=-1)
+        # drop a token when the tokens ranked above it already reach top_p (the first always stays)
+        drop_BV = (probs_BV.cumsum(dim=-1) - probs_BV) >= config.top_p
+        sorted_BV[drop_BV] = float("-inf")
+        filtered_BV = torch.full_like(filtered_BV, float("-inf")).scatter(-1, order_BV, sorted_BV)
+    tokens_B = torch.multinomial(filtered_BV.softmax(dim=-1), 1, generator=generator).squeeze(-1)
+    return tokens_B, logprobs_BV.gather(-1, tokens_B[:, None]).squeeze(-1)
+
+
+class GenerationEngine:
+    """Samples responses with one decoder stage per rank; all ranks of a generation replica call it together."""
+
+    def __init__(self, stage: DecoderStage, *, pipeline: PipelinePeers | None = None) -> None:
+        self.stage = stage
+        self.pipeline = pipeline or PipelinePeers(group=None, ranks=[0], stage=0)
+        self.last_stats = GenerationStats()
+        p = self.pipeline
+        assert stage.has_embedding == (p.stage == 0) and stage.has_final_norm == (p.stage == p.num_stages - 1)
+        # the head lives with the embedding when tied (stage 0), else on the last stage
+        self.head_stage = 0 if stage.spec.tie_word_embeddings else p.num_stages - 1
+        assert stage.has_head == (p.stage == self.head_stage)
+
+    @torch.no_grad()
+    def generate(self, prompts_BP: torch.Tensor, prompt_mask_BP: torch.Tensor,
+                 config: GenerationConfig) -> dict[str, torch.Tensor]:
+        """Responses for left-padded prompts, per the shared batch conventions.
+
+        Returns ``prompts``, ``responses`` [B, T], ``response_mask``, ``input_ids`` [B, P+T],
+        ``attention_mask``, ``position_ids``, ``logprobs`` [B, T] (0 after the end), with
+        B = prompts x num_samples_per_prompt and T = max_new_tokens.
+        """
+        start = time.perf_counter()
+        device = self.stage.device
+        prompts_BP = prompts_BP.to(device).repeat_interleave(config.num_samples_per_prompt, dim=0)
+        prompt_mask_BP = prompt_mask_BP.to(device).repeat_interleave(config.num_samples_per_prompt, dim=0).long()
+        B, P = prompts_BP.shape
+        T = config.max_new_tokens
+        responses_BT = torch.full((B, T), config.pad_token_id, dtype=prompts_BP.dtype, device=device)
+        logprobs_BT = torch.zeros((B, T), dtype=torch.float32, device=device)
+        response_mask_BT = torch.zeros((B, T), dtype=prompt_mask_BP.dtype, device=device)
+        stops = torch.tensor(sorted(set(config.eos_token_ids) | set(config.stop_token_ids)), dtype=torch.long,
+                             device=device)
+        generator = torch.Generator(device=device)
+        generator.manual_seed(config.seed)
+        stats = GenerationStats()
+
+        rows_B = torch.arange(B, device=device)  # output row of each active row
+        cache = self.stage.new_cache(batch=B, max_len=P + T)
+        key_valid_BS = torch.zeros((B, P + T), dtype=torch.bool, device=device)
+        key_valid_BS[:, :P] = prompt_mask_BP.bool()
+        positions_BP = (prompt_mask_BP.cumsum(dim=1) - 1).clamp(min=0)
+        next_position_B = prompt_mask_BP.sum(dim=1)
+        logits_BV = self._forward(prompts_BP, positions_BP, cache, key_valid_BS)
+        stats.peak_kv_cache_bytes = cache.nbytes()
+        for step in range(T):
+            tokens_B, logprobs_B = self._sample_and_share(logits_BV, config, generator, len(rows_B))
+            responses_BT[rows_B, step] = tokens_B
+            logprobs_BT[rows_B, step] = logprobs_B
+            response_mask_BT[rows_B, step] = 1
+            finished_B = torch.isin(tokens_B, stops)
+            if step == T - 1 or bool(finished_B.all()):
+                break
+            key_valid_BS[:, P + step] = True
+            if bool(finished_B.any()):
+                keep_B = ~finished_B
+                rows_B, tokens_B, next_position_B = rows_B[keep_B], tokens_B[keep_B], next_position_B[keep_B]
+                key_valid_BS = key_valid_BS[keep_B]
+                cache.keep_rows(keep_B)
+            logits_BV = self._forward(tokens_B[:, None], next_position_B[:, None], cache, key_valid_BS)
+            next_position_B = next_position_B + 1
+            stats.decode_steps += 1
+            stats.rows_decoded += len(rows_B)
+        del cache  # the KV cache lives only inside this call
+        stats.seconds = time.perf_counter() - start
+        self.last_stats = stats
+        attention_mask_BS = torch.cat([prompt_mask_BP, response_mask_BT], dim=1)
+        return {
+            "prompts": prompts_BP,
+            "responses": responses_BT,
+            "response_mask": response_mask_BT,
+            "input_ids": torch.cat([prompts_BP, responses_BT], dim=1),
+            "attention_mask": attention_mask_BS,
+            "position_ids": (attention_mask_BS.cumsum(dim=1) - 1).clamp(min=0),
+            "logprobs": logprobs_BT,
+        }
+
+    # ----- one step through the pipeline ------------------------------------------------------------
+    def _forward(self, ids_BS: torch.Tensor, positions_BS: torch.Tensor, cache, key_valid_BS: torch.Tensor):
+        """Logits [B, V] of the last position on the head stage, None on the other stages."""
+        stage, p = self.stage, self.pipeline
+        B, S = ids_BS.shape
+        if p.stage == 0:
+            hidden_BSH = stage.embed(ids_BS)
+        else:
+            hidden_BSH = torch.empty((B, S, stage.spec.hidden_size), dtype=stage.dtype, device=stage.device)
+            dist.recv(hidden_BSH, src=p.ranks[p.stage - 1], group=p.group)
+        hidden_BSH = stage.forward_layers(hidden_BSH, positions_BS, cache, key_valid_BS)
+        if p.stage < p.num_stages - 1:
+            dist.send(hidden_BSH.contiguous(), dst=p.ranks[p.stage + 1], group=p.group)
+        last_hidden_BH = None
+        if p.stage == p.num_stages - 1:
+            last_hidden_BH = stage.final_norm(hidden_BSH[:, -1])
+            if self.head_stage != p.stage:
+                dist.send(last_hidden_BH.contiguous(), dst=p.ranks[self.head_stage], group=p.group)
+        elif p.stage == self.head_stage:
+            last_hidden_BH = torch.empty((B, stage.spec.hidden_size), dtype=stage.dtype, device=stage.device)
+            dist.recv(last_hidden_BH, src=p.ranks[-1], group=p.group)
+        return stage.head(last_hidden_BH) if p.stage == self.head_stage else None
+
+    def _sample_and_share(self, logits_BV, config, generator, rows: int):
+        """Sample on the head stage (every tp rank draws the same tokens from the same logits and seed),
+        then broadcast tokens and log-probs to the other stages of the pipeline."""
+        p = self.pipeline
+        if p.stage == self.head_stage:
+            tokens_B, logprobs_B = sample_tokens(logits_BV, config, generator)
+        else:
+            tokens_B = torch.empty(rows, dtype=torch.long, device=self.stage.device)
+            logprobs_B = torch.empty(rows, dtype=torch.float32, device=self.stage.device)
+        if p.num_stages > 1:
+            packed = torch.stack([tokens_B.double(), logprobs_B.double()])
+            dist.broadcast(packed, src=p.ranks[self.head_stage], group=p.group)
+            tokens_B, logprobs_B = packed[0].long(), packed[1].float()
+        return tokens_B, logprobs_B

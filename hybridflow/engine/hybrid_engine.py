@@ -1,0 +1,413 @@
+"""The 3D-HybridEngine: reshards the actor from its training layout (p, t, d) to generation (pg, tg, dg) and back.
+
+Strategies (``HybridEngineConfig.strategy``):
+
+- ``hybrid`` (the paper's, section 5.3): generation TP groups take ranks at stride t/tg inside each
+  training TP group, generation stages cover p/pg consecutive training stages, and the micro-DP
+  group (the ranks that will hold the same generation shard) are consecutive. A rank's training
+  shard is one of the pieces of its generation shard, so the transition only all-gathers the other
+  pieces inside the micro-DP group, keeps the local shard in place as one of the pieces the decoder
+  computes with, and going back to training just drops the gathered pieces (no communication).
+- ``vanilla`` (the paper's baseline grouping): generation TP groups of consecutive ranks; each rank
+  all-gathers the whole model inside its training replica, cuts its generation shard out as a copy
+  and frees the rest: (tp-1)/tp of the model moved, a redundant copy held during generation.
+- ``full_gather`` (DeepSpeed-Chat style): every rank gathers the whole model from ZeRO-style equal
+  slices of all t*p*d ranks and generates alone (tg = pg = 1): (tpd-1)/tpd of the model moved.
+
+Bytes are counted per rank as the payload its collectives deliver to it (received) and the payload
+of its own tensors delivered to other ranks (sent). Parameter memory is the bytes of the distinct
+storages of training shards and generation pieces alive on the rank.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from hybridflow.engine.decoder import DecoderSpec, DecoderStage, TensorParallelGroup
+from hybridflow.engine.generation import GenerationConfig, GenerationEngine, PipelinePeers
+from hybridflow.parallel.layout import GenerationLayout, ParallelLayout, stage_layer_range
+from hybridflow.parallel.sharding import tp_shard_dim
+
+STRATEGIES = ("hybrid", "vanilla", "full_gather")
+
+
+@dataclass(frozen=True, kw_only=True)
+class HybridEngineConfig:
+    """The actor's generation layout and how to get there from the training layout."""
+
+    pp_size: int = 1
+    """pg: generation pipeline stages; divides the training pp_size."""
+    tp_size: int = 1
+    """tg: generation tensor-parallel size; divides the training tp_size."""
+    strategy: str = "hybrid"
+    """'hybrid' (zero redundancy, the paper's), 'vanilla' (consecutive groups) or 'full_gather'."""
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        for name in ("pp_size", "tp_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.strategy == "full_gather" and (self.pp_size, self.tp_size) != (1, 1):
+            raise ValueError(f"strategy 'full_gather' generates with the whole model on each rank: pp_size and "
+                             f"tp_size must be 1, got pp_size={self.pp_size}, tp_size={self.tp_size}")
+
+
+@dataclass
+class TransitionStats:
+    """Measurements of one transition on one rank."""
+
+    direction: str
+    """'to_generation' or 'to_training'."""
+    strategy: str
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    param_bytes: int = 0
+    """Parameter bytes alive on this rank after the transition (during generation for 'to_generation')."""
+    peak_param_bytes: int = 0
+    """Largest parameter bytes alive on this rank at any point of the transition."""
+    seconds: float = 0.0
+
+
+def parameter_shapes(hf_config) -> dict[str, torch.Size]:
+    """Full shapes of the model's parameters by Hugging Face name (tied embeddings once), built on meta."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    return {name: param.shape for name, param in model.named_parameters()}
+
+
+def training_stage_of(name: str, *, num_layers: int, pp_size: int) -> int:
+    """The training pipeline stage that holds parameter ``name`` (embedding first, norm and head last)."""
+    if name.startswith("model.layers."):
+        layer = int(name.split(".")[2])
+        return next(s for s in range(pp_size) if layer in stage_layer_range(num_layers, pp_size, s))
+    return 0 if name.startswith("model.embed_tokens.") else pp_size - 1
+
+
+def cut_training_shards(state_dict: dict[str, torch.Tensor], hf_config, layout: ParallelLayout,
+                        rank: int) -> dict[str, torch.Tensor]:
+    """The local shards a 3d training engine holds on ``rank``, cut from a full state_dict (own storages).
+
+    Same contract as the training engine's ``local_shards()``: parameters of the rank's training
+    stage only, tensor-parallel ones as chunk tp_rank of tp_size along ``tp_shard_dim``.
+    """
+    coords = layout.coords(rank)
+    shards = {}
+    for name in parameter_shapes(hf_config):
+        if training_stage_of(name, num_layers=hf_config.num_hidden_layers, pp_size=layout.pp_size) != coords.pp_rank:
+            continue
+        full, dim = state_dict[name], tp_shard_dim(name)
+        shard = full if dim is None else full.chunk(layout.tp_size, dim=dim)[coords.tp_rank]
+        shards[name] = shard.detach().clone()
+    return shards
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (a piece reused in place counts once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class _Groups:
+    """Process groups built collectively: every rank creates every group, keeps the one it belongs to."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def mine(self, groups: list[list[int]]) -> tuple[object, list[int]]:
+        chosen = None
+        for ranks in groups:
+            handle = dist.new_group(ranks) if len(ranks) > 1 else None
+            if self.rank in ranks:
+                chosen = (handle, ranks)
+        assert chosen is not None, f"rank {self.rank} is in none of {groups}"
+        return chosen
+
+
+class HybridEngine:
+    """One actor rank's switch between its training shards and a generation engine over the same weights.
+
+    Construct it on every rank of the actor's group at once (it creates process groups). Then, per
+    RL step: ``to_generation(local_shards)``, ``generate(...)`` on this rank's replica's prompts,
+    ``to_training()``.
+    """
+
+    def __init__(self, hf_config, train_layout: ParallelLayout, config: HybridEngineConfig) -> None:
+        if dist.get_world_size() != train_layout.world_size:
+            raise ValueError(f"the training layout has {train_layout.world_size} ranks but the process group "
+                             f"has {dist.get_world_size()}")
+        self.hf_config, self.train_layout, self.config = hf_config, train_layout, config
+        self.spec = DecoderSpec.from_hf(hf_config)
+        self.rank = dist.get_rank()
+        self.shapes = parameter_shapes(hf_config)
+        full = config.strategy == "full_gather"
+        self.generation_layout = GenerationLayout(
+            train=train_layout, pp_size=config.pp_size, tp_size=config.tp_size,
+            grouping="vanilla" if config.strategy == "vanilla" else "hybrid")
+        self.spec.check_tp_size(config.tp_size)
+        self.coords = train_layout.coords(self.rank)
+        self.gen_coords = self.generation_layout.coords(self.rank)
+        self.gen_layers = self.generation_layout.stage_layers(self.spec.num_layers, self.gen_coords.gen_pp_rank)
+        self._build_groups(full)
+        self.local_shards: dict[str, torch.Tensor] | None = None
+        self.engine: GenerationEngine | None = None
+
+    # ----- groups ------------------------------------------------------------------------------------
+    def _build_groups(self, full: bool) -> None:
+        groups, train, gen = _Groups(self.rank), self.train_layout, self.generation_layout
+        if full:
+            self.stage_group = groups.mine([[r for r in range(train.world_size) if train.coords(r).pp_rank == s]
+                                            for s in range(train.pp_size)])
+            self.train_pp_group = groups.mine(train.pp_groups())
+            return
+        self.gen_tp_group = groups.mine(gen.tp_groups())
+        self.gen_pp_group = groups.mine(gen.pp_groups())
+        if self.config.strategy == "vanilla":
+            self.train_tp_group = groups.mine(train.tp_groups())
+            self.train_pp_group = groups.mine(train.pp_groups())
+            return
+        # hybrid: the micro-DP group split by axis; micro-TP peers share the training stage, micro-PP
+        # peers share the training tp rank (member order = shard order inside the generation shard)
+        micro = gen.micro_dp_groups()
+        self.micro_tp_group = groups.mine([sorted(g, key=lambda r: train.coords(r).tp_rank)
+                                           for m in micro for g in _split_by(m, lambda r: train.coords(r).pp_rank)])
+        self.micro_pp_group = groups.mine([sorted(g, key=lambda r: train.coords(r).pp_rank)
+                                           for m in micro for g in _split_by(m, lambda r: train.coords(r).tp_rank)])
+
+    @property
+    def replica(self) -> int:
+        """The generation replica of this rank: it generates the replica's share of the prompts."""
+        return self.gen_coords.replica if self.config.strategy != "full_gather" else self.rank
+
+    @property
+    def num_replicas(self) -> int:
+        return self.generation_layout.num_replicas if self.config.strategy != "full_gather" else self.train_layout.world_size
+
+    # ----- transitions -------------------------------------------------------------------------------
+    def to_generation(self, local_shards: dict[str, torch.Tensor]) -> TransitionStats:
+        """Gather this rank's generation weights around its training shards; build the generation engine."""
+        if self.engine is not None:
+            raise RuntimeError("to_generation called twice without to_training in between")
+        start = time.perf_counter()
+        self.local_shards = local_shards
+        stats = TransitionStats(direction="to_generation", strategy=self.config.strategy)
+        stats.peak_param_bytes = storage_bytes(local_shards.values())
+        builder = {"hybrid": self._gather_hybrid, "vanilla": self._gather_vanilla,
+                   "full_gather": self._gather_full}[self.config.strategy]
+        weights = builder(local_shards, stats)
+        self.engine = self._build_engine(weights)
+        stats.param_bytes = self.param_bytes()
+        stats.peak_param_bytes = max(stats.peak_param_bytes, stats.param_bytes)
+        stats.seconds = time.perf_counter() - start
+        return stats
+
+    def generate(self, prompts_BP: torch.Tensor, prompt_mask_BP: torch.Tensor,
+                 config: GenerationConfig) -> dict[str, torch.Tensor]:
+        """Generate for this rank's replica (every rank of the replica passes the same prompts)."""
+        if self.engine is None:
+            raise RuntimeError("generate needs to_generation first")
+        return self.engine.generate(prompts_BP, prompt_mask_BP, config)
+
+    def to_training(self) -> TransitionStats:
+        """Drop the generation weights; the training shards were never moved. No communication."""
+        start = time.perf_counter()
+        before = self.param_bytes()
+        self.engine = None
+        stats = TransitionStats(direction="to_training", strategy=self.config.strategy,
+                                param_bytes=storage_bytes(self.local_shards.values()), peak_param_bytes=before)
+        self.local_shards = None
+        stats.seconds = time.perf_counter() - start
+        return stats
+
+    def param_bytes(self) -> int:
+        tensors = list(self.local_shards.values()) if self.local_shards is not None else []
+        if self.engine is not None:
+            tensors += [p for pieces in self.engine.stage.weights.values() for p in pieces]
+        return storage_bytes(tensors)
+
+    # ----- strategies --------------------------------------------------------------------------------
+    def _gen_stage_names(self) -> list[str]:
+        last = self.generation_layout.pp_size - 1 if self.config.strategy != "full_gather" else 0
+        gen_pp = self.gen_coords.gen_pp_rank if self.config.strategy != "full_gather" else 0
+        names = []
+        for name in self.shapes:
+            if name.startswith("model.layers."):
+                layers = self.gen_layers if self.config.strategy != "full_gather" else range(self.spec.num_layers)
+                if int(name.split(".")[2]) in layers:
+                    names.append(name)
+            elif name.startswith("model.embed_tokens."):
+                if gen_pp == 0:
+                    names.append(name)
+            elif gen_pp == last:
+                names.append(name)
+        return names
+
+    def _gather_hybrid(self, shards: dict[str, torch.Tensor], stats: TransitionStats) -> dict[str, list]:
+        """All-gather the other pieces inside the micro-DP group; the local shard stays a piece, in place."""
+        group, peers = self.micro_tp_group
+        weights: dict[str, list[torch.Tensor]] = {}
+        for name, shard in shards.items():
+            if tp_shard_dim(name) is None or len(peers) == 1:
+                weights[name] = [shard]
+                continue
+            pieces = [shard if r == self.rank else torch.empty_like(shard) for r in peers]
+            dist.all_gather(pieces, shard, group=group)
+            weights[name] = pieces
+            stats.bytes_received += (len(peers) - 1) * _nbytes(shard)
+            stats.bytes_sent += (len(peers) - 1) * _nbytes(shard)
+        group, peers = self.micro_pp_group
+        if len(peers) > 1:
+            num_layers, pp_size = self.spec.num_layers, self.train_layout.pp_size
+            for name in self._gen_stage_names():
+                owner_stage = training_stage_of(name, num_layers=num_layers, pp_size=pp_size)
+                src = next(r for r in peers if self.train_layout.coords(r).pp_rank == owner_stage)
+                if src == self.rank:
+                    pieces = weights[name]
+                    stats.bytes_sent += (len(peers) - 1) * sum(_nbytes(p) for p in pieces)
+                else:
+                    pieces = self._empty_pieces(name, tp_size=self.train_layout.tp_size,
+                                                count=self.generation_layout.tp_ratio, like=_any(shards))
+                    stats.bytes_received += sum(_nbytes(p) for p in pieces)
+                for piece in pieces:
+                    dist.broadcast(piece, src=src, group=group)
+                weights[name] = pieces
+        return weights
+
+    def _empty_pieces(self, name: str, *, tp_size: int, count: int, like: torch.Tensor) -> list[torch.Tensor]:
+        shape, dim = list(self.shapes[name]), tp_shard_dim(name)
+        if dim is None:
+            return [like.new_empty(shape)]
+        shape[dim] //= tp_size
+        return [like.new_empty(shape) for _ in range(count)]
+
+    def _gather_stage_then_pipeline(self, stage_params: dict[str, torch.Tensor], stats: TransitionStats,
+                                    running: int) -> dict[str, torch.Tensor]:
+        """Broadcast every training stage's full parameters along the training pipeline: the whole model."""
+        group, peers = self.train_pp_group
+        full = dict(stage_params)
+        if len(peers) == 1:
+            stats.peak_param_bytes = max(stats.peak_param_bytes, running)
+            return full
+        like = _any(stage_params)
+        for name, shape in self.shapes.items():
+            owner = training_stage_of(name, num_layers=self.spec.num_layers, pp_size=self.train_layout.pp_size)
+            if owner == self.coords.pp_rank:
+                stats.bytes_sent += (len(peers) - 1) * _nbytes(full[name])
+            else:
+                full[name] = like.new_empty(shape)
+                stats.bytes_received += _nbytes(full[name])
+                running += _nbytes(full[name])
+            dist.broadcast(full[name], src=peers[owner], group=group)
+        stats.peak_param_bytes = max(stats.peak_param_bytes, running)
+        return full
+
+    def _gather_vanilla(self, shards: dict[str, torch.Tensor], stats: TransitionStats) -> dict[str, list]:
+        """Gather the whole model in the training replica, cut the generation shard out as a copy, free the rest."""
+        group, peers = self.train_tp_group
+        running = storage_bytes(shards.values())
+        stage_params = {}
+        for name, shard in shards.items():
+            dim = tp_shard_dim(name)
+            if dim is None or len(peers) == 1:
+                stage_params[name] = shard
+                continue
+            pieces = [shard if r == self.rank else torch.empty_like(shard) for r in peers]
+            dist.all_gather(pieces, shard, group=group)
+            stage_params[name] = torch.cat(pieces, dim=dim)
+            stats.bytes_received += (len(peers) - 1) * _nbytes(shard)
+            stats.bytes_sent += (len(peers) - 1) * _nbytes(shard)
+            running += _nbytes(stage_params[name])
+        full = self._gather_stage_then_pipeline(stage_params, stats, running)
+        weights, copies = {}, 0
+        tg, gen_tp = self.generation_layout.tp_size, self.gen_coords.gen_tp_rank
+        for name in self._gen_stage_names():
+            dim = tp_shard_dim(name)
+            if dim is None or tg == 1:
+                weights[name] = [full[name]]
+            else:
+                weights[name] = [full[name].chunk(tg, dim=dim)[gen_tp].clone()]
+                copies += _nbytes(weights[name][0])
+        # the copies are cut while the whole gathered model is still alive
+        stats.peak_param_bytes = max(stats.peak_param_bytes, storage_bytes([*shards.values(), *full.values()])
+                                     + copies)
+        return weights
+
+    def _gather_full(self, shards: dict[str, torch.Tensor], stats: TransitionStats) -> dict[str, list]:
+        """ZeRO-style: each of the t*d ranks of a training stage contributes 1/(t*d) of it; then the pipeline."""
+        group, peers = self.stage_group
+        t, d = self.train_layout.tp_size, self.train_layout.dp_size
+        # slot of this rank among the stage's t*d contributors: (tp_rank, dp_rank)
+        order = sorted(peers, key=lambda r: (self.train_layout.coords(r).tp_rank, self.train_layout.coords(r).dp_rank))
+        running = storage_bytes(shards.values())
+        stage_params = {}
+        for name, shard in shards.items():
+            dim = tp_shard_dim(name)
+            # the unit cut into equal slices: the tp shard over d slices, or a replicated tensor over t*d
+            units, slices_per_unit = (t, d) if dim is not None else (1, t * d)
+            flat = shard.reshape(-1)
+            size = math.ceil(flat.numel() / slices_per_unit)
+            coords = self.coords
+            index = coords.dp_rank if dim is not None else coords.tp_rank * d + coords.dp_rank
+            mine = flat.new_zeros(size)
+            payload = flat[index * size:(index + 1) * size]
+            mine[:payload.numel()] = payload
+            gathered = [torch.empty_like(mine) for _ in order]
+            dist.all_gather(gathered, mine, group=group)
+            by_rank = dict(zip(peers, gathered))  # all_gather fills slots in group-rank order
+            if dim is not None:
+                tp_shards = []
+                for tp_rank in range(t):
+                    ranks = [r for r in order if self.train_layout.coords(r).tp_rank == tp_rank]
+                    tp_shards.append(torch.cat([by_rank[r] for r in ranks])[:flat.numel()].view(shard.shape))
+                stage_params[name] = torch.cat(tp_shards, dim=dim)
+            else:
+                stage_params[name] = torch.cat([by_rank[r] for r in order])[:flat.numel()].view(shard.shape)
+            own = payload.numel() * flat.element_size()
+            total = stage_params[name].numel() * flat.element_size()
+            stats.bytes_received += total - own
+            stats.bytes_sent += (len(order) - 1) * own
+            running += total
+        full = self._gather_stage_then_pipeline(stage_params, stats, running)
+        return {name: [full[name]] for name in self._gen_stage_names()}
+
+    def _build_engine(self, weights: dict[str, list[torch.Tensor]]) -> GenerationEngine:
+        if self.config.strategy == "full_gather":
+            stage = DecoderStage(self.spec, self.hf_config, weights, layers=range(self.spec.num_layers),
+                                 has_embedding=True, has_final_norm=True, has_head=True)
+            return GenerationEngine(stage)
+        gen_pp, pg = self.gen_coords.gen_pp_rank, self.generation_layout.pp_size
+        tp_group, tp_ranks = self.gen_tp_group
+        tp = TensorParallelGroup(tp_group, size=len(tp_ranks), rank=self.gen_coords.gen_tp_rank)
+        head_stage = 0 if self.spec.tie_word_embeddings else pg - 1
+        stage = DecoderStage(self.spec, self.hf_config, weights, layers=self.gen_layers,
+                             has_embedding=gen_pp == 0, has_final_norm=gen_pp == pg - 1,
+                             has_head=gen_pp == head_stage, tp=tp)
+        pp_group, pp_ranks = self.gen_pp_group
+        return GenerationEngine(stage, pipeline=PipelinePeers(group=pp_group, ranks=pp_ranks, stage=gen_pp))
+
+
+def _any(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A tensor whose dtype and device new buffers take (all shards share them)."""
+    return next(iter(tensors.values()))
+
+
+def _split_by(ranks: list[int], key) -> list[list[int]]:
+    buckets: dict[int, list[int]] = {}
+    for r in ranks:
+        buckets.setdefault(key(r), []).append(r)
+    return [buckets[k] for k in sorted(buckets)]

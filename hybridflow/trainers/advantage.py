@@ -1,0 +1,98 @@
+"""The driver's advantage step: scores + log-probs (+ values) of one RL step -> advantages, returns and KL.
+
+Shape legend: B = samples in the step, T = response tokens.
+This is the only place the estimators differ: PPO (``gae``) uses the critic's values, GRPO/RLOO
+a group baseline over the samples of one prompt, ReMax the greedy response's score, REINFORCE++
+whitened returns. Everything else in the RL loop is shared.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from hybridflow.algorithms import (
+    gae_advantages,
+    grpo_advantages,
+    kl_shaped_rewards,
+    masked_mean,
+    masked_whiten,
+    reinforce_plus_plus_advantages,
+    remax_advantages,
+    rloo_advantages,
+    scores_on_last_token,
+)
+from hybridflow.trainers.config import AlgorithmSection
+
+
+@dataclass(frozen=True)
+class AdvantageResult:
+    """What the advantage step hands to the actor and critic updates."""
+
+    advantages_BT: Tensor
+    """Per-token advantages (whitened if configured); 0 on padding."""
+    returns_BT: Tensor
+    """Critic regression targets (GAE) or reward-to-go; 0 on padding."""
+    kl_BT: Tensor
+    """Per-token KL(pi_old || pi_ref) estimate (0 when there is no reference)."""
+    token_rewards_BT: Tensor
+    """Token-level rewards after KL shaping."""
+
+
+def compute_advantages(
+    *,
+    algorithm: AlgorithmSection,
+    scores_B: Tensor,
+    response_mask_BT: Tensor,
+    old_logprobs_BT: Tensor,
+    ref_logprobs_BT: Tensor | None,
+    values_BT: Tensor | None,
+    group_ids: Sequence | Tensor,
+    baseline_scores_B: Tensor | None,
+    kl_coef: float,
+) -> AdvantageResult:
+    """Shape the rewards with the KL penalty (when ``kl_mode == 'reward'``) and run the configured estimator."""
+    mask_BT = response_mask_BT.to(old_logprobs_BT.dtype)
+    scores_B = scores_B.to(old_logprobs_BT.dtype)
+    if ref_logprobs_BT is not None:
+        shaping_coef = kl_coef if algorithm.kl_mode == "reward" else 0.0
+        rewards_BT, kl_BT = kl_shaped_rewards(scores_B, old_logprobs_BT, ref_logprobs_BT, mask_BT, shaping_coef)
+    else:
+        rewards_BT, kl_BT = scores_on_last_token(scores_B, mask_BT), torch.zeros_like(mask_BT)
+    estimator = algorithm.advantage_estimator
+    if estimator == "gae":
+        if values_BT is None:
+            raise ValueError("advantage_estimator 'gae' needs critic values; the critic produced none")
+        advantages_BT, returns_BT = gae_advantages(rewards_BT, values_BT.to(mask_BT.dtype), mask_BT,
+                                                   gamma=algorithm.gamma, lam=algorithm.lam)
+    elif estimator == "remax":
+        if baseline_scores_B is None:
+            raise ValueError("advantage_estimator 'remax' needs the greedy responses' scores (baseline_scores_B)")
+        advantages_BT, returns_BT = remax_advantages(rewards_BT, baseline_scores_B.to(mask_BT.dtype), mask_BT)
+    elif estimator == "reinforce_plus_plus":
+        advantages_BT, returns_BT = reinforce_plus_plus_advantages(rewards_BT, mask_BT, gamma=algorithm.gamma)
+    else:
+        # Outcome estimators: one (KL-shaped) return per response, baseline from its prompt's group.
+        sequence_returns_B = (rewards_BT * mask_BT).sum(dim=-1)
+        if estimator == "grpo":
+            advantages_BT = grpo_advantages(sequence_returns_B, group_ids, mask_BT)
+        else:
+            advantages_BT = rloo_advantages(sequence_returns_B, group_ids, mask_BT)
+        returns_BT = sequence_returns_B[:, None] * mask_BT
+    if algorithm.whiten_advantages and estimator not in ("grpo", "reinforce_plus_plus"):
+        advantages_BT = masked_whiten(advantages_BT, mask_BT)  # grpo and reinforce++ are normalized already
+    return AdvantageResult(advantages_BT=advantages_BT, returns_BT=returns_BT, kl_BT=kl_BT,
+                           token_rewards_BT=rewards_BT)
+
+
+def sequence_kl(kl_BT: Tensor, mask_BT: Tensor) -> float:
+    """Mean over samples of the summed per-token KL (what the adaptive controller steers)."""
+    return float((kl_BT * mask_BT.to(kl_BT.dtype)).sum(dim=-1).mean())
+
+
+def token_mean(values_BT: Tensor, mask_BT: Tensor) -> float:
+    """Mean over real tokens (for logging)."""
+    return float(masked_mean(values_BT, mask_BT.to(values_BT.dtype)))

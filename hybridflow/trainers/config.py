@@ -1,0 +1,436 @@
+"""The RL training config: one keyword-only dataclass per component, validated where it is defined.
+
+Batch vocabulary (docs/config.md is the user-facing copy):
+- ``batch.prompts_per_step``: prompts drawn from the dataset for one RL iteration;
+- ``batch.samples_per_prompt``: responses generated per prompt; a step holds their product;
+- ``batch.mini_batch_size``: samples per optimizer update (a step is split into several per epoch);
+- ``<role>.engine.micro_batch_tokens`` (per rank): tokens one forward/backward may hold.
+Everything else (samples per step, mini-batches per epoch, data-parallel sizes, generation replicas)
+is derived into :class:`DerivedSizes`; the config itself is never written to after it is built.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from hybridflow.trainers.config_loader import apply_overrides, build_dataclass, load_yaml
+
+ROLES = ("actor", "reference", "critic", "reward")
+# "package.module:function", "path/to/file.py:function" or a built-in short name (no colon)
+_FUNCTION_SPEC = re.compile(r"^([^:\s]+:[A-Za-z_][\w.]*|[A-Za-z_]\w*)$")
+
+
+def require(condition: bool, key: str, value: Any, allowed: str) -> None:
+    """ValueError naming the key (relative to its section; the loader prefixes the path), the value and what is allowed."""
+    if not condition:
+        raise ValueError(f"config key {key} got {value!r}; allowed: {allowed}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSource:
+    """Where a role's model comes from: a local Hugging Face directory or a built-in tiny model."""
+
+    path: str | None = None
+    """Local Hugging Face model directory (config.json + safetensors); no hub downloads."""
+    builtin: str | None = None
+    """Name of a built-in tiny model config (e.g. ``arithmetic``), randomly initialized from ``seed``."""
+    tokenizer_path: str | None = None
+    """Tokenizer directory when it differs from ``path`` (default: ``path``, or the built-in's tokenizer)."""
+
+    def __post_init__(self) -> None:
+        if (self.path is None) == (self.builtin is None):
+            raise ValueError(f"config key path needs exactly one of path or builtin; got path={self.path!r}, "
+                             f"builtin={self.builtin!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineSection:
+    """How one role's model is laid out and micro-batched on its pool."""
+
+    layout: Literal["fsdp", "3d"] = "fsdp"
+    """``fsdp``: parameters sharded over all ranks; ``3d``: tensor x pipeline x data parallel."""
+    pp_size: int = 1
+    """Pipeline-parallel degree (``3d`` only; must be 1 under ``fsdp``)."""
+    tp_size: int = 1
+    """Tensor-parallel degree (``3d`` only; must be 1 under ``fsdp``)."""
+    micro_batch_tokens: int = 4096
+    """Per rank: the most (unpadded) tokens one forward/backward may hold."""
+
+    def __post_init__(self) -> None:
+        require(self.pp_size >= 1, "pp_size", self.pp_size, "an integer >= 1")
+        require(self.tp_size >= 1, "tp_size", self.tp_size, "an integer >= 1")
+        require(self.micro_batch_tokens >= 1, "micro_batch_tokens", self.micro_batch_tokens, "an integer >= 1")
+        if self.layout == "fsdp":
+            require(self.pp_size == 1 and self.tp_size == 1, "layout", self.layout,
+                     f"'3d' when pp_size={self.pp_size} and tp_size={self.tp_size} (fsdp needs both 1)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimSection:
+    """AdamW with linear warm-up then a constant or cosine schedule."""
+
+    lr: float = 1e-6
+    """Peak learning rate."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """Adam betas (beta1, beta2)."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip; 0 disables it."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warm-up from 0 to ``lr``."""
+    schedule: Literal["constant", "cosine"] = "constant"
+    """Learning-rate shape after warm-up."""
+
+    def __post_init__(self) -> None:
+        require(self.lr > 0, "lr", self.lr, "a float > 0")
+        require(self.weight_decay >= 0, "weight_decay", self.weight_decay, "a float >= 0")
+        require(len(self.betas) == 2 and all(0 <= beta < 1 for beta in self.betas), "betas", self.betas,
+                 "two floats in [0, 1)")
+        require(self.grad_clip >= 0, "grad_clip", self.grad_clip, "a float >= 0")
+        require(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "an integer >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerationSection:
+    """Sampling settings and the actor's generation layout (the 3D-HybridEngine's pg, tg)."""
+
+    pp_size: int = 1
+    """Generation pipeline degree pg; must divide the actor's training pp_size."""
+    tp_size: int = 1
+    """Generation tensor degree tg; must divide the actor's training tp_size."""
+    grouping: Literal["hybrid", "vanilla"] = "hybrid"
+    """Generation rank grouping: the paper's zero-redundancy ``hybrid`` or the ``vanilla`` baseline."""
+    max_new_tokens: int = 64
+    """Most response tokens per sample (responses are padded to this length)."""
+    temperature: float = 1.0
+    """Sampling temperature; 0 means greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 keeps all."""
+
+    def __post_init__(self) -> None:
+        require(self.pp_size >= 1, "pp_size", self.pp_size, "an integer >= 1")
+        require(self.tp_size >= 1, "tp_size", self.tp_size, "an integer >= 1")
+        require(self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens, "an integer >= 1")
+        require(self.temperature >= 0, "temperature", self.temperature, "a float >= 0")
+        require(0 < self.top_p <= 1, "top_p", self.top_p, "a float in (0, 1]")
+        require(self.top_k >= 0, "top_k", self.top_k, "an integer >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ActorSection:
+    """The policy: its model, training engine, optimizer, PPO loss knobs and generation."""
+
+    model: ModelSource
+    """Initial policy weights (usually the SFT model)."""
+    engine: EngineSection = field(default_factory=EngineSection)
+    """Training layout and micro-batch budget."""
+    optim: OptimSection = field(default_factory=OptimSection)
+    """Optimizer and schedule."""
+    generation: GenerationSection = field(default_factory=GenerationSection)
+    """Sampling and generation layout."""
+    ppo_epochs: int = 1
+    """Passes over each step's samples."""
+    clip_ratio: float = 0.2
+    """PPO ratio clip epsilon."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus in the policy loss."""
+    ptx_coef: float = 0.0
+    """Weight of the pretraining (ptx) next-token loss; needs ``data.ptx_path``."""
+
+    def __post_init__(self) -> None:
+        require(self.ppo_epochs >= 1, "ppo_epochs", self.ppo_epochs, "an integer >= 1")
+        require(self.clip_ratio > 0, "clip_ratio", self.clip_ratio, "a float > 0")
+        require(self.entropy_coef >= 0, "entropy_coef", self.entropy_coef, "a float >= 0")
+        require(self.ptx_coef >= 0, "ptx_coef", self.ptx_coef, "a float >= 0")
+        for name, size in (("pp_size", self.generation.pp_size), ("tp_size", self.generation.tp_size)):
+            train_size = getattr(self.engine, name)
+            require(train_size % size == 0, f"generation.{name}", size,
+                     f"a divisor of actor.engine.{name}={train_size}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReferenceSection:
+    """The frozen reference policy for the KL penalty (defaults to the actor's initial model)."""
+
+    model: ModelSource | None = None
+    """Reference weights; null means the actor's ``model``."""
+    engine: EngineSection = field(default_factory=EngineSection)
+    """Inference layout and micro-batch budget."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CriticSection:
+    """The value model (only for estimators that need one, i.e. ``gae``)."""
+
+    model: ModelSource | None = None
+    """Backbone for the value head; null means the actor's ``model``."""
+    engine: EngineSection = field(default_factory=EngineSection)
+    """Training layout and micro-batch budget."""
+    optim: OptimSection = field(default_factory=lambda: OptimSection(lr=1e-5))
+    """Optimizer and schedule."""
+    ppo_epochs: int = 1
+    """Passes over each step's samples."""
+    value_clip: float = 0.2
+    """Clip of new values around the old ones in the value loss; 0 disables clipping."""
+
+    def __post_init__(self) -> None:
+        require(self.ppo_epochs >= 1, "ppo_epochs", self.ppo_epochs, "an integer >= 1")
+        require(self.value_clip >= 0, "value_clip", self.value_clip, "a float >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RewardSection:
+    """The reward: a reward model, a rule-based function, or a weighted sum of both."""
+
+    model: ModelSource | None = None
+    """Reward model (a backbone with a score head); null for rule-based only."""
+    model_weight: float = 1.0
+    """Weight of the reward model's score in the total reward."""
+    function: str | None = None
+    """Rule-based reward ``module:function`` (prompt, response, row fields -> float)."""
+    function_weight: float = 1.0
+    """Weight of the function's reward in the total reward."""
+    engine: EngineSection = field(default_factory=EngineSection)
+    """Inference layout and micro-batch budget of the reward model."""
+
+    def __post_init__(self) -> None:
+        require(self.model is not None or self.function is not None, "model", None,
+                 "a reward model, a reward function, or both (reward.model / reward.function)")
+        if self.function is not None:
+            require(bool(_FUNCTION_SPEC.match(self.function)), "function", self.function,
+                     "'package.module:function', 'file.py:function' or a built-in name (math, code, arithmetic)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AlgorithmSection:
+    """Advantage estimator and KL regularization."""
+
+    advantage_estimator: Literal["gae", "grpo", "remax", "rloo", "reinforce_plus_plus"] = "gae"
+    """``gae`` (PPO, needs a critic) or a critic-free group/baseline estimator."""
+    gamma: float = 1.0
+    """Discount factor."""
+    lam: float = 0.95
+    """GAE lambda."""
+    whiten_advantages: bool = True
+    """Normalize advantages over the step's response tokens."""
+    kl_mode: Literal["reward", "loss", "none"] = "reward"
+    """Where the KL to the reference goes: shaped into the reward, added to the actor loss, or nowhere."""
+    kl_coef: float = 0.05
+    """Initial KL coefficient (beta)."""
+    kl_controller: Literal["fixed", "adaptive"] = "fixed"
+    """Keep beta fixed, or adapt it toward ``kl_target`` (Ziegler et al.)."""
+    kl_target: float = 6.0
+    """Target KL per sequence for the adaptive controller."""
+    kl_horizon: int = 10000
+    """Adaptive controller horizon in samples."""
+
+    def __post_init__(self) -> None:
+        require(0 <= self.gamma <= 1, "gamma", self.gamma, "a float in [0, 1]")
+        require(0 <= self.lam <= 1, "lam", self.lam, "a float in [0, 1]")
+        require(self.kl_coef >= 0, "kl_coef", self.kl_coef, "a float >= 0")
+        require(self.kl_target > 0, "kl_target", self.kl_target, "a float > 0")
+        require(self.kl_horizon >= 1, "kl_horizon", self.kl_horizon, "an integer >= 1")
+
+    @property
+    def uses_critic(self) -> bool:
+        """Whether the estimator needs value estimates (only GAE does)."""
+        return self.advantage_estimator == "gae"
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataSection:
+    """Prompt datasets."""
+
+    train_path: str
+    """jsonl or parquet file of training prompts (a ``prompt`` field or chat ``messages``)."""
+    val_path: str | None = None
+    """Held-out prompts for validation; null disables validation."""
+    prompt_key: str = "prompt"
+    """Field holding the prompt text (``messages`` rows use the chat template instead)."""
+    max_prompt_tokens: int = 256
+    """Longer prompts are dropped with a counted warning (never truncated)."""
+    ptx_path: str | None = None
+    """jsonl/parquet of prompt/response rows for the ptx next-token loss (``actor.ptx_coef`` > 0)."""
+    max_ptx_response_tokens: int = 256
+    """ptx rows with longer responses are dropped (counted in a warning)."""
+    shuffle: bool = True
+    """Shuffle the prompts every epoch (seeded by ``trainer.seed``)."""
+
+    def __post_init__(self) -> None:
+        require(self.max_prompt_tokens >= 1, "max_prompt_tokens", self.max_prompt_tokens, "an integer >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchSection:
+    """The batch vocabulary of one RL step (see the module docstring)."""
+
+    prompts_per_step: int = 8
+    """Prompts drawn from the dataset for one RL iteration."""
+    samples_per_prompt: int = 1
+    """Responses generated per prompt."""
+    mini_batch_size: int = 8
+    """Samples per optimizer update."""
+
+    def __post_init__(self) -> None:
+        for name in ("prompts_per_step", "samples_per_prompt", "mini_batch_size"):
+            require(getattr(self, name) >= 1, name, getattr(self, name), "an integer >= 1")
+        samples = self.prompts_per_step * self.samples_per_prompt
+        require(samples % self.mini_batch_size == 0, "mini_batch_size", self.mini_batch_size,
+                 f"a divisor of prompts_per_step * samples_per_prompt = {samples}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlacementSection:
+    """Which devices each role runs on. Roles on the same pool are colocated."""
+
+    pools: dict[str, list[int]] = field(default_factory=lambda: {"global": [1]})
+    """Pool name -> devices (GPUs, or CPU slots) per node."""
+    roles: dict[str, str] = field(default_factory=dict)
+    """Role (actor, reference, critic, reward) -> pool name; roles left out go to the first pool."""
+    mapping: Literal["manual", "auto"] = "manual"
+    """``auto``: the pools' devices form the cluster and hybridflow.mapping picks pools, roles and parallel sizes."""
+    hardware: str = "a100-80g"
+    """Hardware profile for ``mapping: auto``: a built-in name, ``cpu-local`` (after calibrate) or a JSON file."""
+
+    def __post_init__(self) -> None:
+        require(len(self.pools) > 0, "pools", self.pools, "at least one pool")
+        for name, counts in self.pools.items():
+            require(len(counts) > 0 and all(count >= 1 for count in counts), f"pools.{name}", counts,
+                     "a non-empty list of positive device counts per node")
+        for role, pool in self.roles.items():
+            require(role in ROLES, "roles", role, ", ".join(ROLES))
+            require(pool in self.pools, f"roles.{role}", pool, ", ".join(self.pools))
+
+    def pool_of(self, role: str) -> str:
+        """The pool a role runs on."""
+        return self.roles.get(role, next(iter(self.pools)))
+
+    def pool_size(self, pool: str) -> int:
+        """Devices in a pool over all nodes."""
+        return sum(self.pools[pool])
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerSection:
+    """Loop length, seeding, logging, validation and checkpoints."""
+
+    total_steps: int = 10
+    """RL iterations to run."""
+    seed: int = 0
+    """Seeds data order, model init (built-in models) and sampling."""
+    val_every: int = 0
+    """Validate every N steps (and after the last); 0 disables."""
+    val_function: str | None = None
+    """A rule function also scoring the validation responses (e.g. an exact checker), logged as ``val/function_mean``."""
+    save_every: int = 0
+    """Checkpoint every N steps (and after the last); 0 disables."""
+    output_dir: str = "runs/hybridflow"
+    """Metrics (JSONL, TensorBoard) and checkpoints go here."""
+    resume: bool = True
+    """Continue from the latest complete checkpoint in ``output_dir`` when there is one."""
+    progress_bar: bool = True
+    """Show a tqdm progress bar."""
+
+    def __post_init__(self) -> None:
+        require(self.total_steps >= 1, "total_steps", self.total_steps, "an integer >= 1")
+        require(self.val_every >= 0, "val_every", self.val_every, "an integer >= 0")
+        require(self.save_every >= 0, "save_every", self.save_every, "an integer >= 0")
+        if self.val_function is not None:
+            require(bool(_FUNCTION_SPEC.match(self.val_function)), "val_function", self.val_function,
+                     "'package.module:function', 'file.py:function' or a built-in name (math, code, arithmetic)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DerivedSizes:
+    """Values computed from the config; stored here, never written back into it."""
+
+    samples_per_step: int
+    """prompts_per_step * samples_per_prompt."""
+    mini_batches_per_epoch: int
+    """samples_per_step / mini_batch_size."""
+    dp_sizes: dict[str, int]
+    """Data-parallel size per role: pool devices / (pp_size * tp_size)."""
+    generation_replicas: int
+    """Actor generation replicas: actor pool devices / (generation pp * tp)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RLConfig:
+    """A whole RL training run (PPO, GRPO, ReMax, ...)."""
+
+    data: DataSection
+    """Prompt datasets."""
+    actor: ActorSection
+    """The policy."""
+    reward: RewardSection
+    """Reward model and/or rule-based reward."""
+    reference: ReferenceSection = field(default_factory=ReferenceSection)
+    """The KL reference."""
+    critic: CriticSection = field(default_factory=CriticSection)
+    """The value model (ignored by critic-free estimators)."""
+    algorithm: AlgorithmSection = field(default_factory=AlgorithmSection)
+    """Advantages and KL."""
+    batch: BatchSection = field(default_factory=BatchSection)
+    """Batch vocabulary."""
+    placement: PlacementSection = field(default_factory=PlacementSection)
+    """Pools and role placement."""
+    trainer: TrainerSection = field(default_factory=TrainerSection)
+    """Loop, logging, checkpoints."""
+
+    def __post_init__(self) -> None:
+        if self.actor.ptx_coef > 0:
+            require(self.data.ptx_path is not None, "actor.ptx_coef", self.actor.ptx_coef,
+                     "0 unless data.ptx_path is set")
+        self.derived()  # raises on inconsistent sizes before any worker starts
+
+    @property
+    def active_roles(self) -> tuple[str, ...]:
+        """Roles with a worker group in this run."""
+        roles = ["actor"]
+        if self.algorithm.kl_mode != "none":
+            roles.append("reference")
+        if self.algorithm.uses_critic:
+            roles.append("critic")
+        if self.reward.model is not None:
+            roles.append("reward")
+        return tuple(roles)
+
+    def engine_of(self, role: str) -> EngineSection:
+        """The engine section of a role."""
+        return getattr(self, role).engine
+
+    def derived(self) -> DerivedSizes:
+        """Check the sizes against each other and return the derived ones."""
+        samples = self.batch.prompts_per_step * self.batch.samples_per_prompt
+        dp_sizes = {}
+        for role in self.active_roles:
+            engine, pool = self.engine_of(role), self.placement.pool_of(role)
+            devices, model_parallel = self.placement.pool_size(pool), engine.pp_size * engine.tp_size
+            require(devices % model_parallel == 0, f"{role}.engine.tp_size", engine.tp_size,
+                     f"pp_size * tp_size = {model_parallel} must divide the {devices} devices of pool {pool!r}")
+            dp_sizes[role] = devices // model_parallel
+            require(samples % dp_sizes[role] == 0, "batch.prompts_per_step", self.batch.prompts_per_step,
+                     f"a value making samples per step ({samples}) divisible by {role}'s data-parallel "
+                     f"size {dp_sizes[role]}")
+        for role in ("actor", "critic"):
+            if role in dp_sizes:
+                require(self.batch.mini_batch_size % dp_sizes[role] == 0, "batch.mini_batch_size",
+                         self.batch.mini_batch_size, f"a multiple of {role}'s data-parallel size {dp_sizes[role]}")
+        generation = self.actor.generation
+        replicas = self.placement.pool_size(self.placement.pool_of("actor")) // (generation.pp_size * generation.tp_size)
+        require(self.batch.prompts_per_step % replicas == 0, "batch.prompts_per_step", self.batch.prompts_per_step,
+                 f"a multiple of the {replicas} actor generation replicas (prompts are split over them)")
+        return DerivedSizes(samples_per_step=samples, mini_batches_per_epoch=samples // self.batch.mini_batch_size,
+                            dp_sizes=dp_sizes, generation_replicas=replicas)
+
+
+def load_rl_config(path: str | Path | None, overrides: list[str] = ()) -> RLConfig:
+    """Build an :class:`RLConfig` from a YAML file (or nothing) and ``key=value`` overrides."""
+    data = load_yaml(path) if path is not None else {}
+    return build_dataclass(RLConfig, apply_overrides(data, list(overrides)))

@@ -1,0 +1,241 @@
+"""The RL driver: PPO (and the critic-free GRPO, RLOO, ReMax, REINFORCE++) as one single-controller program.
+
+One step, as in the HybridFlow paper (Figure 1): the actor generates; the reference, critic and
+reward model score the samples (concurrently when they sit on different pools); the driver shapes
+the reward with the KL penalty and computes advantages; the critic and the actor update. The
+estimators differ only in ``hybridflow.trainers.advantage`` and in which roles exist.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hybridflow.algorithms import AdaptiveKLController, FixedKLController
+from hybridflow.data import BatchLoader, PromptDataset, SFTDataset
+from hybridflow.protocol import DataProto
+from hybridflow.rewards import RuleReward
+from hybridflow.trainers.advantage import compute_advantages, sequence_kl, token_mean
+from hybridflow.trainers.auto_mapping import resolve_auto_mapping
+from hybridflow.trainers.build import build_worker_groups, role_specs
+from hybridflow.trainers.checkpoint import RunCheckpointer
+from hybridflow.trainers.config import RLConfig
+from hybridflow.trainers.metrics import MetricsLogger
+from hybridflow.trainers.scoring import RewardScorer
+
+
+class RLTrainer:
+    """Builds the datasets, worker groups and controllers of an RLConfig and runs its steps."""
+
+    def __init__(self, config: RLConfig, *, mode: str | None = None, tensorboard: bool = True) -> None:
+        self.user_config = config
+        config, self.plan = resolve_auto_mapping(config)
+        if self.plan is not None:
+            print(f"auto-mapping chose:\n{self.plan.describe()}")
+        self.config = config
+        self.derived = config.derived()
+        self.specs = role_specs(config)
+        self.tokenizer = self.specs.actor_tokenizer.load()
+        self.train_data = self._dataset(config.data.train_path)
+        self.val_data = self._dataset(config.data.val_path) if config.data.val_path else None
+        self.ptx_loader = None
+        if config.actor.ptx_coef > 0:
+            ptx_data = SFTDataset(config.data.ptx_path, self.tokenizer, max_prompt_tokens=config.data.max_prompt_tokens,
+                                  max_response_tokens=config.data.max_ptx_response_tokens,
+                                  prompt_key=config.data.prompt_key)
+            self.ptx_loader = BatchLoader(ptx_data, batch_size=min(config.batch.mini_batch_size, len(ptx_data)),
+                                          seed=config.trainer.seed)
+        self.loader = BatchLoader(self.train_data, batch_size=config.batch.prompts_per_step, seed=config.trainer.seed,
+                                  shuffle=config.data.shuffle)
+        self.scorer = RewardScorer(tokenizer=self.tokenizer, function=config.reward.function,
+                                   function_weight=config.reward.function_weight,
+                                   model_weight=config.reward.model_weight, uses_model=config.reward.model is not None)
+        algorithm = config.algorithm
+        val_function = config.trainer.val_function or config.reward.function
+        self.val_rule = RuleReward(val_function) if val_function is not None else None
+        self.kl_controller = (AdaptiveKLController(init_kl_coef=algorithm.kl_coef, target_kl=algorithm.kl_target,
+                                                   horizon=algorithm.kl_horizon)
+                              if algorithm.kl_controller == "adaptive" else FixedKLController(kl_coef=algorithm.kl_coef))
+        self.output_dir = Path(config.trainer.output_dir)
+        self.checkpointer = RunCheckpointer(self.output_dir / "checkpoints")
+        self.groups, self.pools = build_worker_groups(config, self.specs, mode=mode)
+        self.actor = self.groups["actor"]
+        self.reference = self.groups.get("reference")
+        self.critic = self.groups.get("critic")
+        self.reward_model = self.groups.get("reward")
+        self.step = 0
+        self.step = self._resume() if config.trainer.resume else 0
+        self.logger = MetricsLogger(self.output_dir, resume_step=self.step, tensorboard=tensorboard)
+
+    def _dataset(self, path: str) -> PromptDataset:
+        return PromptDataset(path, self.tokenizer, max_prompt_tokens=self.config.data.max_prompt_tokens,
+                             prompt_key=self.config.data.prompt_key)
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self, *, on_step=None) -> list[dict]:
+        """Run from the current step to ``trainer.total_steps``; returns the logged history."""
+        trainer = self.config.trainer
+        progress = None
+        if trainer.progress_bar:
+            from tqdm import tqdm
+
+            progress = tqdm(total=trainer.total_steps, initial=self.step, desc="rl", unit="step")
+        try:
+            while self.step < trainer.total_steps:
+                self.step += 1
+                metrics = self.train_step(self.loader.next_batch())
+                last = self.step == trainer.total_steps
+                if trainer.val_every and (self.step % trainer.val_every == 0 or last):
+                    metrics.update(self.validate())
+                self.logger.log(self.step, metrics)
+                if trainer.save_every and (self.step % trainer.save_every == 0 or last):
+                    self.save_checkpoint()
+                if progress is not None:
+                    progress.update(1)
+                    progress.set_postfix(score=f"{metrics['reward/score_mean']:.3f}")
+                if on_step is not None:
+                    on_step(self.step, metrics)
+        finally:
+            if progress is not None:
+                progress.close()
+        return self.logger.history
+
+    def train_step(self, prompts: DataProto) -> dict[str, float]:
+        """One RL iteration on a batch of prompts; returns its metrics."""
+        timing: dict[str, float] = {}
+        seed = self.config.trainer.seed * 1_000_003 + self.step
+        prompts.meta_info.update(seed=seed, num_samples_per_prompt=self.config.batch.samples_per_prompt)
+        prompts["uid"] = np.arange(len(prompts))  # samples of one prompt form a group (GRPO, RLOO)
+        with _timer(timing, "generate"):
+            batch = self.actor.generate_sequences(prompts)
+        with _timer(timing, "score"):
+            batch = self._score(batch)
+        scores_B, reward_metrics = self.scorer.score(batch)
+        baseline_B = self._greedy_baseline(prompts) if self.config.algorithm.advantage_estimator == "remax" else None
+        result = compute_advantages(
+            algorithm=self.config.algorithm, scores_B=scores_B, response_mask_BT=batch.batch["response_mask"],
+            old_logprobs_BT=batch.batch["old_logprobs"], ref_logprobs_BT=batch.get("ref_logprobs"),
+            values_BT=batch.get("values"), group_ids=batch.non_tensor_batch["uid"], baseline_scores_B=baseline_B,
+            kl_coef=self.kl_controller.value)
+        batch["advantages"], batch["returns"] = result.advantages_BT, result.returns_BT
+        batch.meta_info["seed"] = seed
+        metrics = {}
+        with _timer(timing, "update"):
+            critic_update = self.critic.update_critic.future(batch) if self.critic is not None else None
+            metrics.update(_first(self.actor.update_actor(batch)))
+            if self.ptx_loader is not None:  # InstructGPT's PPO-ptx: a next-token step on pretraining rows
+                metrics.update(_first(self.actor.update_actor_ptx(self.ptx_loader.next_batch())))
+            if critic_update is not None:
+                metrics.update(_first(critic_update.get()))
+        mask_BT = batch.batch["response_mask"]
+        current_kl = sequence_kl(result.kl_BT, mask_BT)
+        self.kl_controller.update(current_kl, self.derived.samples_per_step)
+        lengths_B = mask_BT.sum(-1).float()
+        metrics.update(reward_metrics)
+        metrics.update({
+            "kl/sequence_kl": current_kl, "kl/coef": self.kl_controller.value,
+            "response/length_mean": float(lengths_B.mean()), "response/length_max": float(lengths_B.max()),
+            "response/length_min": float(lengths_B.min()),
+            "advantage/mean": token_mean(result.advantages_BT, mask_BT),
+            "return/mean": token_mean(result.returns_BT, mask_BT),
+            **{f"time/{name}_s": seconds for name, seconds in timing.items()},
+        })
+        if "values" in batch:
+            metrics["critic/values_before_mean"] = token_mean(batch.batch["values"], mask_BT)
+        return metrics
+
+    def _score(self, batch: DataProto) -> DataProto:
+        """Old log-probs, reference log-probs, values and reward-model scores; concurrent across pools."""
+        futures = [self.actor.compute_log_prob.future(batch)]
+        if self.reference is not None:
+            futures.append(self.reference.compute_ref_log_prob.future(batch))
+        if self.critic is not None:
+            futures.append(self.critic.compute_values.future(batch))
+        if self.reward_model is not None:
+            futures.append(self.reward_model.compute_reward.future(batch))
+        for future in futures:
+            batch = batch.union(future.get())
+        return batch
+
+    def _greedy_baseline(self, prompts: DataProto) -> torch.Tensor:
+        """ReMax: the score of the greedy response to each prompt, repeated over its samples -> baseline_B."""
+        greedy = DataProto.from_dict(tensors=dict(prompts.batch.items()), non_tensors=dict(prompts.non_tensor_batch),
+                                     meta_info={**prompts.meta_info, "greedy": True, "num_samples_per_prompt": 1})
+        batch = self.actor.generate_sequences(greedy)
+        if self.reward_model is not None:
+            batch = batch.union(self.reward_model.compute_reward(batch))
+        baseline_B, _ = self.scorer.score(batch)
+        return baseline_B.repeat_interleave(self.config.batch.samples_per_prompt)
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> dict[str, float]:
+        """Greedy responses to every held-out prompt, scored like training: ``val/*`` metrics."""
+        assert self.val_data is not None
+        scores, rule_scores, lengths = [], [], []
+        for prompts in self.val_data.batches_in_order(self.config.batch.prompts_per_step):
+            prompts.meta_info.update(greedy=True, num_samples_per_prompt=1)
+            batch = self.actor.generate_sequences(prompts)
+            if self.reward_model is not None:
+                batch = batch.union(self.reward_model.compute_reward(batch))
+            scores.append(self.scorer.score(batch)[0])
+            if self.val_rule is not None:
+                rule_scores.append(self.scorer.rule_scores(batch, self.val_rule))
+            lengths.append(batch.batch["response_mask"].sum(-1).float())
+        metrics = {"val/score_mean": float(torch.cat(scores).mean()),
+                   "val/response_length_mean": float(torch.cat(lengths).mean())}
+        if rule_scores:
+            metrics["val/function_mean"] = float(torch.cat(rule_scores).mean())
+        return metrics
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self) -> Path:
+        """Driver state (step, data position, KL coefficient) + every role's engine, atomically."""
+        def save_roles(directory: Path) -> None:
+            for role, group in self.groups.items():
+                if role != "reference":  # never trained: rebuilt from its model on resume
+                    group.save_checkpoint(str(directory / role))
+
+        state = {"loader": self.loader.state_dict(), "kl_controller": self.kl_controller.state_dict(),
+                 "ptx_loader": self.ptx_loader.state_dict() if self.ptx_loader is not None else None}
+        return self.checkpointer.save(self.step, state, save_roles)
+
+    def _resume(self) -> int:
+        path = self.checkpointer.latest()
+        if path is None:
+            return 0
+        state = self.checkpointer.driver_state(path)
+        for role, group in self.groups.items():
+            if role != "reference":
+                group.load_checkpoint(str(path / role))
+        self.loader.load_state_dict(state["loader"])
+        self.kl_controller.load_state_dict(state["kl_controller"])
+        if self.ptx_loader is not None and state.get("ptx_loader") is not None:
+            self.ptx_loader.load_state_dict(state["ptx_loader"])
+        return int(state["step"])
+
+    def shutdown(self) -> None:
+        """Stop the workers and give their devices back."""
+        self.logger.close()
+        for group in self.groups.values():
+            group.shutdown()  # colocated views share processes; stopping them twice is harmless
+        for pool in self.pools:
+            pool.release()
+
+
+def _first(per_rank: list[dict]) -> dict:
+    """Update metrics come back once per data-parallel rank, already averaged over ranks: take one."""
+    return per_rank[0]
+
+
+class _timer:
+    def __init__(self, timing: dict, name: str) -> None:
+        self.timing, self.name = timing, name
+
+    def __enter__(self):
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc):
+        self.timing[self.name] = time.perf_counter() - self.start

@@ -1,0 +1,47 @@
+"""The step's reward: a reward model's scores and/or a rule-based function on the decoded text, weighted.
+
+Shape legend: B = samples.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from hybridflow.protocol import DataProto
+from hybridflow.rewards import RuleReward
+from hybridflow.workers.reward import decode_responses
+
+
+class RewardScorer:
+    """Combines ``rm_scores`` (from the RewardWorker) and a rule function into the ``scores`` PPO optimizes."""
+
+    def __init__(self, *, tokenizer, function: str | None, function_weight: float, model_weight: float,
+                 uses_model: bool) -> None:
+        self.tokenizer = tokenizer
+        self.rule = RuleReward(function) if function is not None else None
+        self.function_weight, self.model_weight, self.uses_model = function_weight, model_weight, uses_model
+
+    def rule_scores(self, data: DataProto, rule: RuleReward | None = None) -> Tensor:
+        """A rule function (default: the reward's) on every sample -> scores_B; RewardError naming the sample."""
+        rule = rule or self.rule
+        assert rule is not None
+        prompts = [str(prompt) for prompt in data.non_tensor_batch["raw_prompt"]]
+        extra = list(data.non_tensor_batch["extra_fields"]) if "extra_fields" in data.non_tensor_batch else None
+        return rule.score_batch(prompts, decode_responses(self.tokenizer, data), extra)
+
+    def score(self, data: DataProto) -> tuple[Tensor, dict[str, float]]:
+        """(scores_B, metrics) for a batch that holds ``rm_scores`` when a reward model is in use."""
+        total_B = torch.zeros(len(data))
+        metrics: dict[str, float] = {}
+        if self.rule is not None:
+            rule_B = self.rule_scores(data)
+            total_B += self.function_weight * rule_B
+            metrics["reward/function_mean"] = float(rule_B.mean())
+        if self.uses_model:
+            model_B = data.batch["rm_scores"].float()
+            total_B += self.model_weight * model_B
+            metrics["reward/model_mean"] = float(model_B.mean())
+        metrics.update({"reward/score_mean": float(total_B.mean()), "reward/score_max": float(total_B.max()),
+                        "reward/score_min": float(total_B.min())})
+        return total_B, metrics

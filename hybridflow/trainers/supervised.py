@@ -1,0 +1,189 @@
+"""SFT and reward-model training: configs and the two short driver programs, writing Hugging Face directories.
+
+Both run one worker group (``SFTWorker`` / ``PreferenceWorker``) on one pool, draw global batches
+with a resumable seeded loader, evaluate on a held-out split, and export the final weights plus
+the tokenizer to ``<output_dir>/model`` so ``hybridflow train`` can load them as a ``path``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from hybridflow.controller import ResourcePool, WorkerGroup
+from hybridflow.data import BatchLoader, PreferenceDataset, SFTDataset
+from hybridflow.trainers.build import engine_config_of, model_config_of, tokenizer_of
+from hybridflow.trainers.config import EngineSection, ModelSource, OptimSection, require
+from hybridflow.trainers.config_loader import apply_overrides, build_dataclass, load_yaml
+from hybridflow.trainers.metrics import MetricsLogger
+from hybridflow.workers import EngineSpec
+from hybridflow.workers.supervised import PreferenceWorker, SFTWorker
+
+
+@dataclass(frozen=True, kw_only=True)
+class SupervisedData:
+    """Pair datasets (jsonl or parquet)."""
+
+    train_path: str
+    """Training rows."""
+    val_path: str | None = None
+    """Held-out rows; null disables evaluation."""
+    prompt_key: str = "prompt"
+    """Field with the prompt text (chat ``messages`` rows use the template)."""
+    max_prompt_tokens: int = 256
+    """Rows with longer prompts are dropped (counted in a warning)."""
+    max_response_tokens: int = 256
+    """Rows with longer responses (EOS included) are dropped (counted in a warning)."""
+
+    def __post_init__(self) -> None:
+        require(self.max_prompt_tokens >= 1, "max_prompt_tokens", self.max_prompt_tokens, "an integer >= 1")
+        require(self.max_response_tokens >= 1, "max_response_tokens", self.max_response_tokens, "an integer >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SFTData(SupervisedData):
+    """Prompt/response rows."""
+
+    response_key: str = "response"
+    """Field with the target response."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PreferenceData(SupervisedData):
+    """Prompt/chosen/rejected rows."""
+
+    chosen_key: str = "chosen"
+    """Field with the preferred response."""
+    rejected_key: str = "rejected"
+    """Field with the dispreferred response."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SupervisedRun:
+    """Loop, devices and outputs shared by SFT and reward-model training."""
+
+    model: ModelSource
+    """Initial weights (a local HF directory or a built-in tiny model)."""
+    engine: EngineSection = field(default_factory=EngineSection)
+    """Layout and micro-batch budget."""
+    optim: OptimSection = field(default_factory=lambda: OptimSection(lr=1e-4))
+    """Optimizer and schedule."""
+    batch_size: int = 16
+    """Rows (SFT) or pairs (RM) per optimizer step, global."""
+    epochs: int = 1
+    """Passes over the training rows."""
+    max_steps: int = 0
+    """Stop after this many optimizer steps; 0 means epochs x (rows // batch_size)."""
+    eval_every: int = 0
+    """Evaluate every N optimizer steps (and at the end); 0: only at the end."""
+    devices: list[int] = field(default_factory=lambda: [1])
+    """Devices per node of the training pool."""
+    seed: int = 0
+    """Seeds initialization (built-in models) and data order."""
+    output_dir: str = "runs/supervised"
+    """Metrics and the exported model (``<output_dir>/model``)."""
+    progress_bar: bool = True
+    """Show a tqdm progress bar."""
+
+    def __post_init__(self) -> None:
+        require(self.batch_size >= 1, "batch_size", self.batch_size, "an integer >= 1")
+        require(self.epochs >= 1, "epochs", self.epochs, "an integer >= 1")
+        require(self.eval_every >= 0, "eval_every", self.eval_every, "an integer >= 0")
+        require(self.max_steps >= 0, "max_steps", self.max_steps, "an integer >= 0")
+        require(len(self.devices) > 0 and all(count >= 1 for count in self.devices), "devices", self.devices,
+                 "a non-empty list of positive device counts per node")
+        data_parallel = sum(self.devices) // (self.engine.pp_size * self.engine.tp_size)
+        require(self.batch_size % data_parallel == 0, "batch_size", self.batch_size,
+                 f"a multiple of the data-parallel size {data_parallel}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SFTConfig(SupervisedRun):
+    """``hybridflow sft``: next-token loss on the response tokens."""
+
+    data: SFTData
+    """Prompt/response rows."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RMConfig(SupervisedRun):
+    """``hybridflow rm``: Bradley-Terry loss on chosen/rejected pairs."""
+
+    data: PreferenceData
+    """Preference rows."""
+
+
+def load_supervised_config(cls, path: str | None, overrides: list[str] = ()):
+    """An SFTConfig or RMConfig from YAML and ``key=value`` overrides."""
+    data = load_yaml(path) if path is not None else {}
+    return build_dataclass(cls, apply_overrides(data, list(overrides)))
+
+
+def _datasets(config: SupervisedRun, tokenizer):
+    common = dict(max_prompt_tokens=config.data.max_prompt_tokens, max_response_tokens=config.data.max_response_tokens,
+                  prompt_key=config.data.prompt_key)
+    if isinstance(config, SFTConfig):
+        make = lambda path: SFTDataset(path, tokenizer, response_key=config.data.response_key, **common)  # noqa: E731
+    else:
+        make = lambda path: PreferenceDataset(path, tokenizer, chosen_key=config.data.chosen_key,  # noqa: E731
+                                              rejected_key=config.data.rejected_key, **common)
+    return make(config.data.train_path), (make(config.data.val_path) if config.data.val_path else None)
+
+
+def _evaluate(config: SupervisedRun, group: WorkerGroup, dataset) -> dict[str, float]:
+    parts = [group.evaluate(dataset.batch(range(start, min(start + config.batch_size, len(dataset)))))
+             for start in range(0, len(dataset), config.batch_size)]
+    if isinstance(config, SFTConfig):
+        nll = sum(float(p.batch["nll_sum"].sum()) for p in parts) / sum(float(p.batch["num_tokens"].sum()) for p in parts)
+        return {"val/nll": nll}
+    margins = torch.cat([p.batch["chosen_scores"] - p.batch["rejected_scores"] for p in parts])
+    return {"val/accuracy": float((margins > 0).float().mean()), "val/margin": float(margins.mean())}
+
+
+def run_supervised(config: SFTConfig | RMConfig, *, mode: str | None = None, tensorboard: bool = True) -> dict:
+    """Train, evaluate, export; returns ``{"history": [...], "model_dir": str, "final": metrics}``."""
+    is_sft = isinstance(config, SFTConfig)
+    tokenizer = tokenizer_of(config.model).load()
+    train_data, val_data = _datasets(config, tokenizer)
+    if config.batch_size > len(train_data):
+        raise ValueError(f"config key batch_size got {config.batch_size}; allowed: at most the "
+                         f"{len(train_data)} training rows of {config.data.train_path}")
+    steps_per_epoch = len(train_data) // config.batch_size
+    total_steps = steps_per_epoch * config.epochs
+    if config.max_steps:
+        total_steps = min(total_steps, config.max_steps)
+    spec = EngineSpec(model=model_config_of(config.model, head="lm" if is_sft else "score", seed=config.seed),
+                      engine=engine_config_of(config.engine, config.optim, seed=config.seed, optimizer_steps=total_steps))
+    pool = ResourcePool(list(config.devices), mode=mode)
+    group = WorkerGroup(pool, SFTWorker if is_sft else PreferenceWorker, spec, name="sft" if is_sft else "rm")
+    loader = BatchLoader(train_data, batch_size=config.batch_size, seed=config.seed)
+    output_dir = Path(config.output_dir)
+    logger = MetricsLogger(output_dir, tensorboard=tensorboard)
+    progress = None
+    if config.progress_bar:
+        from tqdm import tqdm
+
+        progress = tqdm(total=total_steps, desc="sft" if is_sft else "rm", unit="step")
+    try:
+        final: dict[str, float] = {}
+        for step in range(1, total_steps + 1):
+            metrics = group.train_batch(loader.next_batch())[0]
+            if val_data is not None and (step == total_steps or (config.eval_every and step % config.eval_every == 0)):
+                metrics.update(_evaluate(config, group, val_data))
+            logger.log(step, metrics)
+            final = metrics
+            if progress is not None:
+                progress.update(1)
+                progress.set_postfix(loss=f"{metrics['loss']:.3f}")
+        model_dir = output_dir / "model"
+        group.export_hf(str(model_dir))
+        tokenizer.save_pretrained(str(model_dir))
+    finally:
+        if progress is not None:
+            progress.close()
+        logger.close()
+        group.shutdown()
+        pool.release()
+    return {"history": logger.history, "model_dir": str(model_dir), "final": final}

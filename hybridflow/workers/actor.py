@@ -1,0 +1,134 @@
+"""ActorWorker: the policy — generation through the 3D-HybridEngine, log-probs, the PPO update, the ptx loss.
+
+Shape legend: B = samples on this rank, P = prompt tokens, T = response tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from hybridflow.algorithms import aggregate_loss, kl_estimate, masked_mean, ppo_policy_loss
+from hybridflow.controller import register
+from hybridflow.engine.hybrid_engine import HybridEngine
+from hybridflow.protocol import DataProto
+from hybridflow.workers.base import SEQUENCE_KEYS, ModelWorker, tensors_of
+from hybridflow.workers.spec import ActorSpec, PolicyLossSpec
+
+UPDATE_KEYS = SEQUENCE_KEYS + ("old_logprobs", "advantages", "ref_logprobs")
+GENERATION_OVERRIDES = ("greedy", "num_samples_per_prompt", "seed", "max_new_tokens")
+
+
+def policy_loss_fn(spec: PolicyLossSpec):
+    """The per-micro-batch PPO loss the training engine calls: clipped surrogate - entropy bonus + KL loss."""
+
+    def loss_fn(outputs: dict[str, Tensor], batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+        mask_BT = batch["response_mask"]
+        num_tokens = batch["num_tokens_global"]
+        policy = ppo_policy_loss(outputs["logprobs"], batch["old_logprobs"], batch["advantages"],
+                                 clip_ratio_low=spec.clip_ratio, clip_ratio_high=spec.clip_ratio)
+        loss = aggregate_loss(policy.loss_BT, mask_BT, num_tokens_global=num_tokens)
+        metrics = {"pg_loss": loss.detach(),
+                   "clip_fraction": masked_mean(policy.clipped_BT.float(), mask_BT),
+                   "approx_kl": masked_mean(policy.approx_kl_BT, mask_BT)}
+        if spec.entropy_coef > 0:
+            entropy = aggregate_loss(outputs["entropy"], mask_BT, num_tokens_global=num_tokens)
+            loss = loss - spec.entropy_coef * entropy
+            metrics["entropy"] = masked_mean(outputs["entropy"].detach(), mask_BT)
+        if spec.kl_loss_coef > 0:
+            kl_BT = kl_estimate(outputs["logprobs"], batch["ref_logprobs"], estimator="low_var_kl")
+            kl = aggregate_loss(kl_BT, mask_BT, num_tokens_global=num_tokens)
+            loss = loss + spec.kl_loss_coef * kl
+            metrics["kl_loss"] = kl.detach()
+        return loss, metrics
+
+    return loss_fn
+
+
+def next_token_loss_fn(scale: float):
+    """Mean negative log-likelihood of the response tokens, times ``scale`` (SFT and the ptx loss)."""
+
+    def loss_fn(outputs: dict[str, Tensor], batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+        nll = aggregate_loss(-outputs["logprobs"], batch["response_mask"], num_tokens_global=batch["num_tokens_global"])
+        return scale * nll, {"nll": nll.detach()}
+
+    return loss_fn
+
+
+class ActorWorker(ModelWorker):
+    """The policy: trains under its (p, t, d) layout and generates under (pg, tg, dg) on the same devices."""
+
+    def __init__(self, spec: ActorSpec) -> None:
+        super().__init__(spec.engine)
+        self.actor_spec = spec
+        self.hybrid = HybridEngine(self.engine.hf_config, self.engine.layout, spec.hybrid)
+        self.set_parallel_layout(self.engine.layout, generation=self.hybrid.generation_layout)
+        self.last_transition: dict[str, float] = {}
+
+    def _training_shards(self) -> dict[str, Tensor]:
+        """This rank's parameters as the hybrid engine expects them (3d: live local shards).
+
+        Under fsdp each rank holds 1/d of every parameter; it gathers the whole model (the
+        DeepSpeed-Chat style transition) and generates with tg = pg = 1.
+        """
+        if self.engine.config.layout == "3d":
+            return self.engine.local_shards()
+        return {name: (param.full_tensor() if isinstance(param, DTensor) else param).detach()
+                for name, param in self.engine.model.named_parameters()}
+
+    @register("3D_ALL_MICRO_DP")
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """Responses for this replica's prompts: rows become prompts x samples per prompt (prompt-major).
+
+        ``prompts.meta_info`` may override ``greedy``, ``num_samples_per_prompt``, ``seed`` and
+        ``max_new_tokens`` of the spec's sampling defaults.
+        """
+        overrides = {key: prompts.meta_info[key] for key in GENERATION_OVERRIDES if key in prompts.meta_info}
+        config = dataclasses.replace(self.actor_spec.generation, **overrides)
+        # replicas draw different noise for their different prompts; ranks of one replica the same
+        config = dataclasses.replace(config, seed=config.seed * 1_000_003 + self.hybrid.replica)
+        to_generation = self.hybrid.to_generation(self._training_shards())
+        try:
+            output = self.hybrid.generate(prompts.batch["input_ids"], prompts.batch["attention_mask"], config)
+        finally:
+            to_training = self.hybrid.to_training()
+        self.last_transition = {"to_generation_s": to_generation.seconds, "to_training_s": to_training.seconds}
+        samples = config.num_samples_per_prompt
+        non_tensors = {key: np.repeat(values, samples) for key, values in prompts.non_tensor_batch.items()}
+        return DataProto.from_dict(tensors={k: v.cpu() for k, v in output.items()}, non_tensors=non_tensors,
+                                   meta_info=dict(prompts.meta_info))
+
+    @register("3D_PROTO")
+    def compute_log_prob(self, data: DataProto) -> DataProto:
+        """``old_logprobs`` [B, T] of the responses under the current weights (no grad)."""
+        logprobs_BT = self._forward(data, ("logprobs",))["logprobs"]
+        return DataProto.from_dict(tensors={"old_logprobs": logprobs_BT})
+
+    @register("DP_METRICS")
+    def update_actor(self, data: DataProto) -> dict[str, float]:
+        """PPO epochs over the step's samples in mini-batches; ``meta_info['seed']`` seeds the shuffling."""
+        spec = self.actor_spec.loss
+        outputs = ("logprobs", "entropy") if spec.entropy_coef > 0 else ("logprobs",)
+        metrics = self._train_epochs(data, keys=UPDATE_KEYS, loss_fn=policy_loss_fn(spec), outputs=outputs,
+                                     ppo_epochs=spec.ppo_epochs, mini_batch_size=spec.mini_batch_size,
+                                     seed=int(data.meta_info.get("seed", 0)))
+        return {f"actor/{name}": value for name, value in metrics.items()}
+
+    @register("DP_METRICS")
+    def update_actor_ptx(self, data: DataProto) -> dict[str, float]:
+        """One optimizer step on ptx_coef x the next-token loss of pretraining rows (prompt/response tensors)."""
+        metrics = self.engine.train_step(tensors_of(data, SEQUENCE_KEYS), next_token_loss_fn(self.actor_spec.loss.ptx_coef),
+                                         outputs=("logprobs",))
+        return {f"actor/ptx_{name}": value for name, value in metrics.items()}
+
+    @register("3D_PROTO")
+    def compute_loss(self, data: DataProto) -> DataProto:
+        """Per-sample mean next-token loss of the responses (``nll`` [B]); no update (validation, ptx monitoring)."""
+        logprobs_BT = self._forward(data, ("logprobs",))["logprobs"]
+        mask_BT = data.batch["response_mask"].to(logprobs_BT.dtype)
+        nll_B = -(logprobs_BT * mask_BT).sum(-1) / mask_BT.sum(-1).clamp(min=1)
+        return DataProto.from_dict(tensors={"nll": nll_B})

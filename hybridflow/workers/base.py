@@ -1,0 +1,77 @@
+"""ModelWorker: the part every role shares — build one engine from a spec, checkpoint it, export it."""
+
+from __future__ import annotations
+
+import torch
+
+from hybridflow.controller import Worker, register
+from hybridflow.engine.training import TrainingEngine
+from hybridflow.models import build_model
+from hybridflow.protocol import DataProto
+from hybridflow.workers.spec import EngineSpec
+
+# Keys the engines read from a DataProto; everything else in the batch stays on the driver side.
+SEQUENCE_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
+
+
+def tensors_of(data: DataProto, keys: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
+    """The DataProto's tensors as a plain dict (all of them, or ``keys``)."""
+    names = list(data.batch.keys()) if keys is None else [key for key in keys if key in data.batch.keys()]
+    return {name: data.batch[name] for name in names}
+
+
+class ModelWorker(Worker):
+    """Base of the role workers: one TrainingEngine over this worker group, checkpoint and export methods."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        self.spec = spec
+        self.engine = TrainingEngine(spec.engine, lambda: build_model(spec.model), head=spec.model.head)
+        self.set_parallel_layout(self.engine.layout)
+
+    @register("ONE_TO_ALL")
+    def save_checkpoint(self, directory: str) -> None:
+        """Model, optimizer and step into ``directory`` (every rank writes its part)."""
+        self.engine.save_checkpoint(directory)
+
+    @register("ONE_TO_ALL")
+    def load_checkpoint(self, directory: str) -> None:
+        """Restore what ``save_checkpoint`` wrote (any layout)."""
+        self.engine.load_checkpoint(directory)
+
+    @register("ONE_TO_ALL")
+    def export_hf(self, directory: str) -> None:
+        """A Hugging Face model directory of the current weights (written by global rank 0)."""
+        self.engine.export_hf(directory)
+
+    @register("ONE_TO_ALL")
+    def optimizer_steps(self) -> int:
+        """Optimizer steps taken so far."""
+        return self.engine.step
+
+    def _forward(self, data: DataProto, outputs: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        return self.engine.forward(tensors_of(data, SEQUENCE_KEYS), outputs=outputs)
+
+    def _train_epochs(self, data: DataProto, *, keys: tuple[str, ...], loss_fn, outputs: tuple[str, ...],
+                      ppo_epochs: int, mini_batch_size: int, seed: int) -> dict[str, float]:
+        """Several epochs of optimizer steps over this rank's rows in shuffled mini-batches; mean metrics.
+
+        ``mini_batch_size`` is global: each data-parallel rank takes mini_batch_size / dp of its rows
+        per step, so every rank makes the same number of optimizer steps.
+        """
+        dp_size = self.engine.layout.dp_size
+        local_mini_batch = mini_batch_size // dp_size
+        batch = tensors_of(data, keys)
+        num_rows = len(data)
+        assert local_mini_batch >= 1 and num_rows % local_mini_batch == 0, (num_rows, local_mini_batch)
+        generator = torch.Generator().manual_seed(seed)
+        totals: dict[str, float] = {}
+        count = 0
+        for _ in range(ppo_epochs):
+            order = torch.randperm(num_rows, generator=generator)
+            for start in range(0, num_rows, local_mini_batch):
+                rows = order[start:start + local_mini_batch]
+                metrics = self.engine.train_step({k: v[rows] for k, v in batch.items()}, loss_fn, outputs=outputs)
+                for name, value in metrics.items():
+                    totals[name] = totals.get(name, 0.0) + value
+                count += 1
+        return {name: value / count for name, value in totals.items()}

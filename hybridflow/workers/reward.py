@@ -1,0 +1,66 @@
+"""RewardWorker (and CostWorker): a score-head model read at the last real token of each sequence.
+
+When the reward model's tokenizer differs from the actor's, the responses are decoded to text and
+re-encoded (prompt from the row's raw text with the reward tokenizer's chat template, response
+followed by its EOS), so a reward model of another family scores what the actor actually wrote.
+Shape legend: B = samples on this rank, P = prompt tokens, T = response tokens.
+"""
+
+from __future__ import annotations
+
+from hybridflow.controller import register
+from hybridflow.data import PromptEncoder, prompt_response_tensors
+from hybridflow.protocol import DataProto
+from hybridflow.workers.base import SEQUENCE_KEYS, ModelWorker, tensors_of
+from hybridflow.workers.spec import RewardSpec
+
+
+def decode_responses(tokenizer, data: DataProto) -> list[str]:
+    """The text of each response (its real tokens, special tokens such as EOS removed)."""
+    responses_BT, mask_BT = data.batch["responses"], data.batch["response_mask"].bool()
+    return [tokenizer.decode(responses_BT[row][mask_BT[row]].tolist(), skip_special_tokens=True)
+            for row in range(len(data))]
+
+
+class RewardWorker(ModelWorker):
+    """Sequence scores from a reward model, re-tokenizing when its tokenizer is not the actor's."""
+
+    def __init__(self, spec: RewardSpec) -> None:
+        super().__init__(spec.engine)
+        self.reward_spec = spec
+        self.actor_tokenizer = None
+        self.encoder = None
+        if spec.tokenizer is not None and spec.tokenizer != spec.actor_tokenizer:
+            self.actor_tokenizer = spec.actor_tokenizer.load()
+            self.encoder = PromptEncoder(spec.tokenizer.load())
+
+    def _model_inputs(self, data: DataProto) -> dict:
+        if self.encoder is None:
+            return tensors_of(data, SEQUENCE_KEYS)
+        if "raw_prompt" not in data.non_tensor_batch:
+            raise ValueError("re-tokenizing for the reward model needs the rows' 'raw_prompt' texts; "
+                             f"the batch has {sorted(data.non_tensor_batch)}")
+        texts = [self.encoder.prompt_text({"prompt": str(prompt)}, row_index=row, source_name="batch")[0]
+                 for row, prompt in enumerate(data.non_tensor_batch["raw_prompt"])]
+        prompt_ids = [ids[-self.reward_spec.max_prompt_tokens:] for ids in self.encoder.encode_prompts(texts)]
+        response_ids = self.encoder.encode_responses(decode_responses(self.actor_tokenizer, data))
+        tokenizer = self.encoder.tokenizer
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        return prompt_response_tensors(prompt_ids, response_ids, pad_token_id=pad)
+
+    def _scores(self, data: DataProto):
+        return self.engine.forward(self._model_inputs(data), outputs=("scores",))["scores"]
+
+    @register("3D_PROTO")
+    def compute_reward(self, data: DataProto) -> DataProto:
+        """``rm_scores`` [B]: the reward model's score of each (prompt, response)."""
+        return DataProto.from_dict(tensors={"rm_scores": self._scores(data)})
+
+
+class CostWorker(RewardWorker):
+    """A cost model (Safe-RLHF): same model shape as a reward model, its output named ``costs``."""
+
+    @register("3D_PROTO")
+    def compute_cost(self, data: DataProto) -> DataProto:
+        """``costs`` [B]: the cost model's score of each (prompt, response)."""
+        return DataProto.from_dict(tensors={"costs": self._scores(data)})

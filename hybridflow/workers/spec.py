@@ -1,0 +1,105 @@
+"""What the driver sends a worker to build: its model, engine and role knobs (plain, picklable dataclasses)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hybridflow.engine.config import EngineConfig
+from hybridflow.engine.generation import GenerationConfig
+from hybridflow.engine.hybrid_engine import HybridEngineConfig
+from hybridflow.models.config import ModelConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenizerSource:
+    """Where a role's tokenizer comes from: a local directory or the built-in task's tokenizer."""
+
+    path: str | None = None
+    """Local tokenizer directory (a Hugging Face model directory works)."""
+    builtin: str | None = None
+    """Name of a built-in tokenizer (``arithmetic``)."""
+
+    def __post_init__(self) -> None:
+        if (self.path is None) == (self.builtin is None):
+            raise ValueError(f"TokenizerSource needs exactly one of path and builtin; got path={self.path!r}, "
+                             f"builtin={self.builtin!r}")
+
+    def load(self):
+        """The tokenizer (left padding, so prompts batch for generation)."""
+        if self.builtin is not None:
+            if self.builtin != "arithmetic":
+                raise ValueError(f"unknown built-in tokenizer {self.builtin!r}; allowed: 'arithmetic'")
+            from hybridflow.data.builtin import builtin_tokenizer
+
+            return builtin_tokenizer()
+        from hybridflow.models import load_tokenizer
+
+        return load_tokenizer(self.path)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineSpec:
+    """One model under one engine: what every role worker builds first."""
+
+    model: ModelConfig
+    """Which weights and which head (lm, value, score)."""
+    engine: EngineConfig
+    """Layout, micro-batch budget, optimizer."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PolicyLossSpec:
+    """The actor's PPO update."""
+
+    ppo_epochs: int = 1
+    """Passes over each step's samples."""
+    mini_batch_size: int = 8
+    """Samples per optimizer update (global; each data-parallel rank takes its share)."""
+    clip_ratio: float = 0.2
+    """PPO ratio clip epsilon."""
+    entropy_coef: float = 0.0
+    """Entropy bonus weight."""
+    kl_loss_coef: float = 0.0
+    """Weight of the low-variance KL to the reference added to the loss (``kl_mode: loss``)."""
+    ptx_coef: float = 0.0
+    """Weight of the pretraining next-token loss step (``update_actor_ptx``)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ValueLossSpec:
+    """The critic's update."""
+
+    ppo_epochs: int = 1
+    """Passes over each step's samples."""
+    mini_batch_size: int = 8
+    """Samples per optimizer update (global)."""
+    value_clip: float = 0.2
+    """Clip range of new values around old ones; 0 disables clipping."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ActorSpec:
+    """Everything an ActorWorker builds: training engine, 3D-HybridEngine, sampling defaults, loss."""
+
+    engine: EngineSpec
+    """The policy model and its training engine."""
+    hybrid: HybridEngineConfig = field(default_factory=HybridEngineConfig)
+    """Generation layout (pg, tg) and resharding strategy."""
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    """Sampling defaults; a call may override ``greedy``, ``num_samples_per_prompt`` and ``seed``."""
+    loss: PolicyLossSpec = field(default_factory=PolicyLossSpec)
+    """PPO update knobs."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RewardSpec:
+    """A reward (or cost) model and how to feed it the actor's text."""
+
+    engine: EngineSpec
+    """The score-head model."""
+    actor_tokenizer: TokenizerSource
+    """The tokenizer the actor generated with."""
+    tokenizer: TokenizerSource | None = None
+    """The reward model's tokenizer; None means the actor's (no re-tokenization)."""
+    max_prompt_tokens: int = 1024
+    """Re-tokenized prompts longer than this keep their last tokens (the reward model's context limit)."""

@@ -1,0 +1,199 @@
+"""Generation engine: parity with Hugging Face, sampling features, early-finish compaction, validation."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+
+from hybridflow.engine.decoder import DecoderStage
+from hybridflow.engine.generation import GenerationConfig, GenerationEngine
+
+P, T = 6, 8
+
+
+def tiny_model(family: str = "llama"):
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2)
+    config = {"llama": lambda: LlamaConfig(**common, rope_parameters={"rope_type": "default", "rope_theta": 500.0}),
+              "qwen2": lambda: Qwen2Config(**common, tie_word_embeddings=True),
+              "mistral": lambda: MistralConfig(**common, sliding_window=None),
+              "llama3_rope": lambda: LlamaConfig(**common, rope_parameters={
+                  "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": 64})}[family]()
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def engine_for(model) -> GenerationEngine:
+    return GenerationEngine(DecoderStage.from_state_dict(model.config, model.state_dict()))
+
+
+def batch(rows: int = 4):
+    generator = torch.Generator().manual_seed(3)
+    prompts = torch.randint(3, 256, (rows, P), generator=generator)
+    mask = torch.ones_like(prompts)
+    mask[0, :3] = 0
+    mask[rows - 1, :1] = 0
+    return prompts * mask, mask
+
+
+def hf_logprobs(model, out, temperature: float = 1.0) -> torch.Tensor:
+    """log p(responses[:, t] | before) recomputed by a plain Hugging Face forward, [B, T]."""
+    with torch.no_grad():
+        logits = model(input_ids=out["input_ids"], attention_mask=out["attention_mask"],
+                       position_ids=out["position_ids"]).logits
+    logits_BTV = logits[:, P - 1:-1].float() / temperature
+    return torch.log_softmax(logits_BTV, -1).gather(-1, out["responses"][..., None]).squeeze(-1)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "llama3_rope"])
+def test_greedy_responses_equal_hf_generate_and_logprobs_equal_an_hf_forward(family):
+    model = tiny_model(family)
+    prompts, mask = batch()
+    out = engine_for(model).generate(prompts, mask, GenerationConfig(max_new_tokens=T, greedy=True))
+    with torch.no_grad():
+        expected = model.generate(prompts, attention_mask=mask, max_new_tokens=T, do_sample=False,
+                                  pad_token_id=0, eos_token_id=None)[:, P:]
+    assert torch.equal(out["responses"], expected)
+    torch.testing.assert_close(out["logprobs"], hf_logprobs(model, out), atol=1e-5, rtol=0)
+
+
+def test_sampled_logprobs_at_temperature_one_equal_an_hf_forward_of_the_same_sequences():
+    model = tiny_model()
+    prompts, mask = batch()
+    out = engine_for(model).generate(prompts, mask, GenerationConfig(max_new_tokens=T, seed=7))
+    torch.testing.assert_close(out["logprobs"], hf_logprobs(model, out), atol=1e-5, rtol=0)
+
+
+def test_logprobs_at_other_temperatures_come_from_the_tempered_untruncated_distribution():
+    model = tiny_model()
+    prompts, mask = batch()
+    config = GenerationConfig(max_new_tokens=T, temperature=0.7, top_k=20, seed=7)
+    out = engine_for(model).generate(prompts, mask, config)
+    torch.testing.assert_close(out["logprobs"], hf_logprobs(model, out, temperature=0.7), atol=1e-5, rtol=0)
+
+
+def test_output_follows_the_shared_batch_conventions():
+    model = tiny_model()
+    prompts, mask = batch()
+    out = engine_for(model).generate(prompts, mask, GenerationConfig(max_new_tokens=T, greedy=True))
+    assert out["responses"].shape == (4, T) and out["input_ids"].shape == (4, P + T)
+    assert torch.equal(out["input_ids"][:, -T:], out["responses"])
+    assert torch.equal(out["prompts"], prompts)
+    assert torch.equal(out["attention_mask"], torch.cat([mask, out["response_mask"]], dim=1))
+    assert torch.equal(out["position_ids"], (out["attention_mask"].cumsum(1) - 1).clamp(min=0))
+
+
+def test_same_seed_reproduces_samples_and_another_seed_changes_them():
+    engine = engine_for(tiny_model())
+    prompts, mask = batch()
+    first = engine.generate(prompts, mask, GenerationConfig(max_new_tokens=T, seed=11))["responses"]
+    again = engine.generate(prompts, mask, GenerationConfig(max_new_tokens=T, seed=11))["responses"]
+    other = engine.generate(prompts, mask, GenerationConfig(max_new_tokens=T, seed=12))["responses"]
+    assert torch.equal(first, again)
+    assert not torch.equal(first, other)
+
+
+def test_top_k_one_and_a_tiny_top_p_both_reduce_to_greedy():
+    engine = engine_for(tiny_model())
+    prompts, mask = batch()
+    greedy = engine.generate(prompts, mask, GenerationConfig(max_new_tokens=T, greedy=True))["responses"]
+    top_k = engine.generate(prompts, mask, GenerationConfig(max_new_tokens=T, top_k=1, seed=5))["responses"]
+    top_p = engine.generate(prompts, mask, GenerationConfig(max_new_tokens=T, top_p=1e-6, seed=5))["responses"]
+    assert torch.equal(top_k, greedy) and torch.equal(top_p, greedy)
+
+
+def test_top_k_samples_only_among_the_k_most_likely_tokens():
+    model = tiny_model()
+    prompts, mask = batch()
+    out = engine_for(model).generate(prompts, mask, GenerationConfig(max_new_tokens=T, top_k=3, seed=2))
+    with torch.no_grad():
+        logits = model(input_ids=out["input_ids"], attention_mask=out["attention_mask"],
+                       position_ids=out["position_ids"]).logits[:, P - 1:-1]
+    chosen = logits.gather(-1, out["responses"][..., None])
+    rank_of_chosen = (logits > chosen).sum(-1)
+    assert int(rank_of_chosen.max()) <= 2
+
+
+def test_top_p_samples_only_inside_the_nucleus():
+    model = tiny_model()
+    prompts, mask = batch()
+    out = engine_for(model).generate(prompts, mask, GenerationConfig(max_new_tokens=T, top_p=0.5, seed=2))
+    with torch.no_grad():
+        logits = model(input_ids=out["input_ids"], attention_mask=out["attention_mask"],
+                       position_ids=out["position_ids"]).logits[:, P - 1:-1]
+    probs = logits.float().softmax(-1)
+    chosen = probs.gather(-1, out["responses"][..., None]).squeeze(-1)
+    mass_above = (probs * (probs > chosen[..., None])).sum(-1)
+    assert bool((mass_above < 0.5 + 1e-6).all())
+
+
+def test_eos_and_stop_tokens_end_responses_and_finished_rows_stop_costing_compute():
+    engine = engine_for(tiny_model())
+    prompts, mask = batch()
+    greedy = engine.generate(prompts, mask, GenerationConfig(max_new_tokens=T, greedy=True))["responses"]
+    eos, stop = int(greedy[0, 2]), int(greedy[1, 4])
+    config = GenerationConfig(max_new_tokens=T, greedy=True, eos_token_ids=(eos,), stop_token_ids=(stop,),
+                              pad_token_id=0)
+    out = engine.generate(prompts, mask, config)
+    lengths = []
+    for row in range(4):
+        hits = [t for t in range(T) if int(greedy[row, t]) in (eos, stop)]
+        length = hits[0] + 1 if hits else T
+        lengths.append(length)
+        assert torch.equal(out["responses"][row, :length], greedy[row, :length])
+        assert bool((out["responses"][row, length:] == 0).all())
+        assert out["response_mask"][row].tolist() == [1] * length + [0] * (T - length)
+        assert bool((out["logprobs"][row, length:] == 0).all())
+    assert lengths[0] <= 3 and lengths[1] <= 5
+    stats = engine.last_stats
+    # a row of length L is fed back L-1 times; rows that finished are cut out of the batch and cache
+    assert stats.rows_decoded == sum(length - 1 for length in lengths)
+    assert stats.decode_steps == max(lengths) - 1
+
+
+def test_samples_per_prompt_are_prompt_major_and_differ_between_samples():
+    engine = engine_for(tiny_model())
+    prompts, mask = batch(2)
+    out = engine.generate(prompts, mask, GenerationConfig(max_new_tokens=T, num_samples_per_prompt=3, seed=1))
+    assert out["responses"].shape == (6, T)
+    assert torch.equal(out["prompts"], prompts.repeat_interleave(3, dim=0))
+    assert len({tuple(r) for r in out["responses"][:3].tolist()}) > 1
+
+
+def test_kv_cache_is_released_when_generation_returns():
+    engine = engine_for(tiny_model())
+    caches = []
+    original = engine.stage.new_cache
+
+    def tracking_new_cache(**kwargs):
+        cache = original(**kwargs)
+        caches.append(weakref.ref(cache))
+        return cache
+
+    engine.stage.new_cache = tracking_new_cache
+    prompts, mask = batch()
+    engine.generate(prompts, mask, GenerationConfig(max_new_tokens=T, greedy=True))
+    gc.collect()
+    assert len(caches) == 1 and caches[0]() is None
+    # keys and values of 2 layers, 4 rows, 2 kv heads, P+T positions, head dim 16, fp32
+    assert engine.last_stats.peak_kv_cache_bytes == 2 * 2 * 4 * 2 * (P + T) * 16 * 4
+
+
+@pytest.mark.parametrize("field, value", [("max_new_tokens", 0), ("temperature", 0.0), ("top_k", -1),
+                                          ("top_p", 0.0), ("top_p", 1.5), ("num_samples_per_prompt", 0),
+                                          ("eos_token_ids", [2]), ("stop_token_ids", (-1,))])
+def test_invalid_generation_configs_are_rejected_with_the_field_named(field, value):
+    with pytest.raises(ValueError, match=field):
+        GenerationConfig(**{field: value})
+
+
+def test_sliding_window_attention_is_refused_rather_than_silently_ignored():
+    from hybridflow.engine.decoder import DecoderSpec
+
+    with pytest.raises(ValueError, match="sliding_window"):
+        DecoderSpec.from_hf(MistralConfig(sliding_window=16))

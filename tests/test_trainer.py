@@ -1,0 +1,153 @@
+"""The RL driver on the built-in tiny model, in single-process mode: updates, variants, errors, resume."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hybridflow.controller import local_mode
+from hybridflow.data import write_jsonl
+from hybridflow.data.builtin import ArithmeticTaskConfig, prompt_rows, sft_rows
+from hybridflow.rewards import RewardError
+from hybridflow.trainers.config import load_rl_config
+from hybridflow.trainers.ppo import RLTrainer
+
+TASK = ArithmeticTaskConfig(max_digits=1)
+
+
+def length_reward(prompt: str, response: str, **extra_fields) -> float:
+    """A dense, learnable test reward: longer responses score higher."""
+    return len(response) / 4.0
+
+
+def failing_reward(prompt: str, response: str, **extra_fields) -> float:
+    if prompt == extra_fields.get("poison"):
+        raise RuntimeError("checker crashed")
+    return 0.0
+
+
+def nan_reward(prompt: str, response: str, **extra_fields) -> float:
+    return math.nan
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("rl_data")
+    write_jsonl(directory / "train.jsonl", prompt_rows(32, split="train", seed=0, config=TASK))
+    write_jsonl(directory / "val.jsonl", prompt_rows(4, split="eval", seed=0, config=TASK))
+    return directory
+
+
+def _config(data_dir, output_dir, *overrides):
+    return load_rl_config(None, [
+        f"data.train_path={data_dir / 'train.jsonl'}", f"data.val_path={data_dir / 'val.jsonl'}",
+        "actor.model.builtin=arithmetic", f"reward.function={__file__}:length_reward",
+        "actor.generation.max_new_tokens=4", "actor.optim.lr=1e-3", "critic.optim.lr=1e-3",
+        "batch.prompts_per_step=4", "batch.samples_per_prompt=2", "batch.mini_batch_size=4",
+        "trainer.total_steps=2", "trainer.progress_bar=false", f"trainer.output_dir={output_dir}", *overrides])
+
+
+def _run(config) -> list[dict]:
+    with local_mode():
+        trainer = RLTrainer(config, tensorboard=False)
+        try:
+            return trainer.fit()
+        finally:
+            trainer.shutdown()
+
+
+def _export(trainer: RLTrainer, role: str, directory) -> dict[str, torch.Tensor]:
+    trainer.groups[role].export_hf(str(directory))
+    return load_file(str(directory / "model.safetensors"))
+
+
+def test_ppo_steps_change_every_actor_and_critic_parameter(data_dir, tmp_path):
+    config = _config(data_dir, tmp_path / "run", "actor.entropy_coef=0.01", "reward.model.builtin=arithmetic",
+                     "trainer.val_every=2")
+    with local_mode():
+        trainer = RLTrainer(config, tensorboard=False)
+        try:
+            before = {role: _export(trainer, role, tmp_path / f"{role}_before") for role in ("actor", "critic")}
+            history = trainer.fit()
+            after = {role: _export(trainer, role, tmp_path / f"{role}_after") for role in ("actor", "critic")}
+        finally:
+            trainer.shutdown()
+    for role in ("actor", "critic"):
+        unchanged = [name for name, tensor in before[role].items() if torch.equal(tensor, after[role][name])]
+        assert unchanged == [], f"{role} parameters not updated: {unchanged}"
+    assert [record["step"] for record in history] == [1, 2]
+    assert history[0]["kl/sequence_kl"] == 0.0  # the reference is the initial actor
+    assert history[1]["kl/sequence_kl"] != 0.0
+    assert 1.0 <= history[0]["response/length_mean"] <= 4.0
+    assert "val/score_mean" in history[1] and "val/function_mean" in history[1]
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2]
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "remax", "reinforce_plus_plus"])
+def test_critic_free_estimators_run_without_a_critic(data_dir, tmp_path, estimator):
+    config = _config(data_dir, tmp_path, f"algorithm.advantage_estimator={estimator}", "trainer.total_steps=1")
+    assert "critic" not in config.active_roles
+    history = _run(config)
+    assert not any(name.startswith("critic/") for name in history[0])
+    assert history[0]["actor/grad_norm"] > 0
+
+
+def test_kl_as_loss_and_adaptive_controller_are_logged(data_dir, tmp_path):
+    history = _run(_config(data_dir, tmp_path, "algorithm.kl_mode=loss", "algorithm.kl_controller=adaptive",
+                           "algorithm.kl_target=0.01", "algorithm.kl_horizon=10"))
+    assert "actor/kl_loss" in history[0]
+    assert history[0]["kl/coef"] != 0.05  # adapted after step 1 (KL 0 < target: the coefficient shrinks)
+    assert history[0]["kl/coef"] == pytest.approx(0.05 * (1 - 0.2 * 8 / 10))
+
+
+def test_ptx_rows_add_a_next_token_step_after_the_ppo_update(data_dir, tmp_path):
+    write_jsonl(tmp_path / "ptx.jsonl", sft_rows(8, split="train", seed=1, config=TASK))
+    history = _run(_config(data_dir, tmp_path, "actor.ptx_coef=0.5", f"data.ptx_path={tmp_path / 'ptx.jsonl'}",
+                           "trainer.total_steps=1"))
+    assert history[0]["actor/ptx_loss"] == pytest.approx(0.5 * history[0]["actor/ptx_nll"], rel=1e-5)
+    assert history[0]["actor/ptx_nll"] > 0
+
+
+def test_resume_from_checkpoint_continues_identically(data_dir, tmp_path):
+    straight = _run(_config(data_dir, tmp_path / "straight", "trainer.total_steps=3"))
+    _run(_config(data_dir, tmp_path / "resumed", "trainer.total_steps=2", "trainer.save_every=2"))
+    assert (tmp_path / "resumed" / "checkpoints" / "latest").read_text() == "step_000002"
+    resumed = _run(_config(data_dir, tmp_path / "resumed", "trainer.total_steps=3"))
+    assert [record["step"] for record in resumed] == [1, 2, 3]
+    for name, value in straight[2].items():
+        if not name.startswith("time/"):
+            assert resumed[2][name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
+
+
+def test_reward_function_exception_names_the_sample(data_dir, tmp_path):
+    rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4", "poison": "2+2="}]
+    write_jsonl(tmp_path / "poisoned.jsonl", rows)
+    config = _config(data_dir, tmp_path, f"data.train_path={tmp_path / 'poisoned.jsonl'}", "data.val_path=null",
+                     f"reward.function={__file__}:failing_reward", "batch.prompts_per_step=2",
+                     "batch.samples_per_prompt=1", "batch.mini_batch_size=2", "data.shuffle=false")
+    with pytest.raises(RewardError, match=r"raised RuntimeError on sample 1 \(prompt '2\+2='\): checker crashed"):
+        _run(config)
+
+
+def test_non_finite_reward_names_the_sample(data_dir, tmp_path):
+    config = _config(data_dir, tmp_path, f"reward.function={__file__}:nan_reward", "data.shuffle=false")
+    with pytest.raises(RewardError, match=r"returned nan on sample 0 \(prompt '.*'\); rewards must be finite"):
+        _run(config)
+
+
+def test_dataset_without_the_prompt_field_fails_before_workers_start(data_dir, tmp_path):
+    write_jsonl(tmp_path / "bad.jsonl", [{"question": "1+1="}])
+    config = _config(data_dir, tmp_path, f"data.train_path={tmp_path / 'bad.jsonl'}")
+    with pytest.raises(ValueError, match=r"row 0 of .*bad\.jsonl' has neither a 'prompt' field nor a 'messages'"):
+        RLTrainer(config, tensorboard=False)
+
+
+def test_missing_dataset_file_is_a_clear_error(data_dir, tmp_path):
+    config = _config(data_dir, tmp_path, f"data.train_path={tmp_path / 'absent.jsonl'}")
+    with pytest.raises(ValueError, match=r"absent\.jsonl"):
+        RLTrainer(config, tensorboard=False)
