@@ -89,7 +89,8 @@ class DecoderStage(nn.Module):
         if not self.is_last:
             return hidden_1NH, position_ids_1N
         out_1NO = self.head(self.model.norm(hidden_1NH))
-        return out_1NO if self.head_name == "lm" else out_1NO[..., 0]
+        # a scalar head's last dim is 1; copy out of it so FSDP2 never hands autograd a view
+        return out_1NO if self.head_name == "lm" else out_1NO[..., 0].clone()
 
 
 def build_stage(model: nn.Module, *, head: str, pp_size: int, pp_rank: int) -> DecoderStage:
