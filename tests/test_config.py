@@ -173,3 +173,11 @@ def test_print_config_shows_the_resolved_config_and_derived_sizes(capsys):
     printed = json.loads(capsys.readouterr().out)
     assert printed["batch"]["samples_per_prompt"] == 4
     assert printed["derived"]["samples_per_step"] == 32
+
+
+def test_full_gather_generation_baseline_needs_generation_pp_and_tp_of_one():
+    from hybridflow.trainers.config import GenerationSection
+
+    assert GenerationSection(grouping="full_gather").grouping == "full_gather"
+    with pytest.raises(ValueError, match="tp_size.*full_gather.*pp_size = tp_size = 1"):
+        GenerationSection(grouping="full_gather", tp_size=2)

@@ -145,6 +145,8 @@ def test_3d_tp2_actor_with_two_generation_replicas_updates_everything_and_equals
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [
     pytest.param(TP2 + ("actor.generation.tp_size=1", "actor.generation.grouping=vanilla"), id="tp2-vanilla-grouping"),
+    pytest.param(TP2 + ("actor.generation.tp_size=1", "actor.generation.grouping=full_gather"),
+                 id="tp2-full-gather-baseline"),
     pytest.param(TP2 + ("actor.generation.tp_size=2",), id="tp2-tensor-parallel-generation"),
     pytest.param(PP2 + ("actor.generation.pp_size=1",), id="pp2-two-generation-replicas"),
     pytest.param(PP2 + ("actor.generation.pp_size=2",), id="pp2-pipelined-generation"),

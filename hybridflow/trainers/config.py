@@ -102,8 +102,10 @@ class GenerationSection:
     """Generation pipeline degree pg; must divide the actor's training pp_size."""
     tp_size: int = 1
     """Generation tensor degree tg; must divide the actor's training tp_size."""
-    grouping: Literal["hybrid", "vanilla"] = "hybrid"
-    """Generation rank grouping: the paper's zero-redundancy ``hybrid`` or the ``vanilla`` baseline."""
+    grouping: Literal["hybrid", "vanilla", "full_gather"] = "hybrid"
+    """Generation rank grouping: the paper's zero-redundancy ``hybrid``, or a baseline for measurement:
+    ``vanilla`` (consecutive generation TP groups) or ``full_gather`` (every rank gathers the whole
+    model, as DeepSpeed-Chat does; needs pp_size = tp_size = 1)."""
     max_new_tokens: int = 64
     """Most response tokens per sample (responses are padded to this length)."""
     temperature: float = 1.0
@@ -116,6 +118,9 @@ class GenerationSection:
     def __post_init__(self) -> None:
         require(self.pp_size >= 1, "pp_size", self.pp_size, "an integer >= 1")
         require(self.tp_size >= 1, "tp_size", self.tp_size, "an integer >= 1")
+        if self.grouping == "full_gather":
+            require(self.pp_size == 1 and self.tp_size == 1, "tp_size",
+                    f"{self.tp_size} (pp_size {self.pp_size}) with grouping full_gather", "pp_size = tp_size = 1")
         require(self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens, "an integer >= 1")
         require(self.temperature >= 0, "temperature", self.temperature, "a float >= 0")
         require(0 < self.top_p <= 1, "top_p", self.top_p, "a float in (0, 1]")
