@@ -10,8 +10,10 @@ import torch
 from hybridflow.data.builtin import (
     ASSETS_DIR,
     ArithmeticTaskConfig,
+    Problem,
     builtin_model_config,
     builtin_tokenizer,
+    carry_free_sum,
     parse_prompt,
     preference_rows,
     prompt_rows,
@@ -128,3 +130,73 @@ def test_exact_checker_values():
 def test_task_config_rejects_bad_values_naming_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         ArithmeticTaskConfig(**kwargs)
+
+
+def test_reversed_answers_write_the_digits_least_significant_first_and_the_checker_uses_the_answer_field():
+    config = ArithmeticTaskConfig(max_digits=2, reverse_answer=True)
+    rows = prompt_rows(200, split="train", seed=0, config=config)
+    for row in rows:
+        problem = parse_prompt(row["prompt"])
+        assert row["answer"] == str(problem.left + problem.right)[::-1]
+        assert score(row["prompt"], row["answer"], answer=row["answer"]) == 1.0
+    assert Problem(57, "+", 68, reverse_answer=True).answer == "521"
+    assert Problem(3, "-", 45, reverse_answer=True).answer == "-24"
+    assert score("57+68=", "521", answer="521") == 1.0 and score("57+68=", "125", answer="521") == 0.0
+
+
+def test_reversed_preference_pairs_reject_a_wrong_answer_written_in_the_same_order():
+    config = ArithmeticTaskConfig(max_digits=2, reverse_answer=True)
+    for row in preference_rows(300, split="train", seed=1, config=config):
+        expected = str(sum(int(x) for x in row["prompt"][:-1].split("+")))
+        assert row["chosen"] == expected[::-1]
+        assert row["rejected"] != row["chosen"] and row["rejected"].isdigit()
+
+
+def test_carry_free_sum_drops_every_carry():
+    assert carry_free_sum(57, 68) == 15
+    assert carry_free_sum(99, 1) == 90
+    assert carry_free_sum(12, 34) == 46
+    assert carry_free_sum(0, 0) == 0
+
+
+def test_an_imperfect_demonstrator_forgets_carries_at_the_given_rate_and_only_on_carrying_sums():
+    config = ArithmeticTaskConfig(max_digits=2)
+    clean = sft_rows(2000, split="train", seed=0, config=config)
+    noisy = sft_rows(2000, split="train", seed=0, config=config, forget_carry_rate=0.6)
+    assert [row["prompt"] for row in clean] == [row["prompt"] for row in noisy]
+    carrying = forgotten = 0
+    for clean_row, noisy_row in zip(clean, noisy):
+        left, right = map(int, clean_row["prompt"][:-1].split("+"))
+        if carry_free_sum(left, right) == left + right:
+            assert noisy_row["response"] == clean_row["response"]
+            continue
+        carrying += 1
+        if noisy_row["response"] != clean_row["response"]:
+            assert noisy_row["response"] == str(carry_free_sum(left, right))
+            forgotten += 1
+    assert carrying > 500 and 0.55 < forgotten / carrying < 0.65
+    with pytest.raises(ValueError, match="forget_carry_rate"):
+        sft_rows(1, split="train", seed=0, config=config, forget_carry_rate=1.5)
+
+
+def test_fixed_width_pads_operands_and_answers_so_every_digit_has_a_fixed_position():
+    config = ArithmeticTaskConfig(max_digits=2, reverse_answer=True, fixed_width=True)
+    assert Problem(7, "+", 68, reverse_answer=True, width=2).prompt == "07+68="
+    assert Problem(7, "+", 68, reverse_answer=True, width=2).answer == "570"
+    assert Problem(7, "+", 68, width=2).answer == "075"
+    assert Problem(12, "*", 34, width=2).answer == "0408"
+    assert Problem(3, "-", 45, width=2).answer == "-42"
+    rows = prompt_rows(300, split="train", seed=0, config=config)
+    assert {len(row["prompt"]) for row in rows} == {6} and {len(row["answer"]) for row in rows} == {3}
+    for row in rows:
+        problem = parse_prompt(row["prompt"])
+        assert int(row["answer"][::-1]) == problem.left + problem.right
+    for row in preference_rows(300, split="train", seed=0, config=config):
+        assert len(row["chosen"]) == 3 and row["rejected"] != row["chosen"]
+
+
+def test_the_split_of_a_problem_does_not_depend_on_how_it_is_written():
+    padded = ArithmeticTaskConfig(max_digits=2, reverse_answer=True, fixed_width=True)
+    plain = ArithmeticTaskConfig(max_digits=2)
+    for problem in sample_problems(300, split="eval", seed=0, config=padded):
+        assert Problem(problem.left, "+", problem.right).split(plain.eval_percent) == "eval"

@@ -1,6 +1,6 @@
 """`hybridflow demo`: the whole RLHF pipeline on the built-in arithmetic task, on a CPU, in minutes.
 
-1. SFT of the policy from scratch on a few worked problems -> a weak policy (by design);
+1. SFT of the policy from scratch with few steps on worked problems -> a weak policy (by design);
 2. the reward model: a backbone trained longer on worked problems (a stronger model than the
    policy, like the paper's larger reward models), then Bradley-Terry on preference pairs the
    task's exact checker labels: the correct answer against wrong answers sampled from the SFT
@@ -42,11 +42,11 @@ class DemoConfig:
     """Operands have 1..max_digits digits (addition); 2 gives 10,000 problems, 10% of them held out."""
     reverse_answer: bool = True
     """Answers written least-significant digit first (the task's fast-to-learn order; see the task module)."""
-    forget_carry_rate: float = 0.6
-    """Share of carrying additions the policy's demonstrator answers without carries: the SFT policy imitates
-    an imperfect demonstrator and stays weak; PPO has to beat it."""
-    sft_steps: int = 1000
-    """Policy SFT optimizer steps."""
+    forget_carry_rate: float = 0.0
+    """Share of carrying additions the policy's demonstrator answers without carries (an imperfect demonstrator);
+    0 is a perfect one. The policy stays weak through few SFT steps either way."""
+    sft_steps: int = 700
+    """Policy SFT optimizer steps (few on purpose: the policy should stay weak)."""
     sft_batch_size: int = 32
     """SFT rows per step (policy and reward-model backbone)."""
     sft_lr: float = 3e-3
@@ -54,13 +54,13 @@ class DemoConfig:
     rm_backbone_sft_steps: int = 2000
     """SFT steps of the reward model's backbone: the RM starts from a longer-trained model than the policy
     (a stronger judge than the actor, like the paper's larger reward models); 0 means the policy's SFT model."""
-    rm_policy_samples: int = 4
+    rm_policy_samples: int = 2
     """Responses sampled from the SFT policy per reward-model prompt; the wrong ones become rejected answers."""
-    rm_steps: int = 300
+    rm_steps: int = 800
     """Reward-model optimizer steps."""
     rm_batch_size: int = 32
     """Preference pairs per step."""
-    rm_lr: float = 5e-4
+    rm_lr: float = 1e-3
     """Reward-model learning rate."""
     ppo_steps: int = 60
     """PPO iterations."""
@@ -70,11 +70,11 @@ class DemoConfig:
     """Responses per prompt."""
     mini_batch_size: int = 64
     """Samples per PPO optimizer update."""
-    actor_lr: float = 5e-4
+    actor_lr: float = 1e-3
     """PPO actor learning rate."""
     critic_lr: float = 1e-3
     """PPO critic learning rate."""
-    kl_coef: float = 0.01
+    kl_coef: float = 0.02
     """KL penalty coefficient (in the reward)."""
     num_eval_prompts: int = 256
     """Held-out problems (eval split) for the accuracy curve and the reward model's held-out pairs."""
@@ -129,7 +129,7 @@ def write_task_data(config: DemoConfig, directory: Path) -> dict[str, Path]:
         "pairs_eval_synthetic": write_jsonl(directory / "pairs_eval_synthetic.jsonl", preference_rows(
             config.num_eval_prompts, split="eval", seed=seed + 4, config=task)),
         "rm_prompts": write_jsonl(directory / "rm_prompts.jsonl", prompt_rows(
-            config.rm_steps * config.rm_batch_size // 2, split="train", seed=seed + 5, config=task)),
+            config.rm_steps * config.rm_batch_size // 4, split="train", seed=seed + 5, config=task)),
         "prompts": write_jsonl(directory / "prompts.jsonl", prompt_rows(
             config.ppo_steps * config.prompts_per_step, split="train", seed=seed + 2, config=task)),
         "prompts_eval": write_jsonl(directory / "prompts_eval.jsonl", prompt_rows(
@@ -191,13 +191,14 @@ def train_sft(config: DemoConfig, data_file: Path, output_dir: Path, *, steps: i
         mode=config.mode, tensorboard=tensorboard)
 
 
-def train_reward_model(config: DemoConfig, files: dict[str, Path], root: Path, *, policy_dir: str, backbone_dir: str,
-                       tensorboard: bool) -> dict:
-    """Preference pairs (policy samples + synthetic wrong answers, checker-labelled) -> a Bradley-Terry reward model."""
-    from hybridflow.data import read_rows, write_jsonl
-    from hybridflow.trainers.supervised import RMConfig, load_supervised_config, run_supervised
+def write_preference_pairs(config: DemoConfig, files: dict[str, Path], directory: Path, *,
+                           policy_dir: str) -> tuple[Path, Path]:
+    """The reward model's train and held-out pairs: the policy's own wrong samples + synthetic wrong answers.
 
-    data = root / "data"
+    Every pair is labelled by the exact checker (chosen: the correct answer). Returns (train, held-out) files.
+    """
+    from hybridflow.data import read_rows, write_jsonl
+
     train_rows = list(read_rows(files["pairs_synthetic"]))
     eval_rows = list(read_rows(files["pairs_eval_synthetic"]))
     if config.rm_policy_samples:
@@ -210,11 +211,17 @@ def train_reward_model(config: DemoConfig, files: dict[str, Path], root: Path, *
         train_rows += policy_train
         eval_rows += policy_eval
     random.Random(config.seed).shuffle(train_rows)
-    pairs = write_jsonl(data / "pairs.jsonl", train_rows)
-    pairs_eval = write_jsonl(data / "pairs_eval.jsonl", eval_rows)
+    return write_jsonl(directory / "pairs.jsonl", train_rows), write_jsonl(directory / "pairs_eval.jsonl", eval_rows)
+
+
+def train_reward_model(config: DemoConfig, pairs: Path, pairs_eval: Path, output_dir: Path, *, backbone_dir: str,
+                       tensorboard: bool) -> dict:
+    """Bradley-Terry training of a score head on the backbone; held-out pair accuracy in ``final['val/accuracy']``."""
+    from hybridflow.trainers.supervised import RMConfig, load_supervised_config, run_supervised
+
     return run_supervised(load_supervised_config(RMConfig, None, [
         f"model.path={backbone_dir}", f"data.train_path={pairs}", f"data.val_path={pairs_eval}",
-        f"output_dir={root / 'rm'}", f"eval_every={max(1, config.rm_steps // 4)}",
+        f"output_dir={output_dir}", f"eval_every={max(1, config.rm_steps // 4)}",
         *_supervised_overrides(config, steps=config.rm_steps, batch_size=config.rm_batch_size, lr=config.rm_lr)]),
         mode=config.mode, tensorboard=tensorboard)
 
@@ -263,19 +270,19 @@ def run_demo(config: DemoConfig, *, tensorboard: bool = True) -> dict:
         pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
         backbone = pool.submit(_train_backbone, config, files["sft_backbone"], root / "rm_backbone", tensorboard)
         pool.shutdown(wait=False)
-        print(f"[1/3] SFT of the policy from scratch ({config.sft_steps} steps on an imperfect demonstrator's answers); "
-              f"meanwhile, in a second process, SFT of the reward model's backbone ({config.rm_backbone_sft_steps} steps)")
+        print(f"[1/3] SFT of the policy from scratch ({config.sft_steps} steps on worked problems); meanwhile, in a "
+              f"second process, SFT of the reward model's backbone ({config.rm_backbone_sft_steps} steps)")
     else:
-        print(f"[1/3] SFT of the policy from scratch ({config.sft_steps} steps on an imperfect demonstrator's answers)")
+        print(f"[1/3] SFT of the policy from scratch ({config.sft_steps} steps on worked problems)")
     sft = train_sft(config, files["sft_policy"], root / "sft", steps=config.sft_steps, tensorboard=tensorboard)
-    print("[2/3] reward model: a longer-trained backbone, then Bradley-Terry on checker-labelled pairs")
+    print("[2/3] reward model: Bradley-Terry on checker-labelled pairs, from a longer-trained backbone")
+    pairs, pairs_eval = write_preference_pairs(config, files, root / "data", policy_dir=sft["model_dir"])
     backbone_dir = sft["model_dir"]
     if backbone is not None:
         backbone_dir = backbone.result()
     elif config.rm_backbone_sft_steps:
         backbone_dir = _train_backbone(config, files["sft_backbone"], root / "rm_backbone", tensorboard)
-    rm = train_reward_model(config, files, root, policy_dir=sft["model_dir"], backbone_dir=backbone_dir,
-                            tensorboard=tensorboard)
+    rm = train_reward_model(config, pairs, pairs_eval, root / "rm", backbone_dir=backbone_dir, tensorboard=tensorboard)
     print(f"      reward model held-out pair accuracy: {rm['final']['val/accuracy']:.1%}")
     print("[3/3] PPO against the reward model; accuracy by the exact checker on held-out problems")
     trainer = build_ppo_trainer(config, files, root, policy_dir=sft["model_dir"], reward_dir=rm["model_dir"],

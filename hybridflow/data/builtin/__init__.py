@@ -7,6 +7,7 @@ from pathlib import Path
 from hybridflow.data.builtin.arithmetic import (
     ArithmeticTaskConfig,
     Problem,
+    carry_free_sum,
     parse_prompt,
     plausible_wrong_answer,
     preference_rows,
@@ -40,6 +41,7 @@ __all__ = [
     "Problem",
     "builtin_model_config",
     "builtin_tokenizer",
+    "carry_free_sum",
     "parse_prompt",
     "plausible_wrong_answer",
     "preference_rows",

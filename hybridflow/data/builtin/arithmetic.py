@@ -1,7 +1,10 @@
 """The built-in verifiable task: multi-digit arithmetic ("12+345=" -> "357") with an exact checker.
 
 Prompts are the bare expression followed by "=", responses the decimal answer (a leading "-" when
-negative). Train and eval problems are disjoint by construction: a problem belongs to the eval
+negative). With `reverse_answer` the answer's digits are written least-significant first
+("57+68=" -> "521" for 125), the order in which a carry is computed: small transformers learn
+addition several times faster that way. The expected response of a row is stored in its `answer`
+field, which the exact checker uses when present. Train and eval problems are disjoint by construction: a problem belongs to the eval
 split when a stable hash of its text falls in the lowest `eval_percent` of 100 buckets, whatever
 the seed, so no eval problem can ever be drawn for training.
 """
@@ -33,6 +36,11 @@ class ArithmeticTaskConfig:
     """Operators drawn uniformly, from "+", "-", "*"."""
     eval_percent: int = 10
     """Share (in percent) of all problems reserved for the held-out eval split."""
+    reverse_answer: bool = False
+    """Write answers least-significant digit first (the sign, if any, stays in front)."""
+    fixed_width: bool = False
+    """Zero-pad the operands to ``max_digits`` and the answer to its widest length (``max_digits`` + 1 for "+",
+    ``max_digits`` for "-", 2 x ``max_digits`` for "*"), so every digit sits at the same position in every problem."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_digits <= self.max_digits:
@@ -56,19 +64,36 @@ class Problem:
     left: int
     operation: str
     right: int
+    reverse_answer: bool = False
+    """Whether the expected response writes the digits least-significant first."""
+    width: int = 0
+    """Digits the operands are zero-padded to (0: no padding); the answer is padded to its widest length."""
 
     @property
     def prompt(self) -> str:
-        return f"{self.left}{self.operation}{self.right}="
+        return f"{self.left:0{self.width}d}{self.operation}{self.right:0{self.width}d}="
 
     @property
     def answer(self) -> str:
-        return str(_evaluate(self.left, self.operation, self.right))
+        """The expected response text (digits reversed when ``reverse_answer``, zero-padded when ``width``)."""
+        return self.write(_evaluate(self.left, self.operation, self.right))
+
+    def write(self, value: int) -> str:
+        """A number as this problem's response text (padding and digit order of the problem)."""
+        answer_width = {"+": self.width + 1, "-": self.width, "*": 2 * self.width}[self.operation] if self.width else 0
+        return _write(value, reverse=self.reverse_answer, width=answer_width)
 
     def split(self, eval_percent: int) -> str:
-        """'eval' or 'train', from a hash of the prompt text that is stable across runs and machines."""
-        bucket = int.from_bytes(hashlib.sha256(self.prompt.encode()).digest()[:8], "big") % 100
+        """'eval' or 'train', from a hash of the unpadded problem text: stable across runs, machines and formats."""
+        text = f"{self.left}{self.operation}{self.right}="
+        bucket = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") % 100
         return "eval" if bucket < eval_percent else "train"
+
+
+def _write(value: int, *, reverse: bool, width: int = 0) -> str:
+    """An integer as response text: decimal digits zero-padded to ``width``, optionally reversed (sign in front)."""
+    sign, digits = ("-" if value < 0 else ""), str(abs(value)).zfill(width)
+    return sign + (digits[::-1] if reverse else digits)
 
 
 def _evaluate(left: int, operation: str, right: int) -> int:
@@ -108,7 +133,8 @@ def sample_problems(num_problems: int, *, split: str, seed: int, config: Arithme
             raise ValueError(
                 f"could not draw {num_problems} {split} problems with {config}: the digit range holds too few"
             )
-        problem = Problem(_draw_operand(rng, config), rng.choice(config.operations), _draw_operand(rng, config))
+        problem = Problem(_draw_operand(rng, config), rng.choice(config.operations), _draw_operand(rng, config),
+                          reverse_answer=config.reverse_answer, width=config.max_digits if config.fixed_width else 0)
         if problem.split(config.eval_percent) == split:
             problems.append(problem)
     return problems
@@ -122,17 +148,37 @@ def prompt_rows(num_problems: int, *, split: str, seed: int, config: ArithmeticT
     ]
 
 
-def sft_rows(num_problems: int, *, split: str, seed: int, config: ArithmeticTaskConfig) -> list[dict]:
-    """Rows for supervised fine-tuning: {"prompt": "12+345=", "response": "357"}."""
-    return [
-        {"prompt": problem.prompt, "response": problem.answer}
-        for problem in sample_problems(num_problems, split=split, seed=seed, config=config)
-    ]
+def sft_rows(num_problems: int, *, split: str, seed: int, config: ArithmeticTaskConfig,
+             forget_carry_rate: float = 0.0) -> list[dict]:
+    """Rows for supervised fine-tuning: {"prompt": "12+345=", "response": "357"}.
+
+    ``forget_carry_rate`` makes an imperfect demonstrator: on that share of the additions that
+    carry, the response is the column-wise sum without carries ("57+68=" -> "15" instead of "125").
+    """
+    if not 0.0 <= forget_carry_rate <= 1.0:
+        raise ValueError(f"forget_carry_rate must lie in [0, 1], got {forget_carry_rate}")
+    rng = random.Random(f"{seed}:{split}:demonstrator")
+    rows = []
+    for problem in sample_problems(num_problems, split=split, seed=seed, config=config):
+        response = problem.answer
+        if problem.operation == "+" and rng.random() < forget_carry_rate:
+            response = problem.write(carry_free_sum(problem.left, problem.right))
+        rows.append({"prompt": problem.prompt, "response": response})
+    return rows
+
+
+def carry_free_sum(left: int, right: int) -> int:
+    """Column-wise sum of two non-negative integers with every carry dropped (57 + 68 -> 15)."""
+    total, place = 0, 1
+    while left or right:
+        total += ((left % 10 + right % 10) % 10) * place
+        left, right, place = left // 10, right // 10, place * 10
+    return total
 
 
 def plausible_wrong_answer(problem: Problem, rng: random.Random) -> str:
     """A wrong answer of the kind a weak model writes: one digit off, a dropped carry, a lost or doubled digit."""
-    correct = problem.answer
+    correct = str(_evaluate(problem.left, problem.operation, problem.right))
     sign, digits = ("-", correct[1:]) if correct.startswith("-") else ("", correct)
     candidates = []
     position = rng.randrange(len(digits))
@@ -150,7 +196,7 @@ def plausible_wrong_answer(problem: Problem, rng: random.Random) -> str:
     wrong = [sign + candidate.lstrip("0") if candidate.lstrip("0") else "0" for candidate in candidates]
     wrong = [answer for answer in wrong if answer != correct]
     assert wrong, f"no wrong answer generated for {problem}"
-    return rng.choice(wrong)
+    return problem.write(int(rng.choice(wrong)))
 
 
 def preference_rows(num_problems: int, *, split: str, seed: int, config: ArithmeticTaskConfig) -> list[dict]:
@@ -166,8 +212,9 @@ def score(prompt: str, response: str, **extra_fields) -> float:
     """The exact checker: 1.0 when the response (whitespace-stripped) is the correct answer, else 0.0.
 
     Follows the reward plug-in signature, so `hybridflow.data.builtin.arithmetic:score` can be
-    given as a reward function; the answer is recomputed from the prompt (an `answer` field, when
-    present, is used instead).
+    given as a reward function; the answer is recomputed from the prompt in the plain format (an
+    `answer` field, when present, is used instead: the generators always write one, so rows of
+    the reversed or fixed-width formats are checked against their own expected text).
     """
     expected = extra_fields.get("answer")
     if expected is None:
