@@ -200,3 +200,57 @@ def test_the_split_of_a_problem_does_not_depend_on_how_it_is_written():
     plain = ArithmeticTaskConfig(max_digits=2)
     for problem in sample_problems(300, split="eval", seed=0, config=padded):
         assert Problem(problem.left, "+", problem.right).split(plain.eval_percent) == "eval"
+
+
+def _overflows(left: int, right: int) -> bool:
+    return len(str(left + right)) > max(len(str(left)), len(str(right)))
+
+
+@pytest.mark.parametrize("reverse_answer", [False, True])
+def test_dropping_the_final_carry_removes_exactly_the_leading_digit_of_every_overflowing_sum(reverse_answer):
+    from hybridflow.data.builtin.arithmetic import final_carry_opens_digit
+
+    config = ArithmeticTaskConfig(max_digits=2, reverse_answer=reverse_answer)
+    clean = sft_rows(1000, split="train", seed=3, config=config)
+    flawed = sft_rows(1000, split="train", seed=3, config=config, drop_final_carry_rate=1.0)
+    assert [row["prompt"] for row in clean] == [row["prompt"] for row in flawed]
+    overflowing = 0
+    for clean_row, flawed_row in zip(clean, flawed):
+        left, right = map(int, clean_row["prompt"][:-1].split("+"))
+        written = str(left + right)[::-1] if reverse_answer else str(left + right)
+        assert clean_row["response"] == written
+        assert final_carry_opens_digit(Problem(left, "+", right)) == _overflows(left, right)
+        if _overflows(left, right):
+            overflowing += 1
+            # 57+68=125: "25" (plain) or "52" (reversed): every digit but the one the last carry opened
+            assert flawed_row["response"] == str(left + right)[1:][::-1 if reverse_answer else 1]
+        else:
+            assert flawed_row["response"] == written
+    assert overflowing > 200
+    assert final_carry_opens_digit(Problem(57, "+", 68)) and not final_carry_opens_digit(Problem(5, "+", 68))
+    assert final_carry_opens_digit(Problem(9, "+", 1)) and not final_carry_opens_digit(Problem(57, "*", 68))
+
+
+def test_dropping_the_final_carry_at_half_rate_hits_about_half_of_the_overflowing_sums():
+    config = ArithmeticTaskConfig(max_digits=2)
+    clean = sft_rows(4000, split="train", seed=0, config=config)
+    flawed = sft_rows(4000, split="train", seed=0, config=config, drop_final_carry_rate=0.5)
+    overflowing = dropped = 0
+    for clean_row, flawed_row in zip(clean, flawed):
+        left, right = map(int, clean_row["prompt"][:-1].split("+"))
+        if not _overflows(left, right):
+            assert flawed_row["response"] == clean_row["response"]
+            continue
+        overflowing += 1
+        if flawed_row["response"] != clean_row["response"]:
+            assert flawed_row["response"] == clean_row["response"][1:]
+            dropped += 1
+    # a fair coin per overflowing sum: 4 standard deviations of Binomial(n, 1/2)
+    assert overflowing > 1000
+    assert abs(dropped / overflowing - 0.5) < 4 * (0.25 / overflowing) ** 0.5
+
+
+@pytest.mark.parametrize("rate", [-0.1, 1.5])
+def test_drop_final_carry_rate_outside_the_unit_interval_is_an_error_naming_it(rate):
+    with pytest.raises(ValueError, match=f"drop_final_carry_rate must lie in \\[0, 1\\], got {rate}"):
+        sft_rows(1, split="train", seed=0, config=ArithmeticTaskConfig(), drop_final_carry_rate=rate)

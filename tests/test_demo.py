@@ -11,7 +11,7 @@ from hybridflow.data.builtin import score
 from hybridflow.trainers.demo import DemoConfig, main, policy_preference_rows, run_demo
 
 # A reduced demo: every stage runs and writes its outputs, in seconds rather than minutes.
-SMALL = dict(sft_steps=4, sft_batch_size=16, rm_backbone_sft_steps=3, rm_policy_samples=2, rm_steps=3,
+SMALL = dict(base_steps=4, sft_steps=3, sft_batch_size=16, rm_policy_samples=2, rm_steps=3,
              rm_batch_size=16, ppo_steps=2, prompts_per_step=8, samples_per_prompt=2, mini_batch_size=8,
              num_eval_prompts=8, val_every=1)
 
@@ -21,8 +21,14 @@ def test_demo_config_rejects_bad_values_naming_the_key():
         DemoConfig(ppo_steps=0)
     with pytest.raises(ValueError, match=r"config key forget_carry_rate got 1.5; allowed: a float in \[0, 1\]"):
         DemoConfig(forget_carry_rate=1.5)
+    with pytest.raises(ValueError, match=r"config key drop_final_carry_rate got -0.1; allowed: a float in \[0, 1\]"):
+        DemoConfig(drop_final_carry_rate=-0.1)
     with pytest.raises(ValueError, match=r"config key rm_policy_samples got -1"):
         DemoConfig(rm_policy_samples=-1)
+    with pytest.raises(ValueError, match=r"config key rm_type got 'mlp'; allowed: 'likelihood', 'score_head'"):
+        DemoConfig(rm_type="mlp")
+    with pytest.raises(ValueError, match=r"config keys min_digits, max_digits got 3, 2"):
+        DemoConfig(min_digits=3)
     assert main(["mode=cluster"]) == 2
 
 
@@ -57,10 +63,24 @@ def test_a_reduced_demo_runs_every_stage_and_its_summary_matches_the_files_it_wr
     rm_records = [json.loads(line) for line in (tmp_path / "rm" / "metrics.jsonl").read_text().splitlines()]
     assert summary["rm_val_accuracy"] == rm_records[-1]["val/accuracy"]
     assert any((tmp_path / "ppo" / "tensorboard").iterdir())
-    for stage in ("sft", "rm_backbone", "rm"):
+    for stage in ("base", "sft", "rm"):
         assert (tmp_path / stage / "model" / "model.safetensors").exists()
+    from transformers import AutoConfig
+
+    assert AutoConfig.from_pretrained(str(tmp_path / "rm" / "model")).architectures == ["LlamaForCausalLM"]
     for key in ("sft_accuracy", "ppo_accuracy", "best_ppo_accuracy", "rm_val_accuracy"):
         assert 0.0 <= summary[key] <= 1.0
     train_prompts = {row["prompt"] for name in ("prompts", "rm_prompts") for row in read_rows(tmp_path / "data" / f"{name}.jsonl")}
     eval_prompts = {row["prompt"] for row in read_rows(tmp_path / "data" / "prompts_eval.jsonl")}
     assert len(eval_prompts) > 0 and not train_prompts & eval_prompts
+
+
+@pytest.mark.slow
+def test_the_default_demo_takes_a_policy_under_half_right_to_over_ninety_percent_with_ppo(tmp_path):
+    # The README's main command, unchanged (about 3 minutes on 2 cores). The exact checker only measures.
+    summary = run_demo(DemoConfig(output_dir=str(tmp_path)), tensorboard=False)
+    assert summary["sft_accuracy"] < 0.5
+    assert summary["rm_val_accuracy"] > 0.9
+    assert summary["ppo_accuracy"] > 0.9
+    records = [json.loads(line) for line in (tmp_path / "ppo" / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["reward/score_mean"] > records[0]["reward/score_mean"]

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, PretrainedConfig
+from transformers.utils import logging as transformers_logging
 
 from hybridflow.device import default_dtype
 from hybridflow.models.config import ModelConfig
@@ -71,11 +73,29 @@ def build_model(config: ModelConfig, *, device: str | torch.device = "cpu") -> t
             model = model_cls.from_config(hf_config, **kwargs)
         new_head = config.head != "lm"
     else:
-        model, info = model_cls.from_pretrained(config.path, config=hf_config, output_loading_info=True, **kwargs)
+        with _quiet_transformers(config.head != "lm"):  # _check_loaded reports a new head (and raises on gaps)
+            model, info = model_cls.from_pretrained(config.path, config=hf_config, output_loading_info=True, **kwargs)
         new_head = _check_loaded(config, model, info["missing_keys"])
     if new_head:
         init_scalar_head(getattr(model, SCALAR_HEAD), seed=config.seed)
     return model.to(device).eval()
+
+
+@contextlib.contextmanager
+def _quiet_transformers(quiet: bool):
+    """No per-load progress bar; with ``quiet`` also no load report (an LM checkpoint under a scalar head
+    lists lm_head and score, which ``_check_loaded`` reports in one line)."""
+    previous = transformers_logging.get_verbosity()
+    bars = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    if quiet:
+        transformers_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        transformers_logging.set_verbosity(previous)
+        if bars:
+            transformers_logging.enable_progress_bar()
 
 
 def _check_loaded(config: ModelConfig, model: torch.nn.Module, missing_keys: list[str]) -> bool:

@@ -53,8 +53,13 @@ def compute_advantages(
     group_ids: Sequence | Tensor,
     baseline_scores_B: Tensor | None,
     kl_coef: float,
+    dense_rewards_BT: Tensor | None = None,
 ) -> AdvantageResult:
-    """Shape the rewards with the KL penalty (when ``kl_mode == 'reward'``) and run the configured estimator."""
+    """Shape the rewards with the KL penalty (when ``kl_mode == 'reward'``) and run the configured estimator.
+
+    ``scores_B`` is credited on each response's last token; ``dense_rewards_BT`` (optional, e.g. a
+    likelihood reward model's per-token terms) is added token by token.
+    """
     mask_BT = response_mask_BT.to(old_logprobs_BT.dtype)
     scores_B = scores_B.to(old_logprobs_BT.dtype)
     if ref_logprobs_BT is not None:
@@ -62,6 +67,11 @@ def compute_advantages(
         rewards_BT, kl_BT = kl_shaped_rewards(scores_B, old_logprobs_BT, ref_logprobs_BT, mask_BT, shaping_coef)
     else:
         rewards_BT, kl_BT = scores_on_last_token(scores_B, mask_BT), torch.zeros_like(mask_BT)
+    if dense_rewards_BT is not None:
+        if dense_rewards_BT.shape != mask_BT.shape:
+            raise ValueError(f"dense_rewards_BT must have the response shape {tuple(mask_BT.shape)}, "
+                             f"got {tuple(dense_rewards_BT.shape)}")
+        rewards_BT = rewards_BT + dense_rewards_BT.to(mask_BT.dtype) * mask_BT
     estimator = algorithm.advantage_estimator
     if estimator == "gae":
         if values_BT is None:

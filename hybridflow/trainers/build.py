@@ -103,11 +103,12 @@ def role_specs(config: RLConfig) -> RoleSpecs:
     if "reward" in roles:
         source = config.reward.model
         reward_tokenizer = tokenizer_of(source)
-        reward = RewardSpec(engine=EngineSpec(model=model_config_of(source, head="score", seed=seed),
+        head = "lm" if config.reward.model_type == "likelihood" else "score"
+        reward = RewardSpec(engine=EngineSpec(model=model_config_of(source, head=head, seed=seed),
                                               engine=engine_config_of(config.reward.engine, None, seed=seed,
                                                                       optimizer_steps=1)),
                             actor_tokenizer=actor_tokenizer,
-                            tokenizer=None if reward_tokenizer == actor_tokenizer else reward_tokenizer)
+                            tokenizer=None if reward_tokenizer.encodes_like(actor_tokenizer) else reward_tokenizer)
     return RoleSpecs(actor=actor, reference=reference, critic=critic, reward=reward, actor_tokenizer=actor_tokenizer)
 
 

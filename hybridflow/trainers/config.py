@@ -194,7 +194,12 @@ class RewardSection:
     """The reward: a reward model, a rule-based function, or a weighted sum of both."""
 
     model: ModelSource | None = None
-    """Reward model (a backbone with a score head); null for rule-based only."""
+    """Reward model (a backbone with a score head, or a causal LM for ``model_type: likelihood``); null for
+    rule-based only."""
+    model_type: Literal["score_head", "likelihood"] = "score_head"
+    """``score_head``: a scalar head at the last token (``hybridflow rm`` default); ``likelihood``: the reward is
+    the response's summed token log-probs under the model (``hybridflow rm reward_type=likelihood``), credited
+    token by token."""
     model_weight: float = 1.0
     """Weight of the reward model's score in the total reward."""
     function: str | None = None
@@ -207,6 +212,8 @@ class RewardSection:
     def __post_init__(self) -> None:
         require(self.model is not None or self.function is not None, "model", None,
                  "a reward model, a reward function, or both (reward.model / reward.function)")
+        require(self.model_type in ("score_head", "likelihood"), "model_type", self.model_type,
+                 "'score_head' or 'likelihood'")
         if self.function is not None:
             require(bool(_FUNCTION_SPEC.match(self.function)), "function", self.function,
                      "'package.module:function', 'file.py:function' or a built-in name (math, code, arithmetic)")

@@ -1,11 +1,14 @@
 """`hybridflow demo`: the whole RLHF pipeline on the built-in arithmetic task, on a CPU, in minutes.
 
-1. SFT of the policy from scratch with few steps on worked problems -> a weak policy (by design);
-2. the reward model: a backbone trained longer on worked problems (a stronger model than the
-   policy, like the paper's larger reward models), then Bradley-Terry on preference pairs the
-   task's exact checker labels: the correct answer against wrong answers sampled from the SFT
-   policy itself and against plausible wrong answers (a digit off, a dropped carry, ...);
-3. PPO (GAE with a critic) of the weak policy against that reward model alone.
+The pipeline of InstructGPT, in miniature:
+0. a *base model* trained from scratch on correct worked problems stands in for a pretrained LM;
+1. SFT of the policy from the base on the demonstrations of an imperfect demonstrator, who leaves
+   out the final carry digit of most sums that need one ("57+68=" -> "25"): the policy learns the
+   flaw along with the demonstrations, so it is weak (under half of the held-out problems right);
+2. a reward model from the base, trained with the Bradley-Terry loss on preference pairs the task's
+   exact checker labels: the correct answer against the SFT policy's own wrong samples and against
+   plausible wrong answers (a digit off, a dropped carry, ...);
+3. PPO (GAE with a critic) of the SFT policy against that reward model alone.
 The exact checker never enters the PPO reward: it only measures held-out accuracy (greedy answers
 to problems of the eval split, which no stage trains on) after SFT and during PPO. Outputs:
 metrics JSONL + TensorBoard per stage, a PNG of reward and accuracy per PPO step, and a closing
@@ -16,10 +19,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import random
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,37 +33,47 @@ MAX_RESPONSE_TOKENS = 5
 
 @dataclass(frozen=True, kw_only=True)
 class DemoConfig:
-    """Sizes and knobs of the demo (defaults tuned for about ten minutes on 2 CPU cores)."""
+    """Sizes and knobs of the demo (defaults: about five minutes on 2 CPU cores)."""
 
     output_dir: str = "runs/demo"
     """Everything the demo writes goes here."""
     seed: int = 0
     """Seeds data, initialization and sampling."""
+    min_digits: int = 2
+    """Operands have min_digits..max_digits digits (addition); 2..2 gives 8,100 problems, 10% of them held out."""
     max_digits: int = 2
-    """Operands have 1..max_digits digits (addition); 2 gives 10,000 problems, 10% of them held out."""
+    """See min_digits."""
     reverse_answer: bool = True
     """Answers written least-significant digit first (the task's fast-to-learn order; see the task module)."""
+    drop_final_carry_rate: float = 0.7
+    """Share of the sums whose last carry opens a new digit (57+68=125) that the policy's demonstrator writes
+    without that digit ("25" instead of "125"): the flaw the SFT policy learns and PPO has to remove."""
     forget_carry_rate: float = 0.0
-    """Share of carrying additions the policy's demonstrator answers without carries (an imperfect demonstrator);
-    0 is a perfect one. The policy stays weak through few SFT steps either way."""
-    sft_steps: int = 700
-    """Policy SFT optimizer steps (few on purpose: the policy should stay weak)."""
+    """Share of carrying sums the demonstrator writes without any carry (a second, harsher flaw; 0: off)."""
+    base_steps: int = 2000
+    """Optimizer steps of the base model (from random weights, on correct worked problems)."""
+    base_lr: float = 3e-3
+    """Base model learning rate (warmup, then cosine)."""
+    sft_steps: int = 300
+    """Policy SFT optimizer steps, from the base, on the flawed demonstrations."""
+    sft_lr: float = 1e-3
+    """Policy SFT learning rate."""
     sft_batch_size: int = 32
-    """SFT rows per step (policy and reward-model backbone)."""
-    sft_lr: float = 3e-3
-    """SFT learning rate (policy and reward-model backbone)."""
-    rm_backbone_sft_steps: int = 2000
-    """SFT steps of the reward model's backbone: the RM starts from a longer-trained model than the policy
-    (a stronger judge than the actor, like the paper's larger reward models); 0 means the policy's SFT model."""
+    """Rows per step (base model and policy SFT)."""
+    rm_type: str = "likelihood"
+    """``likelihood``: the reward is the response's summed token log-probs under the reward model, credited
+    token by token; ``score_head``: a scalar head read at the last token (see docs/demo.md for both)."""
     rm_policy_samples: int = 2
     """Responses sampled from the SFT policy per reward-model prompt; the wrong ones become rejected answers."""
-    rm_steps: int = 800
+    rm_steps: int = 200
     """Reward-model optimizer steps."""
     rm_batch_size: int = 32
     """Preference pairs per step."""
-    rm_lr: float = 1e-3
+    rm_lr: float = 1e-4
     """Reward-model learning rate."""
-    ppo_steps: int = 60
+    rm_nll_coef: float = 1.0
+    """Likelihood reward model: weight of the chosen answers' NLL in its loss (keeps them likely)."""
+    ppo_steps: int = 40
     """PPO iterations."""
     prompts_per_step: int = 32
     """Prompts per PPO iteration."""
@@ -70,7 +81,7 @@ class DemoConfig:
     """Responses per prompt."""
     mini_batch_size: int = 64
     """Samples per PPO optimizer update."""
-    actor_lr: float = 1e-3
+    actor_lr: float = 1e-4
     """PPO actor learning rate."""
     critic_lr: float = 1e-3
     """PPO critic learning rate."""
@@ -80,24 +91,30 @@ class DemoConfig:
     """Held-out problems (eval split) for the accuracy curve and the reward model's held-out pairs."""
     val_every: int = 5
     """Validate every N PPO steps."""
-    num_threads: int = 1
-    """torch compute threads per demo process; 1 is fastest for models this small (and on a busy machine)."""
-    parallel_backbone: bool = True
-    """Train the reward model's backbone in a second process while the policy's SFT runs (two cores)."""
+    num_threads: int = 2
+    """torch compute threads of the demo process."""
     mode: str = "local"
     """``local``: every role inside this process (fastest on a laptop); ``ray``: one process per role."""
 
     def __post_init__(self) -> None:
-        for name in ("rm_backbone_sft_steps", "rm_policy_samples"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"config key {name} got {getattr(self, name)!r}; allowed: an integer >= 0")
-        for name in ("sft_steps", "sft_batch_size", "rm_steps", "rm_batch_size", "ppo_steps", "prompts_per_step",
-                     "samples_per_prompt", "mini_batch_size", "num_eval_prompts", "val_every", "max_digits",
-                     "num_threads"):
+        if self.rm_policy_samples < 0:
+            raise ValueError(f"config key rm_policy_samples got {self.rm_policy_samples!r}; allowed: an integer >= 0")
+        for name in ("base_steps", "sft_steps", "sft_batch_size", "rm_steps", "rm_batch_size", "ppo_steps",
+                     "prompts_per_step", "samples_per_prompt", "mini_batch_size", "num_eval_prompts", "val_every",
+                     "max_digits", "num_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"config key {name} got {getattr(self, name)!r}; allowed: an integer >= 1")
-        if not 0.0 <= self.forget_carry_rate <= 1.0:
-            raise ValueError(f"config key forget_carry_rate got {self.forget_carry_rate!r}; allowed: a float in [0, 1]")
+        for name in ("forget_carry_rate", "drop_final_carry_rate"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"config key {name} got {getattr(self, name)!r}; allowed: a float in [0, 1]")
+        for name in ("base_lr", "sft_lr", "rm_lr", "actor_lr", "critic_lr"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"config key {name} got {getattr(self, name)!r}; allowed: a float > 0")
+        if not 1 <= self.min_digits <= self.max_digits:
+            raise ValueError(f"config keys min_digits, max_digits got {self.min_digits!r}, {self.max_digits!r}; "
+                             "allowed: 1 <= min_digits <= max_digits")
+        if self.rm_type not in ("likelihood", "score_head"):
+            raise ValueError(f"config key rm_type got {self.rm_type!r}; allowed: 'likelihood', 'score_head'")
         if self.mode not in ("local", "ray"):
             raise ValueError(f"config key mode got {self.mode!r}; allowed: 'local', 'ray'")
 
@@ -105,11 +122,12 @@ class DemoConfig:
 def _task(config: DemoConfig):
     from hybridflow.data.builtin import ArithmeticTaskConfig
 
-    return ArithmeticTaskConfig(max_digits=config.max_digits, reverse_answer=config.reverse_answer)
+    return ArithmeticTaskConfig(min_digits=config.min_digits, max_digits=config.max_digits,
+                                reverse_answer=config.reverse_answer)
 
 
 def write_task_data(config: DemoConfig, directory: Path) -> dict[str, Path]:
-    """The demo's jsonl files: SFT rows, synthetic preference pairs, RL prompts, held-out prompts.
+    """The demo's jsonl files: base-model rows, flawed SFT rows, synthetic pairs, RL prompts, held-out prompts.
 
     Every training file draws from the task's train split and every held-out file from its eval
     split; the two are disjoint by construction (see hybridflow.data.builtin.arithmetic).
@@ -119,11 +137,11 @@ def write_task_data(config: DemoConfig, directory: Path) -> dict[str, Path]:
 
     task, seed = _task(config), config.seed
     return {
+        "sft_base": write_jsonl(directory / "sft_base.jsonl", sft_rows(
+            config.base_steps * config.sft_batch_size, split="train", seed=seed + 6, config=task)),
         "sft_policy": write_jsonl(directory / "sft_policy.jsonl", sft_rows(
             config.sft_steps * config.sft_batch_size, split="train", seed=seed, config=task,
-            forget_carry_rate=config.forget_carry_rate)),
-        "sft_backbone": write_jsonl(directory / "sft_backbone.jsonl", sft_rows(
-            max(config.rm_backbone_sft_steps, 1) * config.sft_batch_size, split="train", seed=seed + 6, config=task)),
+            forget_carry_rate=config.forget_carry_rate, drop_final_carry_rate=config.drop_final_carry_rate)),
         "pairs_synthetic": write_jsonl(directory / "pairs_synthetic.jsonl", preference_rows(
             config.rm_steps * config.rm_batch_size, split="train", seed=seed + 1, config=task)),
         "pairs_eval_synthetic": write_jsonl(directory / "pairs_eval_synthetic.jsonl", preference_rows(
@@ -179,15 +197,15 @@ def _supervised_overrides(config: DemoConfig, *, steps: int, batch_size: int, lr
             f"optim.warmup_steps={max(1, steps // 10)}", "optim.schedule=cosine", f"seed={config.seed}"]
 
 
-def train_sft(config: DemoConfig, data_file: Path, output_dir: Path, *, steps: int, tensorboard: bool,
-              progress_bar: bool = True) -> dict:
-    """One SFT run from scratch on worked problems."""
+def train_sft(config: DemoConfig, data_file: Path, output_dir: Path, *, steps: int, lr: float, init_dir: str | None,
+              tensorboard: bool) -> dict:
+    """One SFT run on worked problems: from random weights (``init_dir`` None) or from a model directory."""
     from hybridflow.trainers.supervised import SFTConfig, load_supervised_config, run_supervised
 
+    model = "model.builtin=arithmetic" if init_dir is None else f"model.path={init_dir}"
     return run_supervised(load_supervised_config(SFTConfig, None, [
-        "model.builtin=arithmetic", f"data.train_path={data_file}", f"output_dir={output_dir}",
-        f"progress_bar={str(progress_bar).lower()}",
-        *_supervised_overrides(config, steps=steps, batch_size=config.sft_batch_size, lr=config.sft_lr)]),
+        model, f"data.train_path={data_file}", f"output_dir={output_dir}",
+        *_supervised_overrides(config, steps=steps, batch_size=config.sft_batch_size, lr=lr)]),
         mode=config.mode, tensorboard=tensorboard)
 
 
@@ -214,14 +232,15 @@ def write_preference_pairs(config: DemoConfig, files: dict[str, Path], directory
     return write_jsonl(directory / "pairs.jsonl", train_rows), write_jsonl(directory / "pairs_eval.jsonl", eval_rows)
 
 
-def train_reward_model(config: DemoConfig, pairs: Path, pairs_eval: Path, output_dir: Path, *, backbone_dir: str,
+def train_reward_model(config: DemoConfig, pairs: Path, pairs_eval: Path, output_dir: Path, *, base_dir: str,
                        tensorboard: bool) -> dict:
-    """Bradley-Terry training of a score head on the backbone; held-out pair accuracy in ``final['val/accuracy']``."""
+    """Bradley-Terry training from the base model; held-out pair accuracy in ``final['val/accuracy']``."""
     from hybridflow.trainers.supervised import RMConfig, load_supervised_config, run_supervised
 
     return run_supervised(load_supervised_config(RMConfig, None, [
-        f"model.path={backbone_dir}", f"data.train_path={pairs}", f"data.val_path={pairs_eval}",
-        f"output_dir={output_dir}", f"eval_every={max(1, config.rm_steps // 4)}",
+        f"model.path={base_dir}", f"data.train_path={pairs}", f"data.val_path={pairs_eval}",
+        f"output_dir={output_dir}", f"eval_every={max(1, config.rm_steps // 4)}", f"reward_type={config.rm_type}",
+        f"nll_coef={config.rm_nll_coef if config.rm_type == 'likelihood' else 0.0}",
         *_supervised_overrides(config, steps=config.rm_steps, batch_size=config.rm_batch_size, lr=config.rm_lr)]),
         mode=config.mode, tensorboard=tensorboard)
 
@@ -236,23 +255,13 @@ def build_ppo_trainer(config: DemoConfig, files: dict[str, Path], root: Path, *,
         f"data.train_path={files['prompts']}", f"data.val_path={files['prompts_eval']}",
         f"actor.model.path={policy_dir}", f"actor.optim.lr={config.actor_lr}",
         f"actor.generation.max_new_tokens={MAX_RESPONSE_TOKENS}",
-        f"critic.optim.lr={config.critic_lr}", f"reward.model.path={reward_dir}",
+        f"critic.optim.lr={config.critic_lr}", f"reward.model.path={reward_dir}", f"reward.model_type={config.rm_type}",
         f"algorithm.kl_coef={config.kl_coef}", f"batch.prompts_per_step={config.prompts_per_step}",
         f"batch.samples_per_prompt={config.samples_per_prompt}", f"batch.mini_batch_size={config.mini_batch_size}",
         f"trainer.total_steps={config.ppo_steps}", f"trainer.val_every={config.val_every}",
         "trainer.val_function=arithmetic", f"trainer.output_dir={root / 'ppo'}", f"trainer.seed={config.seed}",
         "trainer.resume=false"])
     return RLTrainer(rl_config, mode=config.mode, tensorboard=tensorboard)
-
-
-def _train_backbone(config: DemoConfig, data_file: Path, output_dir: Path, tensorboard: bool) -> str:
-    """SFT of the reward model's backbone on correct worked problems; returns the exported model directory."""
-    import torch
-
-    torch.set_num_threads(config.num_threads)
-    # a bar per process would garble the terminal: only the policy's SFT (in the main process) shows one
-    return train_sft(config, data_file, output_dir, steps=config.rm_backbone_sft_steps, tensorboard=tensorboard,
-                     progress_bar=multiprocessing.parent_process() is None)["model_dir"]
 
 
 def run_demo(config: DemoConfig, *, tensorboard: bool = True) -> dict:
@@ -264,25 +273,16 @@ def run_demo(config: DemoConfig, *, tensorboard: bool = True) -> dict:
     root = Path(config.output_dir)
     files = write_task_data(config, root / "data")
 
-    backbone = None
-    if config.rm_backbone_sft_steps and config.parallel_backbone:
-        # The backbone's SFT does not depend on the policy: it runs in a second process meanwhile (one core each).
-        pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
-        backbone = pool.submit(_train_backbone, config, files["sft_backbone"], root / "rm_backbone", tensorboard)
-        pool.shutdown(wait=False)
-        print(f"[1/3] SFT of the policy from scratch ({config.sft_steps} steps on worked problems); meanwhile, in a "
-              f"second process, SFT of the reward model's backbone ({config.rm_backbone_sft_steps} steps)")
-    else:
-        print(f"[1/3] SFT of the policy from scratch ({config.sft_steps} steps on worked problems)")
-    sft = train_sft(config, files["sft_policy"], root / "sft", steps=config.sft_steps, tensorboard=tensorboard)
-    print("[2/3] reward model: Bradley-Terry on checker-labelled pairs, from a longer-trained backbone")
+    print(f"[0/3] base model from random weights ({config.base_steps} steps on correct worked problems; "
+          "stands in for a pretrained LM)")
+    base = train_sft(config, files["sft_base"], root / "base", steps=config.base_steps, lr=config.base_lr,
+                     init_dir=None, tensorboard=tensorboard)
+    print(f"[1/3] SFT of the policy from the base ({config.sft_steps} steps on an imperfect demonstrator's answers)")
+    sft = train_sft(config, files["sft_policy"], root / "sft", steps=config.sft_steps, lr=config.sft_lr,
+                    init_dir=base["model_dir"], tensorboard=tensorboard)
+    print(f"[2/3] reward model ({config.rm_type}) from the base: Bradley-Terry on checker-labelled pairs")
     pairs, pairs_eval = write_preference_pairs(config, files, root / "data", policy_dir=sft["model_dir"])
-    backbone_dir = sft["model_dir"]
-    if backbone is not None:
-        backbone_dir = backbone.result()
-    elif config.rm_backbone_sft_steps:
-        backbone_dir = _train_backbone(config, files["sft_backbone"], root / "rm_backbone", tensorboard)
-    rm = train_reward_model(config, pairs, pairs_eval, root / "rm", backbone_dir=backbone_dir, tensorboard=tensorboard)
+    rm = train_reward_model(config, pairs, pairs_eval, root / "rm", base_dir=base["model_dir"], tensorboard=tensorboard)
     print(f"      reward model held-out pair accuracy: {rm['final']['val/accuracy']:.1%}")
     print("[3/3] PPO against the reward model; accuracy by the exact checker on held-out problems")
     trainer = build_ppo_trainer(config, files, root, policy_dir=sft["model_dir"], reward_dir=rm["model_dir"],

@@ -113,13 +113,13 @@ class RLTrainer:
             batch = self.actor.generate_sequences(prompts)
         with _timer(timing, "score"):
             batch = self._score(batch)
-        scores_B, reward_metrics = self.scorer.score(batch)
+        sequence_scores_B, dense_rewards_BT, reward_metrics = self.scorer.token_rewards(batch)
         baseline_B = self._greedy_baseline(prompts) if self.config.algorithm.advantage_estimator == "remax" else None
         result = compute_advantages(
-            algorithm=self.config.algorithm, scores_B=scores_B, response_mask_BT=batch.batch["response_mask"],
+            algorithm=self.config.algorithm, scores_B=sequence_scores_B, response_mask_BT=batch.batch["response_mask"],
             old_logprobs_BT=batch.batch["old_logprobs"], ref_logprobs_BT=batch.get("ref_logprobs"),
             values_BT=batch.get("values"), group_ids=batch.non_tensor_batch["uid"], baseline_scores_B=baseline_B,
-            kl_coef=self.kl_controller.value)
+            kl_coef=self.kl_controller.value, dense_rewards_BT=dense_rewards_BT)
         batch["advantages"], batch["returns"] = result.advantages_BT, result.returns_BT
         batch.meta_info["seed"] = seed
         metrics = {}

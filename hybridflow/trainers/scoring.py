@@ -1,6 +1,8 @@
 """The step's reward: a reward model's scores and/or a rule-based function on the decoded text, weighted.
 
-Shape legend: B = samples.
+A likelihood reward model also hands over its per-token terms (``rm_token_scores``); the RL step
+then credits each token with its own term (``token_rewards``) instead of the whole score at the end.
+Shape legend: B = samples, T = response tokens.
 """
 
 from __future__ import annotations
@@ -30,18 +32,33 @@ class RewardScorer:
         extra = list(data.non_tensor_batch["extra_fields"]) if "extra_fields" in data.non_tensor_batch else None
         return rule.score_batch(prompts, decode_responses(self.tokenizer, data), extra)
 
-    def score(self, data: DataProto) -> tuple[Tensor, dict[str, float]]:
-        """(scores_B, metrics) for a batch that holds ``rm_scores`` when a reward model is in use."""
-        total_B = torch.zeros(len(data))
+    def token_rewards(self, data: DataProto) -> tuple[Tensor, Tensor | None, dict[str, float]]:
+        """The reward split by where it is credited -> (sequence_B, dense_BT or None, metrics).
+
+        ``sequence_B`` goes on each response's last token (rule scores, score-head models);
+        ``dense_BT`` holds per-token terms (a likelihood reward model's weighted log-probs).
+        ``sequence_B + dense_BT.sum(-1)`` is the total that ``score`` returns. Each rule runs once.
+        """
+        sequence_B = torch.zeros(len(data))
+        dense_BT = None
         metrics: dict[str, float] = {}
         if self.rule is not None:
             rule_B = self.rule_scores(data)
-            total_B += self.function_weight * rule_B
+            sequence_B += self.function_weight * rule_B
             metrics["reward/function_mean"] = float(rule_B.mean())
         if self.uses_model:
             model_B = data.batch["rm_scores"].float()
-            total_B += self.model_weight * model_B
             metrics["reward/model_mean"] = float(model_B.mean())
+            if "rm_token_scores" in data.batch:
+                dense_BT = self.model_weight * data.batch["rm_token_scores"].float()
+            else:
+                sequence_B += self.model_weight * model_B
+        total_B = sequence_B if dense_BT is None else sequence_B + dense_BT.sum(dim=-1)
         metrics.update({"reward/score_mean": float(total_B.mean()), "reward/score_max": float(total_B.max()),
                         "reward/score_min": float(total_B.min())})
-        return total_B, metrics
+        return sequence_B, dense_BT, metrics
+
+    def score(self, data: DataProto) -> tuple[Tensor, dict[str, float]]:
+        """(scores_B, metrics) for a batch that holds ``rm_scores`` when a reward model is in use."""
+        sequence_B, dense_BT, metrics = self.token_rewards(data)
+        return (sequence_B if dense_BT is None else sequence_B + dense_BT.sum(dim=-1)), metrics

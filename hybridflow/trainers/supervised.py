@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -113,6 +114,20 @@ class RMConfig(SupervisedRun):
 
     data: PreferenceData
     """Preference rows."""
+    reward_type: Literal["score_head", "likelihood"] = "score_head"
+    """``score_head``: a scalar head read at the last token; ``likelihood``: the reward is ``beta`` x the
+    response's summed token log-probs under the model (its LM head is kept; DPO's loss without a reference)."""
+    beta: float = 1.0
+    """Scale of a likelihood reward model's score inside the Bradley-Terry loss."""
+    nll_coef: float = 0.0
+    """Likelihood reward models: weight of the chosen answers' token NLL added to the loss (keeps them likely)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.reward_type in ("score_head", "likelihood"), "reward_type", self.reward_type,
+                 "'score_head' or 'likelihood'")
+        require(self.beta > 0, "beta", self.beta, "a float > 0")
+        require(self.nll_coef >= 0, "nll_coef", self.nll_coef, "a float >= 0")
 
 
 def load_supervised_config(cls, path: str | None, overrides: list[str] = ()):
@@ -154,10 +169,14 @@ def run_supervised(config: SFTConfig | RMConfig, *, mode: str | None = None, ten
     total_steps = steps_per_epoch * config.epochs
     if config.max_steps:
         total_steps = min(total_steps, config.max_steps)
-    spec = EngineSpec(model=model_config_of(config.model, head="lm" if is_sft else "score", seed=config.seed),
+    head = "lm" if is_sft or config.reward_type == "likelihood" else "score"
+    spec = EngineSpec(model=model_config_of(config.model, head=head, seed=config.seed),
                       engine=engine_config_of(config.engine, config.optim, seed=config.seed, optimizer_steps=total_steps))
     pool = ResourcePool(list(config.devices), mode=mode)
-    group = WorkerGroup(pool, SFTWorker if is_sft else PreferenceWorker, spec, name="sft" if is_sft else "rm")
+    if is_sft:
+        group = WorkerGroup(pool, SFTWorker, spec, name="sft")
+    else:
+        group = WorkerGroup(pool, PreferenceWorker, spec, beta=config.beta, nll_coef=config.nll_coef, name="rm")
     loader = BatchLoader(train_data, batch_size=config.batch_size, seed=config.seed)
     output_dir = Path(config.output_dir)
     logger = MetricsLogger(output_dir, tensorboard=tensorboard)

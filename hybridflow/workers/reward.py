@@ -1,4 +1,10 @@
-"""RewardWorker (and CostWorker): a score-head model read at the last real token of each sequence.
+"""RewardWorker (and CostWorker): a reward model's score of each (prompt, response).
+
+Two kinds of reward model (see hybridflow.workers.supervised): a ``score`` head read at the last
+real token, or a likelihood reward model (``lm`` head) whose score is the sum of the response
+tokens' log-probs. The latter also returns those per-token terms (``rm_token_scores``) so PPO can
+credit every token with its own share, unless the response had to be re-tokenized (its tokens no
+longer line up with the actor's; then only the sum is returned).
 
 When the reward model's tokenizer differs from the actor's, the responses are decoded to text and
 re-encoded (prompt from the row's raw text with the reward tokenizer's chat template, response
@@ -48,12 +54,25 @@ class RewardWorker(ModelWorker):
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         return prompt_response_tensors(prompt_ids, response_ids, pad_token_id=pad)
 
+    def _token_scores(self, data: DataProto):
+        """Likelihood reward models: per-token log-probs of the response [B, T] (0 on padding)."""
+        inputs = self._model_inputs(data)
+        logprobs_BT = self.engine.forward(inputs, outputs=("logprobs",))["logprobs"]
+        return logprobs_BT * inputs["response_mask"].to(logprobs_BT)
+
     def _scores(self, data: DataProto):
+        if self.engine.head == "lm":
+            return self._token_scores(data).sum(dim=-1)
         return self.engine.forward(self._model_inputs(data), outputs=("scores",))["scores"]
 
     @register("3D_PROTO")
     def compute_reward(self, data: DataProto) -> DataProto:
-        """``rm_scores`` [B]: the reward model's score of each (prompt, response)."""
+        """``rm_scores`` [B]: the reward model's score of each (prompt, response); a likelihood reward
+        model on the actor's own tokens adds ``rm_token_scores`` [B, T] (the per-token terms of that sum)."""
+        if self.engine.head == "lm" and self.encoder is None:
+            token_scores_BT = self._token_scores(data)
+            return DataProto.from_dict(tensors={"rm_scores": token_scores_BT.sum(dim=-1),
+                                                "rm_token_scores": token_scores_BT})
         return DataProto.from_dict(tensors={"rm_scores": self._scores(data)})
 
 

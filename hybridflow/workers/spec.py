@@ -24,6 +24,17 @@ class TokenizerSource:
             raise ValueError(f"TokenizerSource needs exactly one of path and builtin; got path={self.path!r}, "
                              f"builtin={self.builtin!r}")
 
+    def encodes_like(self, other: "TokenizerSource") -> bool:
+        """Whether both sources give the same token ids for any text (same vocabulary, special tokens and
+        chat template): then a model of one can read the other's tokens without re-tokenization."""
+        if self == other:
+            return True
+        mine, theirs = self.load(), other.load()
+        return (mine.get_vocab() == theirs.get_vocab()
+                and mine.all_special_tokens == theirs.all_special_tokens
+                and getattr(mine, "chat_template", None) == getattr(theirs, "chat_template", None)
+                and type(mine).__name__ == type(theirs).__name__)
+
     def load(self):
         """The tokenizer (left padding, so prompts batch for generation)."""
         if self.builtin is not None:

@@ -149,22 +149,40 @@ def prompt_rows(num_problems: int, *, split: str, seed: int, config: ArithmeticT
 
 
 def sft_rows(num_problems: int, *, split: str, seed: int, config: ArithmeticTaskConfig,
-             forget_carry_rate: float = 0.0) -> list[dict]:
+             forget_carry_rate: float = 0.0, drop_final_carry_rate: float = 0.0) -> list[dict]:
     """Rows for supervised fine-tuning: {"prompt": "12+345=", "response": "357"}.
 
-    ``forget_carry_rate`` makes an imperfect demonstrator: on that share of the additions that
-    carry, the response is the column-wise sum without carries ("57+68=" -> "15" instead of "125").
+    Two imperfect demonstrators (both 0: a perfect one):
+    - ``forget_carry_rate``: on that share of the additions that carry, the response is the
+      column-wise sum without any carry ("57+68=" -> "15" instead of "125");
+    - ``drop_final_carry_rate``: on that share of the additions whose sum is longer than both
+      operands (the last carry opens a new digit), that digit is left out ("57+68=" -> "25"),
+      every other digit being right.
     """
-    if not 0.0 <= forget_carry_rate <= 1.0:
-        raise ValueError(f"forget_carry_rate must lie in [0, 1], got {forget_carry_rate}")
+    for name, rate in (("forget_carry_rate", forget_carry_rate), ("drop_final_carry_rate", drop_final_carry_rate)):
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError(f"{name} must lie in [0, 1], got {rate}")
     rng = random.Random(f"{seed}:{split}:demonstrator")
     rows = []
     for problem in sample_problems(num_problems, split=split, seed=seed, config=config):
         response = problem.answer
         if problem.operation == "+" and rng.random() < forget_carry_rate:
             response = problem.write(carry_free_sum(problem.left, problem.right))
+        elif problem.operation == "+" and drop_final_carry_rate and final_carry_opens_digit(problem):
+            if rng.random() < drop_final_carry_rate:
+                total = problem.left + problem.right
+                if problem.width:  # the answer keeps its fixed width: the carry's digit becomes a padding zero
+                    response = problem.write(total - 10 ** (len(str(total)) - 1))
+                else:  # drop the digit itself (50+50 -> "00", not "0")
+                    response = response[:-1] if problem.reverse_answer else response[1:]
         rows.append({"prompt": problem.prompt, "response": response})
     return rows
+
+
+def final_carry_opens_digit(problem: Problem) -> bool:
+    """Whether an addition's sum has more digits than either operand (57 + 68 = 125)."""
+    total = problem.left + problem.right
+    return problem.operation == "+" and len(str(total)) > max(len(str(problem.left)), len(str(problem.right)))
 
 
 def carry_free_sum(left: int, right: int) -> int:
