@@ -3,7 +3,8 @@
 Shape legend: B = samples in the step, T = response tokens.
 This is the only place the estimators differ: PPO (``gae``) uses the critic's values, GRPO/RLOO
 a group baseline over the samples of one prompt, ReMax the greedy response's score, REINFORCE++
-whitened returns. Everything else in the RL loop is shared.
+whitened returns. Everything else in the RL loop is shared. Safe-RLHF adds a second GAE on the
+cost (``cost_advantages``) and mixes the two with the Lagrange multiplier (``safe_rlhf_advantages``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from hybridflow.algorithms import (
     reinforce_plus_plus_advantages,
     remax_advantages,
     rloo_advantages,
+    safe_rlhf_advantages,
     scores_on_last_token,
 )
 from hybridflow.trainers.config import AlgorithmSection
@@ -40,6 +42,10 @@ class AdvantageResult:
     """Per-token KL(pi_old || pi_ref) estimate (0 when there is no reference)."""
     token_rewards_BT: Tensor
     """Token-level rewards after KL shaping."""
+    cost_advantages_BT: Tensor | None = None
+    """Safe-RLHF: the cost's GAE advantages (whitened if configured); None without a cost."""
+    cost_returns_BT: Tensor | None = None
+    """Safe-RLHF: the cost critic's regression targets; None without a cost."""
 
 
 def compute_advantages(
@@ -54,11 +60,17 @@ def compute_advantages(
     baseline_scores_B: Tensor | None,
     kl_coef: float,
     dense_rewards_BT: Tensor | None = None,
+    costs_B: Tensor | None = None,
+    cost_values_BT: Tensor | None = None,
+    lagrange_multiplier: float | None = None,
 ) -> AdvantageResult:
     """Shape the rewards with the KL penalty (when ``kl_mode == 'reward'``) and run the configured estimator.
 
     ``scores_B`` is credited on each response's last token; ``dense_rewards_BT`` (optional, e.g. a
-    likelihood reward model's per-token terms) is added token by token.
+    likelihood reward model's per-token terms) is added token by token. Safe-RLHF: given ``costs_B``,
+    the cost critic's ``cost_values_BT`` and the ``lagrange_multiplier`` lambda, the returned advantages
+    are ``safe_rlhf_advantages(reward advantages, cost_advantages(...), lambda)`` and the cost
+    advantages and returns come back too.
     """
     mask_BT = response_mask_BT.to(old_logprobs_BT.dtype)
     scores_B = scores_B.to(old_logprobs_BT.dtype)
@@ -94,8 +106,41 @@ def compute_advantages(
         returns_BT = sequence_returns_B[:, None] * mask_BT
     if algorithm.whiten_advantages and estimator not in ("grpo", "reinforce_plus_plus"):
         advantages_BT = masked_whiten(advantages_BT, mask_BT)  # grpo and reinforce++ are normalized already
+    cost_advantages_BT = cost_returns_BT = None
+    if costs_B is not None:
+        if cost_values_BT is None or lagrange_multiplier is None:
+            raise ValueError("Safe-RLHF advantages need costs_B, cost_values_BT and lagrange_multiplier together; got "
+                             f"cost_values_BT={'a tensor' if cost_values_BT is not None else None}, "
+                             f"lagrange_multiplier={lagrange_multiplier}")
+        cost_advantages_BT, cost_returns_BT = cost_advantages(algorithm=algorithm, costs_B=costs_B,
+                                                              cost_values_BT=cost_values_BT.to(mask_BT.dtype),
+                                                              response_mask_BT=mask_BT)
+        advantages_BT = safe_rlhf_advantages(advantages_BT, cost_advantages_BT, lagrange_multiplier)
     return AdvantageResult(advantages_BT=advantages_BT, returns_BT=returns_BT, kl_BT=kl_BT,
-                           token_rewards_BT=rewards_BT)
+                           token_rewards_BT=rewards_BT, cost_advantages_BT=cost_advantages_BT,
+                           cost_returns_BT=cost_returns_BT)
+
+
+def cost_advantages(
+    *,
+    algorithm: AlgorithmSection,
+    costs_B: Tensor,
+    cost_values_BT: Tensor,
+    response_mask_BT: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """Safe-RLHF's cost side -> (cost_advantages_BT, cost_returns_BT): GAE on each response's cost, credited on
+    its last token (no KL term: the KL penalty shapes the reward only), with the cost critic's values and
+    the reward's ``gamma``/``lam``; whitened like the reward advantages when ``whiten_advantages``."""
+    if algorithm.advantage_estimator != "gae":
+        raise ValueError(f"cost advantages need advantage_estimator 'gae' (a cost critic), "
+                         f"got {algorithm.advantage_estimator!r}")
+    mask_BT = response_mask_BT.to(cost_values_BT.dtype)
+    costs_BT = scores_on_last_token(costs_B.to(mask_BT.dtype), mask_BT)
+    advantages_BT, returns_BT = gae_advantages(costs_BT, cost_values_BT, mask_BT, gamma=algorithm.gamma,
+                                               lam=algorithm.lam)
+    if algorithm.whiten_advantages:
+        advantages_BT = masked_whiten(advantages_BT, mask_BT)
+    return advantages_BT, returns_BT
 
 
 def sequence_kl(kl_BT: Tensor, mask_BT: Tensor) -> float:

@@ -9,11 +9,13 @@ from __future__ import annotations
 from hybridflow.trainers.config import RLConfig
 from hybridflow.trainers.config_loader import build_dataclass, to_plain
 
-ROLE_KINDS = {"actor": "actor", "critic": "critic", "reference": "inference", "reward": "inference"}
+ROLE_KINDS = {"actor": "actor", "critic": "critic", "reference": "inference", "reward": "inference",
+              "cost": "inference", "cost_critic": "critic"}
 
 
 def _model_of(config: RLConfig, role: str) -> str:
-    source = getattr(config, role).model or config.actor.model
+    section = config.cost.critic if role == "cost_critic" else getattr(config, role)
+    source = section.model or config.actor.model
     if source.builtin is not None:
         from hybridflow.data.builtin import ASSETS_DIR
 
@@ -47,6 +49,9 @@ def resolve_auto_mapping(config: RLConfig):
     cluster = Cluster(num_devices=sum(devices_per_node), devices_per_node=max(devices_per_node),
                       hardware=load_hardware(config.placement.hardware))
     best = plan(flow, {role: _model_of(config, role) for role in roles}, workload, cluster)
-    data = _merge(to_plain(config), best.to_config_fragment())
+    fragment = best.to_config_fragment()
+    if "cost_critic" in fragment:  # the cost critic's engine lives at cost.critic.engine
+        fragment.setdefault("cost", {})["critic"] = fragment.pop("cost_critic")
+    data = _merge(to_plain(config), fragment)
     data["placement"]["mapping"] = "manual"  # the resolved config is an explicit placement
     return build_dataclass(RLConfig, data), best

@@ -9,9 +9,12 @@ from hybridflow.engine.config import EngineConfig, OptimConfig
 from hybridflow.engine.generation import GenerationConfig
 from hybridflow.engine.hybrid_engine import HybridEngineConfig
 from hybridflow.models.config import ModelConfig
-from hybridflow.trainers.config import EngineSection, ModelSource, OptimSection, RLConfig
-from hybridflow.workers import (ActorSpec, ActorWorker, CriticWorker, EngineSpec, PolicyLossSpec, ReferenceWorker,
-                                RewardSpec, RewardWorker, TokenizerSource, ValueLossSpec)
+from hybridflow.trainers.config import CriticSection, EngineSection, ModelSource, OptimSection, RLConfig
+from hybridflow.workers import (ActorSpec, ActorWorker, CostWorker, CriticWorker, EngineSpec, PolicyLossSpec,
+                                ReferenceWorker, RewardSpec, RewardWorker, TokenizerSource, ValueLossSpec)
+
+# Tensor-name prefix of the cost critic (Safe-RLHF): it returns ``cost_values`` and trains on ``cost_returns``.
+COST_CRITIC_PREFIX = "cost_"
 
 BUILTIN_MODELS = ("arithmetic",)
 # Fields of the built-in task's config.json that make up its tiny model.
@@ -63,6 +66,8 @@ class RoleSpecs:
     critic: tuple[EngineSpec, ValueLossSpec] | None
     reward: RewardSpec | None
     actor_tokenizer: TokenizerSource
+    cost: RewardSpec | None = None
+    cost_critic: tuple[EngineSpec, ValueLossSpec] | None = None
 
 
 def role_specs(config: RLConfig) -> RoleSpecs:
@@ -94,22 +99,40 @@ def role_specs(config: RLConfig) -> RoleSpecs:
         reference = EngineSpec(model=model_config_of(source, head="lm", seed=seed),
                                engine=engine_config_of(config.reference.engine, None, seed=seed, optimizer_steps=1))
     if "critic" in roles:
-        source = config.critic.model or config.actor.model
-        critic = (EngineSpec(model=model_config_of(source, head="value", seed=seed),
-                             engine=engine_config_of(config.critic.engine, config.critic.optim, seed=seed,
-                                                     optimizer_steps=steps * config.critic.ppo_epochs)),
-                  ValueLossSpec(ppo_epochs=config.critic.ppo_epochs, mini_batch_size=config.batch.mini_batch_size,
-                                value_clip=config.critic.value_clip))
+        critic = _critic_specs(config, config.critic, optimizer_steps=steps)
     if "reward" in roles:
-        source = config.reward.model
-        reward_tokenizer = tokenizer_of(source)
         head = "lm" if config.reward.model_type == "likelihood" else "score"
-        reward = RewardSpec(engine=EngineSpec(model=model_config_of(source, head=head, seed=seed),
-                                              engine=engine_config_of(config.reward.engine, None, seed=seed,
-                                                                      optimizer_steps=1)),
-                            actor_tokenizer=actor_tokenizer,
-                            tokenizer=None if reward_tokenizer.encodes_like(actor_tokenizer) else reward_tokenizer)
-    return RoleSpecs(actor=actor, reference=reference, critic=critic, reward=reward, actor_tokenizer=actor_tokenizer)
+        reward = _scorer_spec(config.reward.model, config.reward.engine, head=head, seed=seed,
+                              actor_tokenizer=actor_tokenizer)
+    cost = cost_critic = None
+    if config.cost is not None:
+        cost = _scorer_spec(config.cost.model, config.cost.engine, head="score", seed=seed,
+                            actor_tokenizer=actor_tokenizer)
+        cost_critic = _critic_specs(config, config.cost.critic, optimizer_steps=steps)
+    return RoleSpecs(actor=actor, reference=reference, critic=critic, reward=reward, actor_tokenizer=actor_tokenizer,
+                     cost=cost, cost_critic=cost_critic)
+
+
+def _critic_specs(config: RLConfig, section: CriticSection, *,
+                  optimizer_steps: int) -> tuple[EngineSpec, ValueLossSpec]:
+    """A value model (the critic, or Safe-RLHF's cost critic): its backbone defaults to the actor's model."""
+    source = section.model or config.actor.model
+    seed = config.trainer.seed
+    return (EngineSpec(model=model_config_of(source, head="value", seed=seed),
+                       engine=engine_config_of(section.engine, section.optim, seed=seed,
+                                               optimizer_steps=optimizer_steps * section.ppo_epochs)),
+            ValueLossSpec(ppo_epochs=section.ppo_epochs, mini_batch_size=config.batch.mini_batch_size,
+                          value_clip=section.value_clip))
+
+
+def _scorer_spec(source: ModelSource, engine: EngineSection, *, head: str, seed: int,
+                 actor_tokenizer: TokenizerSource) -> RewardSpec:
+    """A reward or cost model; it re-tokenizes the actor's text only when its tokenizer encodes differently."""
+    tokenizer = tokenizer_of(source)
+    return RewardSpec(engine=EngineSpec(model=model_config_of(source, head=head, seed=seed),
+                                        engine=engine_config_of(engine, None, seed=seed, optimizer_steps=1)),
+                      actor_tokenizer=actor_tokenizer,
+                      tokenizer=None if tokenizer.encodes_like(actor_tokenizer) else tokenizer)
 
 
 def build_worker_groups(config: RLConfig, specs: RoleSpecs, *,
@@ -121,7 +144,9 @@ def build_worker_groups(config: RLConfig, specs: RoleSpecs, *,
     arguments = {"actor": (ActorWorker, (specs.actor,)),
                  "reference": (ReferenceWorker, (specs.reference,)),
                  "critic": (CriticWorker, specs.critic),
-                 "reward": (RewardWorker, (specs.reward,))}
+                 "reward": (RewardWorker, (specs.reward,)),
+                 "cost": (CostWorker, (specs.cost,)),
+                 "cost_critic": (CriticWorker, specs.cost_critic, {"prefix": COST_CRITIC_PREFIX})}
     by_pool: dict[str, dict[str, tuple]] = {}
     for role in config.active_roles:
         by_pool.setdefault(config.placement.pool_of(role), {})[role] = arguments[role]

@@ -11,6 +11,7 @@ is derived into :class:`DerivedSizes`; the config itself is never written to aft
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +19,7 @@ from typing import Any, Literal
 
 from hybridflow.trainers.config_loader import apply_overrides, build_dataclass, load_yaml
 
-ROLES = ("actor", "reference", "critic", "reward")
+ROLES = ("actor", "reference", "critic", "reward", "cost", "cost_critic")
 # "package.module:function", "path/to/file.py:function" or a built-in short name (no colon)
 _FUNCTION_SPEC = re.compile(r"^([^:\s]+:[A-Za-z_][\w.]*|[A-Za-z_]\w*)$")
 
@@ -220,6 +221,37 @@ class RewardSection:
 
 
 @dataclass(frozen=True, kw_only=True)
+class CostSection:
+    """Safe-RLHF (Dai et al. 2024): a cost model, its critic, and the Lagrange multiplier of E[cost] <= limit."""
+
+    model: ModelSource
+    """The cost model: a backbone with a score head (what ``hybridflow rm`` exports), read at the last token."""
+    engine: EngineSection = field(default_factory=EngineSection)
+    """Inference layout and micro-batch budget of the cost model."""
+    critic: CriticSection = field(default_factory=CriticSection)
+    """The cost critic (a second value model, regressing the cost returns); its ``model`` null means the actor's."""
+    limit: float = 0.0
+    """Cost limit d of the constraint E[cost] <= d (the mean cost per response)."""
+    lambda_init: float = 1.0
+    """Initial Lagrange multiplier lambda (> 0; it is kept positive through its log)."""
+    lambda_lr: float = 0.1
+    """Step size of the dual ascent on log(lambda)."""
+    lambda_max: float | None = None
+    """Upper bound on lambda (the paper's lambda_max); null for none."""
+
+    def __post_init__(self) -> None:
+        require(math.isfinite(self.limit), "limit", self.limit, "a finite float")
+        require(math.isfinite(self.lambda_init) and self.lambda_init > 0, "lambda_init", self.lambda_init,
+                "a finite float > 0")
+        require(math.isfinite(self.lambda_lr) and self.lambda_lr > 0, "lambda_lr", self.lambda_lr,
+                "a finite float > 0")
+        if self.lambda_max is not None:
+            require(self.lambda_max > 0, "lambda_max", self.lambda_max, "a float > 0 or null")
+            require(self.lambda_init <= self.lambda_max, "lambda_init", self.lambda_init,
+                    f"a float <= lambda_max = {self.lambda_max}")
+
+
+@dataclass(frozen=True, kw_only=True)
 class AlgorithmSection:
     """Advantage estimator and KL regularization."""
 
@@ -304,7 +336,7 @@ class PlacementSection:
     pools: dict[str, list[int]] = field(default_factory=lambda: {"global": [1]})
     """Pool name -> devices (GPUs, or CPU slots) per node."""
     roles: dict[str, str] = field(default_factory=dict)
-    """Role (actor, reference, critic, reward) -> pool name; roles left out go to the first pool."""
+    """Role (actor, reference, critic, reward, cost, cost_critic) -> pool name; roles left out go to the first pool."""
     mapping: Literal["manual", "auto"] = "manual"
     """``auto``: the pools' devices form the cluster and hybridflow.mapping picks pools, roles and parallel sizes."""
     hardware: str = "a100-80g"
@@ -394,11 +426,18 @@ class RLConfig:
     """Pools and role placement."""
     trainer: TrainerSection = field(default_factory=TrainerSection)
     """Loop, logging, checkpoints."""
+    cost: CostSection | None = None
+    """Safe-RLHF's cost model, cost critic and Lagrange multiplier; null for plain (unconstrained) RL."""
 
     def __post_init__(self) -> None:
         if self.actor.ptx_coef > 0:
             require(self.data.ptx_path is not None, "actor.ptx_coef", self.actor.ptx_coef,
                      "0 unless data.ptx_path is set")
+        if self.cost is not None:
+            # Safe-RLHF's cost advantages come from the cost critic's GAE, so the reward side must be GAE too.
+            require(self.algorithm.advantage_estimator == "gae", "algorithm.advantage_estimator",
+                    self.algorithm.advantage_estimator, "'gae' when a cost section is set (Safe-RLHF trains a cost "
+                    "critic; remove cost or use gae)")
         self.derived()  # raises on inconsistent sizes before any worker starts
 
     @property
@@ -411,10 +450,15 @@ class RLConfig:
             roles.append("critic")
         if self.reward.model is not None:
             roles.append("reward")
+        if self.cost is not None:
+            roles.extend(("cost", "cost_critic"))
         return tuple(roles)
 
     def engine_of(self, role: str) -> EngineSection:
-        """The engine section of a role."""
+        """The engine section of a role (``cost_critic``'s is ``cost.critic.engine``)."""
+        if role == "cost_critic":
+            assert self.cost is not None, "cost_critic is a role only when a cost section is set"
+            return self.cost.critic.engine
         return getattr(self, role).engine
 
     def derived(self) -> DerivedSizes:
@@ -424,13 +468,14 @@ class RLConfig:
         for role in self.active_roles:
             engine, pool = self.engine_of(role), self.placement.pool_of(role)
             devices, model_parallel = self.placement.pool_size(pool), engine.pp_size * engine.tp_size
-            require(devices % model_parallel == 0, f"{role}.engine.tp_size", engine.tp_size,
+            engine_key = "cost.critic.engine" if role == "cost_critic" else f"{role}.engine"
+            require(devices % model_parallel == 0, f"{engine_key}.tp_size", engine.tp_size,
                      f"pp_size * tp_size = {model_parallel} must divide the {devices} devices of pool {pool!r}")
             dp_sizes[role] = devices // model_parallel
             require(samples % dp_sizes[role] == 0, "batch.prompts_per_step", self.batch.prompts_per_step,
                      f"a value making samples per step ({samples}) divisible by {role}'s data-parallel "
                      f"size {dp_sizes[role]}")
-        for role in ("actor", "critic"):
+        for role in ("actor", "critic", "cost_critic"):
             if role in dp_sizes:
                 require(self.batch.mini_batch_size % dp_sizes[role] == 0, "batch.mini_batch_size",
                          self.batch.mini_batch_size, f"a multiple of {role}'s data-parallel size {dp_sizes[role]}")

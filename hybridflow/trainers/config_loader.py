@@ -136,6 +136,10 @@ def _coerce(annotation: Any, value: Any, key: str) -> Any:
     if dataclasses.is_dataclass(annotation):
         return build_dataclass(annotation, value, path=key)
     if origin in (Union, types.UnionType):
+        sections = [arg for arg in typing.get_args(annotation) if dataclasses.is_dataclass(arg)]
+        if isinstance(value, dict) and len(sections) == 1:
+            # an optional section given as a mapping: its own errors name the key inside it
+            return build_dataclass(sections[0], value, path=key)
         for arg in typing.get_args(annotation):
             try:
                 return _coerce(arg, value, key)

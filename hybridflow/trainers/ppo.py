@@ -4,17 +4,20 @@ One step, as in the HybridFlow paper (Figure 1): the actor generates; the refere
 reward model score the samples (concurrently when they sit on different pools); the driver shapes
 the reward with the KL penalty and computes advantages; the critic and the actor update. The
 estimators differ only in ``hybridflow.trainers.advantage`` and in which roles exist.
+Safe-RLHF (a ``cost`` section) adds a cost model and a cost critic to the scoring, mixes reward and
+cost advantages with the Lagrange multiplier, and updates the multiplier after each step.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from hybridflow.algorithms import AdaptiveKLController, FixedKLController
+from hybridflow.algorithms import AdaptiveKLController, FixedKLController, lagrange_multiplier_update
 from hybridflow.data import BatchLoader, PromptDataset, SFTDataset
 from hybridflow.protocol import DataProto
 from hybridflow.rewards import RuleReward
@@ -66,6 +69,10 @@ class RLTrainer:
         self.reference = self.groups.get("reference")
         self.critic = self.groups.get("critic")
         self.reward_model = self.groups.get("reward")
+        self.cost_model = self.groups.get("cost")
+        self.cost_critic = self.groups.get("cost_critic")
+        # Safe-RLHF's Lagrange multiplier lambda, kept as its log so it stays positive.
+        self.log_lambda = math.log(config.cost.lambda_init) if config.cost is not None else None
         self.step = 0
         self.step = self._resume() if config.trainer.resume else 0
         self.logger = MetricsLogger(self.output_dir, resume_step=self.step, tensorboard=tensorboard)
@@ -119,16 +126,21 @@ class RLTrainer:
             algorithm=self.config.algorithm, scores_B=sequence_scores_B, response_mask_BT=batch.batch["response_mask"],
             old_logprobs_BT=batch.batch["old_logprobs"], ref_logprobs_BT=batch.get("ref_logprobs"),
             values_BT=batch.get("values"), group_ids=batch.non_tensor_batch["uid"], baseline_scores_B=baseline_B,
-            kl_coef=self.kl_controller.value, dense_rewards_BT=dense_rewards_BT)
+            kl_coef=self.kl_controller.value, dense_rewards_BT=dense_rewards_BT, costs_B=batch.get("costs"),
+            cost_values_BT=batch.get("cost_values"),
+            lagrange_multiplier=math.exp(self.log_lambda) if self.log_lambda is not None else None)
         batch["advantages"], batch["returns"] = result.advantages_BT, result.returns_BT
+        if result.cost_returns_BT is not None:
+            batch["cost_returns"] = result.cost_returns_BT
         batch.meta_info["seed"] = seed
         metrics = {}
         with _timer(timing, "update"):
-            critic_update = self.critic.update_critic.future(batch) if self.critic is not None else None
+            critic_updates = [critic.update_critic.future(batch) for critic in (self.critic, self.cost_critic)
+                              if critic is not None]
             metrics.update(_first(self.actor.update_actor(batch)))
             if self.ptx_loader is not None:  # InstructGPT's PPO-ptx: a next-token step on pretraining rows
                 metrics.update(_first(self.actor.update_actor_ptx(self.ptx_loader.next_batch())))
-            if critic_update is not None:
+            for critic_update in critic_updates:
                 metrics.update(_first(critic_update.get()))
         mask_BT = batch.batch["response_mask"]
         current_kl = sequence_kl(result.kl_BT, mask_BT)
@@ -145,10 +157,25 @@ class RLTrainer:
         })
         if "values" in batch:
             metrics["critic/values_before_mean"] = token_mean(batch.batch["values"], mask_BT)
+        if self.log_lambda is not None:
+            metrics.update(self._update_lagrange_multiplier(batch.batch["costs"].float()))
+            metrics.update({"cost_advantage/mean": token_mean(result.cost_advantages_BT, mask_BT),
+                            "cost_return/mean": token_mean(result.cost_returns_BT, mask_BT),
+                            "cost_critic/values_before_mean": token_mean(batch.batch["cost_values"], mask_BT)})
         return metrics
 
+    def _update_lagrange_multiplier(self, costs_B: torch.Tensor) -> dict[str, float]:
+        """Safe-RLHF's dual step on the step's mean cost; the new lambda weighs the next step's cost advantages."""
+        cost = self.config.cost
+        mean_cost = float(costs_B.mean())
+        self.log_lambda = lagrange_multiplier_update(self.log_lambda, mean_cost, cost_limit=cost.limit,
+                                                     lr=cost.lambda_lr, max_lambda=cost.lambda_max)
+        return {"cost/mean": mean_cost, "cost/max": float(costs_B.max()), "cost/min": float(costs_B.min()),
+                "lagrange/lambda": math.exp(self.log_lambda)}
+
     def _score(self, batch: DataProto) -> DataProto:
-        """Old log-probs, reference log-probs, values and reward-model scores; concurrent across pools."""
+        """Old log-probs, reference log-probs, values and reward-model scores (and Safe-RLHF's costs and cost
+        values); concurrent across pools."""
         futures = [self.actor.compute_log_prob.future(batch)]
         if self.reference is not None:
             futures.append(self.reference.compute_ref_log_prob.future(batch))
@@ -156,6 +183,9 @@ class RLTrainer:
             futures.append(self.critic.compute_values.future(batch))
         if self.reward_model is not None:
             futures.append(self.reward_model.compute_reward.future(batch))
+        if self.cost_model is not None:
+            futures.append(self.cost_model.compute_cost.future(batch))
+            futures.append(self.cost_critic.compute_values.future(batch))
         for future in futures:
             batch = batch.union(future.get())
         return batch
@@ -174,13 +204,15 @@ class RLTrainer:
     def validate(self) -> dict[str, float]:
         """Greedy responses to every held-out prompt, scored like training: ``val/*`` metrics."""
         assert self.val_data is not None
-        scores, rule_scores, lengths = [], [], []
+        scores, rule_scores, lengths, costs = [], [], [], []
         for prompts in self.val_data.batches_in_order(self.config.batch.prompts_per_step):
             prompts.meta_info.update(greedy=True, num_samples_per_prompt=1)
             batch = self.actor.generate_sequences(prompts)
             if self.reward_model is not None:
                 batch = batch.union(self.reward_model.compute_reward(batch))
             scores.append(self.scorer.score(batch)[0])
+            if self.cost_model is not None:
+                costs.append(self.cost_model.compute_cost(batch).batch["costs"].float())
             if self.val_rule is not None:
                 rule_scores.append(self.scorer.rule_scores(batch, self.val_rule))
             lengths.append(batch.batch["response_mask"].sum(-1).float())
@@ -188,18 +220,22 @@ class RLTrainer:
                    "val/response_length_mean": float(torch.cat(lengths).mean())}
         if rule_scores:
             metrics["val/function_mean"] = float(torch.cat(rule_scores).mean())
+        if costs:
+            metrics["val/cost_mean"] = float(torch.cat(costs).mean())
         return metrics
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
-        """Driver state (step, data position, KL coefficient) + every role's engine, atomically."""
+        """Driver state (step, data position, KL coefficient, Safe-RLHF's log lambda) + every role's engine,
+        atomically."""
         def save_roles(directory: Path) -> None:
             for role, group in self.groups.items():
                 if role != "reference":  # never trained: rebuilt from its model on resume
                     group.save_checkpoint(str(directory / role))
 
         state = {"loader": self.loader.state_dict(), "kl_controller": self.kl_controller.state_dict(),
-                 "ptx_loader": self.ptx_loader.state_dict() if self.ptx_loader is not None else None}
+                 "ptx_loader": self.ptx_loader.state_dict() if self.ptx_loader is not None else None,
+                 "log_lambda": self.log_lambda}
         return self.checkpointer.save(self.step, state, save_roles)
 
     def _resume(self) -> int:
@@ -214,6 +250,8 @@ class RLTrainer:
         self.kl_controller.load_state_dict(state["kl_controller"])
         if self.ptx_loader is not None and state.get("ptx_loader") is not None:
             self.ptx_loader.load_state_dict(state["ptx_loader"])
+        if self.log_lambda is not None and state.get("log_lambda") is not None:
+            self.log_lambda = float(state["log_lambda"])
         return int(state["step"])
 
     def shutdown(self) -> None:
