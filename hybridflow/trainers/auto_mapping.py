@@ -14,8 +14,7 @@ ROLE_KINDS = {"actor": "actor", "critic": "critic", "reference": "inference", "r
 
 
 def _model_of(config: RLConfig, role: str) -> str:
-    section = config.cost.critic if role == "cost_critic" else getattr(config, role)
-    source = section.model or config.actor.model
+    source = config.section_of(role).model or config.actor.model
     if source.builtin is not None:
         from hybridflow.data.builtin import ASSETS_DIR
 
@@ -50,7 +49,7 @@ def resolve_auto_mapping(config: RLConfig):
                       hardware=load_hardware(config.placement.hardware))
     best = plan(flow, {role: _model_of(config, role) for role in roles}, workload, cluster)
     fragment = best.to_config_fragment()
-    if "cost_critic" in fragment:  # the cost critic's engine lives at cost.critic.engine
+    if "cost_critic" in fragment:  # its section is cost.critic (RLConfig.section_key)
         fragment.setdefault("cost", {})["critic"] = fragment.pop("cost_critic")
     data = _merge(to_plain(config), fragment)
     data["placement"]["mapping"] = "manual"  # the resolved config is an explicit placement

@@ -454,12 +454,21 @@ class RLConfig:
             roles.extend(("cost", "cost_critic"))
         return tuple(roles)
 
+    @staticmethod
+    def section_key(role: str) -> str:
+        """The config key of a role's section (``cost_critic``'s is ``cost.critic``; the others are their names)."""
+        return "cost.critic" if role == "cost_critic" else role
+
+    def section_of(self, role: str):
+        """A role's config section (model, engine, ...)."""
+        section = self
+        for name in self.section_key(role).split("."):
+            section = getattr(section, name)
+        return section
+
     def engine_of(self, role: str) -> EngineSection:
-        """The engine section of a role (``cost_critic``'s is ``cost.critic.engine``)."""
-        if role == "cost_critic":
-            assert self.cost is not None, "cost_critic is a role only when a cost section is set"
-            return self.cost.critic.engine
-        return getattr(self, role).engine
+        """The engine section of a role."""
+        return self.section_of(role).engine
 
     def derived(self) -> DerivedSizes:
         """Check the sizes against each other and return the derived ones."""
@@ -468,8 +477,7 @@ class RLConfig:
         for role in self.active_roles:
             engine, pool = self.engine_of(role), self.placement.pool_of(role)
             devices, model_parallel = self.placement.pool_size(pool), engine.pp_size * engine.tp_size
-            engine_key = "cost.critic.engine" if role == "cost_critic" else f"{role}.engine"
-            require(devices % model_parallel == 0, f"{engine_key}.tp_size", engine.tp_size,
+            require(devices % model_parallel == 0, f"{self.section_key(role)}.engine.tp_size", engine.tp_size,
                      f"pp_size * tp_size = {model_parallel} must divide the {devices} devices of pool {pool!r}")
             dp_sizes[role] = devices // model_parallel
             require(samples % dp_sizes[role] == 0, "batch.prompts_per_step", self.batch.prompts_per_step,

@@ -69,11 +69,13 @@ class RewardWorker(ModelWorker):
     def compute_reward(self, data: DataProto) -> DataProto:
         """``rm_scores`` [B]: the reward model's score of each (prompt, response); a likelihood reward
         model on the actor's own tokens adds ``rm_token_scores`` [B, T] (the per-token terms of that sum)."""
-        if self.engine.head == "lm" and self.encoder is None:
-            token_scores_BT = self._token_scores(data)
-            return DataProto.from_dict(tensors={"rm_scores": token_scores_BT.sum(dim=-1),
-                                                "rm_token_scores": token_scores_BT})
-        return DataProto.from_dict(tensors={"rm_scores": self._scores(data)})
+        if self.engine.head != "lm":
+            return DataProto.from_dict(tensors={"rm_scores": self._scores(data)})
+        token_scores_BT = self._token_scores(data)
+        tensors = {"rm_scores": token_scores_BT.sum(dim=-1)}
+        if self.encoder is None:  # the actor's own tokens: the per-token terms line up with its responses
+            tensors["rm_token_scores"] = token_scores_BT
+        return DataProto.from_dict(tensors=tensors)
 
 
 class CostWorker(RewardWorker):
