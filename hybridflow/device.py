@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import os
+import socket
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+
+class NotEnoughDevicesError(ValueError):
+    """More ranks of one group than accelerators for them: NCCL cannot put two ranks on one GPU."""
 
 
 def device_type() -> str:
@@ -15,20 +20,42 @@ def device_type() -> str:
 
 
 def distributed_backend() -> str:
-    """'nccl' on CUDA, 'gloo' on CPU. Override with HYBRIDFLOW_BACKEND (e.g. to test gloo on a GPU box)."""
+    """The torch.distributed backend string of this machine; override with HYBRIDFLOW_BACKEND.
+
+    On CUDA it is the mixed ``cpu:gloo,cuda:nccl``: GPU tensors go through NCCL while CPU tensors
+    (FSDP CPU offload, object collectives, metrics kept on the host) go through gloo instead of
+    failing. On CPU it is ``gloo``.
+    """
     override = os.environ.get("HYBRIDFLOW_BACKEND")
     if override:
         return override
-    return "nccl" if device_type() == "cuda" else "gloo"
+    return "cpu:gloo,cuda:nccl" if device_type() == "cuda" else "gloo"
 
 
 def current_device(local_rank: int = 0) -> torch.device:
-    """The device this process computes on; on CUDA it also becomes the current device."""
+    """The device this process computes on; on CUDA it also becomes the current device.
+
+    Under Ray each process sees only the GPU it was given (index 0); under a plain launcher the
+    local rank picks the GPU. Two ranks of one group on one GPU are refused at group start
+    (``init_process_group``), not here.
+    """
     if device_type() == "cuda":
         index = local_rank % torch.cuda.device_count()
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
     return torch.device("cpu")
+
+
+def require_devices(world_size: int, *, what: str = "this run") -> None:
+    """Raise NotEnoughDevicesError when ``world_size`` ranks on this machine would share a GPU."""
+    if device_type() != "cuda":
+        return
+    count = torch.cuda.device_count()
+    if world_size > count:
+        raise NotEnoughDevicesError(
+            f"{what} needs {world_size} processes, one per GPU, but this machine has {count} visible GPU(s); "
+            f"NCCL cannot run two ranks of one group on the same GPU. Use at most {count} ranks here, or set "
+            f"HYBRIDFLOW_BACKEND=gloo with CUDA_VISIBLE_DEVICES='' to run them on the CPU")
 
 
 def default_dtype() -> torch.dtype:
@@ -46,7 +73,11 @@ def init_process_group(
     master_port: int,
     timeout_s: float = 600.0,
 ) -> None:
-    """Join the default torch.distributed group of one worker group (idempotent)."""
+    """Join the default torch.distributed group of one worker group (idempotent).
+
+    On CUDA the ranks first compare, over gloo, which physical GPU each one got: two ranks on one
+    GPU are refused with an error naming them (NCCL would abort later with a duplicate-GPU error).
+    """
     if dist.is_initialized():
         return
     dist.init_process_group(
@@ -56,3 +87,22 @@ def init_process_group(
         world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
     )
+    if device_type() == "cuda" and world_size > 1 and "nccl" in dist.get_backend():
+        _check_one_rank_per_gpu(rank, world_size)
+
+
+def _check_one_rank_per_gpu(rank: int, world_size: int) -> None:
+    index = current_device(int(os.environ.get("LOCAL_RANK", "0"))).index
+    mine = (socket.gethostname(), str(torch.cuda.get_device_properties(index).uuid))
+    everyone: list = [None] * world_size
+    dist.all_gather_object(everyone, mine)  # on the gloo half of the mixed backend: no NCCL communicator yet
+    owners: dict[tuple, list[int]] = {}
+    for other, key in enumerate(everyone):
+        owners.setdefault(tuple(key), []).append(other)
+    shared = {key: ranks for key, ranks in owners.items() if len(ranks) > 1}
+    if shared:
+        (host, _), ranks = next(iter(shared.items()))
+        dist.destroy_process_group()
+        raise NotEnoughDevicesError(
+            f"ranks {ranks} of this group of {world_size} were given the same GPU on host {host!r}; NCCL needs one "
+            f"GPU per rank. Give the group at most as many ranks as GPUs (max_processes_per_slot=1 on GPU pools)")

@@ -28,3 +28,15 @@ def ray_session():
                  runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}})
     yield ray
     ray.shutdown()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """On a GPU machine with fewer GPUs than a test's world size, the test (or its fixture) is skipped."""
+    from hybridflow.device import NotEnoughDevicesError
+
+    outcome = yield
+    report = outcome.get_result()
+    if call.excinfo is not None and call.excinfo.errisinstance(NotEnoughDevicesError):
+        report.outcome = "skipped"
+        report.longrepr = (str(item.path), item.location[1] or 0, f"Skipped: {call.excinfo.value}")

@@ -45,7 +45,8 @@ def nll_loss(outputs, micro_batch):
 
 
 def tiny_engine(micro_batch_tokens: int = 4096, head: str = "lm", **optim) -> TrainingEngine:
-    config = EngineConfig(micro_batch_tokens=micro_batch_tokens,
+    # fp32 compute: these tests compare with an fp32 reference to rounding (auto is bf16 on GPUs)
+    config = EngineConfig(micro_batch_tokens=micro_batch_tokens, dtype="float32",
                           optim=OptimConfig(**{"lr": 1e-3, "eps": 1e-4, **optim}))
     return TrainingEngine(config, lambda: build_tiny_model(head=head), head=head)
 
@@ -98,7 +99,7 @@ def test_packing_removes_all_padding_of_a_skewed_batch():
 @pytest.mark.parametrize("family, budget", [("llama", 12), ("llama", 4096), ("qwen2", 12), ("mistral", 12)])
 def test_forward_logprobs_equal_a_plain_hugging_face_forward(family, budget):
     batch = make_batch()
-    engine = TrainingEngine(EngineConfig(micro_batch_tokens=budget), lambda: build_tiny_model(family))
+    engine = TrainingEngine(EngineConfig(micro_batch_tokens=budget, dtype="float32"), lambda: build_tiny_model(family))
     outputs = engine.forward(batch)
     torch.testing.assert_close(outputs["logprobs"], hf_response_logprobs(build_tiny_model(family), batch),
                                rtol=0, atol=2e-6)
@@ -178,7 +179,7 @@ def test_one_step_changes_every_parameter_and_lowers_the_loss_on_the_same_batch(
 
 def test_gradient_clipping_reports_the_norm_before_clipping_and_bounds_the_update():
     batch = make_batch()
-    clipped = TrainingEngine(EngineConfig(optim=OptimConfig(lr=1.0, grad_clip=1e-3, eps=1e30)),
+    clipped = TrainingEngine(EngineConfig(dtype="float32", optim=OptimConfig(lr=1.0, grad_clip=1e-3, eps=1e30)),
                              lambda: build_tiny_model())
     before = {n: p.detach().clone() for n, p in clipped.model.named_parameters()}
     metrics = clipped.train_step(batch, nll_loss)
@@ -224,7 +225,7 @@ def test_saving_over_a_checkpoint_replaces_it_and_leaves_no_temporary_directory(
 def test_export_with_tied_embeddings_reproduces_logits_after_from_pretrained(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    engine = TrainingEngine(EngineConfig(optim=OptimConfig(lr=1e-2)),
+    engine = TrainingEngine(EngineConfig(dtype="float32", optim=OptimConfig(lr=1e-2)),
                             lambda: build_tiny_model(tie_word_embeddings=True))
     batch = make_batch()
     engine.train_step(batch, nll_loss)

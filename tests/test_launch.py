@@ -66,3 +66,25 @@ def _return_a_tensor(rank: int, world_size: int) -> torch.Tensor:
 def test_ranks_may_return_tensors_after_their_process_exits():
     results = run_distributed(_return_a_tensor, 2)
     assert [r.tolist() for r in results] == [[0.0] * 3, [1.0] * 3]
+
+
+def test_a_gpu_machine_picks_the_mixed_backend_so_cpu_tensors_still_have_a_collective(monkeypatch):
+    # plain nccl fails on every CPU tensor (FSDP CPU offload, object collectives); gloo carries those
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("HYBRIDFLOW_BACKEND", raising=False)
+    assert device.distributed_backend() == "cpu:gloo,cuda:nccl"
+
+
+def test_more_ranks_than_gpus_is_refused_with_an_error_naming_the_counts(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    device.require_devices(1)
+    with pytest.raises(device.NotEnoughDevicesError, match=r"needs 4 processes, one per GPU, but this machine has 1"):
+        device.require_devices(4, what="the actor group")
+    with pytest.raises(device.NotEnoughDevicesError, match="run_distributed"):
+        run_distributed(_all_reduce_rank_plus_one, 2)
+
+
+def test_cpu_machines_never_refuse_several_ranks(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    device.require_devices(8)

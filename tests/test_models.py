@@ -123,10 +123,8 @@ def test_value_model_from_its_own_checkpoint_restores_the_trained_head_without_w
         build_model(ModelConfig(path=str(tmp_path), head="lm"))
 
 
-def test_dtype_auto_follows_the_device_and_bfloat16_is_honoured_and_meta_reads_no_weights():
-    from hybridflow.device import default_dtype
-
-    assert next(build_model(ModelConfig(tiny={})).parameters()).dtype == default_dtype()  # fp32 on CPU
+def test_dtype_auto_is_float32_on_every_device_and_bfloat16_is_honoured_and_meta_reads_no_weights():
+    assert next(build_model(ModelConfig(tiny={})).parameters()).dtype == torch.float32
     assert next(build_model(ModelConfig(tiny={}, dtype="bfloat16")).parameters()).dtype == torch.bfloat16
     meta_model = build_model(ModelConfig(tiny={}, head="value"), device="meta")
     assert {param.device.type for param in meta_model.parameters()} == {"meta"}
@@ -207,3 +205,15 @@ def test_smollm2_loads_with_its_shape_answers_a_chat_prompt_and_has_a_low_perple
     with torch.no_grad():
         loss = model(**encoded, labels=encoded["input_ids"]).loss
     assert math.isfinite(loss.item()) and math.exp(loss.item()) < 20.0  # 9.2 measured on a longer version
+
+
+@pytest.mark.parametrize("saved_dtype", [torch.float32, torch.bfloat16])
+def test_dtype_auto_loads_a_checkpoint_bit_exactly_as_float32_master_weights(tmp_path, saved_dtype):
+    # auto used to mean bf16 on GPUs: an fp32 checkpoint was rounded before the engine's fp32 upcast
+    original = build_model(ModelConfig(tiny={}, seed=3))
+    original.to(saved_dtype).save_pretrained(tmp_path)
+    loaded = build_model(ModelConfig(path=str(tmp_path)))
+    want = {name: tensor.float() for name, tensor in original.state_dict().items()}
+    got = loaded.state_dict()
+    assert all(tensor.dtype == torch.float32 for tensor in got.values())
+    assert all(torch.equal(got[name], want[name]) for name in want)

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from hybridflow.device import current_device, device_type
 from hybridflow.engine import checkpoint as checkpoint_io
 from hybridflow.engine.config import EngineConfig
+from hybridflow.engine.logits import token_logprobs_and_entropy
 from hybridflow.engine.micro_batch import (PackedMicroBatch, default_position_ids, last_token_values, pack_rows,
                                            plan_micro_batches, shift_to_next_token, unpack_columns)
 from hybridflow.engine.optim import build_optimizer, clip_gradients, global_grad_norm, lr_at, set_lr
@@ -210,14 +211,13 @@ class TrainingEngine:
         n_real = packed.num_real_tokens
         result: dict[str, Tensor] = {}
         if self.head == "lm":
-            logits_NV = head_out_1N[0, :n_real].float()
-            logp_NV = torch.log_softmax(logits_NV, dim=-1)
+            # fp32 in chunks: the N x V logits are never upcast whole (see engine/logits.py)
+            next_ids_N = torch.roll(packed.input_ids_1N[0, :n_real], -1)
+            next_lp_N, entropy_N = token_logprobs_and_entropy(head_out_1N[0, :n_real], next_ids_N,
+                                                              want_entropy="entropy" in outputs)
             if "logprobs" in outputs:
-                next_ids_N = torch.roll(packed.input_ids_1N[0, :n_real], -1)
-                next_lp_N = logp_NV.gather(-1, next_ids_N[:, None])[:, 0]
                 result["logprobs"] = unpack_columns(shift_to_next_token(next_lp_N, packed), packed, num_columns)
             if "entropy" in outputs:
-                entropy_N = -(logp_NV.exp() * logp_NV).sum(-1)
                 result["entropy"] = unpack_columns(shift_to_next_token(entropy_N, packed), packed, num_columns)
         else:
             scalar_N = head_out_1N[0, :n_real].float()

@@ -33,8 +33,8 @@ class ModelConfig:
     one module (``*ForTokenClassification`` with one label); they differ in how the engine reads it."""
 
     dtype: str = "auto"
-    """Parameter dtype: "float32", "bfloat16", or "auto" = ``hybridflow.device.default_dtype()``
-    (bf16 on CUDA with bf16 support, fp32 on CPU)."""
+    """Parameter dtype: "float32", "bfloat16", or "auto" = float32 on every device (the engines keep fp32
+    master weights; low-precision compute is the engine's ``dtype``, so checkpoints load bit-exactly)."""
 
     attn_implementation: str = "sdpa"
     """Attention kernel passed to transformers: "sdpa", "eager" or "flash_attention_2" (CUDA only)."""

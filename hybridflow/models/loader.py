@@ -10,7 +10,6 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, PretrainedConfig
 from transformers.utils import logging as transformers_logging
 
-from hybridflow.device import default_dtype
 from hybridflow.models.config import ModelConfig
 from hybridflow.models.families import family_of
 from hybridflow.models.heads import SCALAR_HEAD, init_scalar_head
@@ -45,8 +44,13 @@ def hf_config_of(config: ModelConfig) -> PretrainedConfig:
 
 
 def resolve_dtype(name: str) -> torch.dtype:
-    """The torch dtype of ModelConfig.dtype ("auto" follows the device: bf16 on CUDA, fp32 on CPU)."""
-    return default_dtype() if name == "auto" else getattr(torch, name)
+    """The torch dtype parameters are built in: "auto" is fp32 on every device.
+
+    fp32 because the engines keep fp32 master weights: loading a checkpoint in bf16 first would round
+    its weights before the upcast, and CPU and GPU runs of one config would start from different
+    weights. Low-precision compute comes from the engine's dtype (autocast), not from here.
+    """
+    return torch.float32 if name == "auto" else getattr(torch, name)
 
 
 def build_model(config: ModelConfig, *, device: str | torch.device = "cpu") -> torch.nn.Module:

@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 import torch.multiprocessing as mp
 
-from hybridflow.device import init_process_group
+from hybridflow.device import init_process_group, require_devices
 
 
 def free_port() -> int:
@@ -56,6 +56,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    require_devices(world_size, what=f"run_distributed({getattr(fn, '__name__', fn)}, {world_size})")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
