@@ -44,9 +44,10 @@ def _check_policy_inputs(logprobs_BT: Tensor, old_logprobs_BT: Tensor, advantage
         )
     if mask_BT is not None and mask_BT.shape != logprobs_BT.shape:
         raise ValueError(f"mask_BT {tuple(mask_BT.shape)} must have the shape of logprobs_BT {tuple(logprobs_BT.shape)}")
-    if not 0 <= clip_ratio_low < 1 or clip_ratio_high < 0:
+    if not 0 <= clip_ratio_low <= 1 or clip_ratio_high < 0:
         raise ValueError(
-            f"clip_ratio_low must lie in [0, 1) and clip_ratio_high be >= 0, got {clip_ratio_low}, {clip_ratio_high}"
+            f"clip_ratio_low must lie in [0, 1] (1: no lower bound) and clip_ratio_high be >= 0, "
+            f"got {clip_ratio_low}, {clip_ratio_high}"
         )
 
 
@@ -147,14 +148,16 @@ def cispo_policy_loss(
     old_logprobs_BT: Tensor,
     advantages_BT: Tensor,
     *,
-    clip_ratio_low: float = 0.0,
+    clip_ratio_low: float = 1.0,
     clip_ratio_high: float = 0.28,
     mask_BT: Tensor | None = None,
 ) -> PolicyLossOutput:
     """CISPO (MiniMax-M1, 2025): REINFORCE weighted by a clipped, stop-gradient importance ratio.
 
     w = sg(clip(ratio, 1 - low, 1 + high)); gradient = -A * w * grad log pi on every token, so a
-    clipped token still gets a (bounded) gradient, unlike PPO where it gets none. The per-token
+    clipped token still gets a (bounded) gradient, unlike PPO where it gets none. MiniMax-M1 sets
+    no lower bound (the default `clip_ratio_low=1`: 1 - low = 0) and tunes only the upper one;
+    the default `clip_ratio_high=0.28` is DAPO's clip-higher value, not one from the CISPO paper. The per-token
     loss is -A * w * (1 + logprobs - sg(logprobs)): its value is -A * w (comparable to PPO's
     loss), its gradient CISPO's. `clipped_BT` marks tokens whose ratio was clipped.
     """
