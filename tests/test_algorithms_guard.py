@@ -78,3 +78,33 @@ def test_an_unknown_non_finite_action_is_a_value_error():
     engine = tiny_engine(lr=1e-3)
     with pytest.raises(ValueError, match="on_non_finite must be one of"):
         engine.train_step(make_batch(), nll_loss, outputs=("logprobs",), on_non_finite="ignore")
+
+
+# ------------------------------------------------------------------ every objective trains the tiny model
+@pytest.mark.parametrize(("policy_loss", "aggregation"), [
+    ("ppo", "token-mean"), ("ppo", "seq-mean-token-sum-norm"), ("gspo", "seq-mean-token-mean"), ("cispo", "token-mean"),
+])
+def test_each_policy_objective_updates_every_parameter_of_the_tiny_model(policy_loss, aggregation):
+    from hybridflow.algorithms import POLICY_LOSSES, aggregate_loss, kl_estimate
+
+    engine, batch = tiny_engine(lr=1e-3), make_batch()
+    batch["response_mask"] = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 0]])
+    old = engine.forward(batch, outputs=("logprobs",))["logprobs"]
+    batch["old_logprobs"], batch["ref_logprobs"] = old, old - 0.1
+    batch["advantages"] = torch.tensor([1.0, -1.0, 0.5, -0.5])[:, None].expand(4, 4).contiguous()
+
+    def loss_fn(outputs, micro_batch):
+        mask_BT = micro_batch["response_mask"]
+        out = POLICY_LOSSES[policy_loss](outputs["logprobs"], micro_batch["old_logprobs"], micro_batch["advantages"],
+                                         mask_BT=mask_BT, clip_ratio_low=0.2, clip_ratio_high=0.28)
+        counts = dict(num_tokens_global=micro_batch["num_tokens_global"],
+                      num_sequences_global=micro_batch["num_sequences_global"], constant_normalizer=4)
+        kl_BT = kl_estimate(outputs["logprobs"], micro_batch["ref_logprobs"], estimator="k3", mask_BT=mask_BT)
+        loss = aggregate_loss(out.loss_BT, mask_BT, aggregation=aggregation, **counts)
+        return loss + 0.01 * aggregate_loss(kl_BT, mask_BT, aggregation=aggregation, **counts), {}
+
+    before = weights(engine)
+    for _ in range(2):
+        metrics = engine.train_step(batch, loss_fn, outputs=("logprobs",))
+        assert math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])
+    assert all(not torch.equal(a, b) for a, b in zip(weights(engine), before))
