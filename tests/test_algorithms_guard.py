@@ -21,7 +21,7 @@ def make_batch() -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 256, (4, 10), generator=generator)
     mask = torch.ones_like(ids)
-    return dict(input_ids=ids, attention_mask=mask, responses=ids[:, -4:], response_mask=mask[:, -4:])
+    return {"input_ids": ids, "attention_mask": mask, "responses": ids[:, -4:], "response_mask": mask[:, -4:]}
 
 
 def nll_loss(outputs, micro_batch):
@@ -97,8 +97,8 @@ def test_each_policy_objective_updates_every_parameter_of_the_tiny_model(policy_
         mask_BT = micro_batch["response_mask"]
         out = POLICY_LOSSES[policy_loss](outputs["logprobs"], micro_batch["old_logprobs"], micro_batch["advantages"],
                                          mask_BT=mask_BT, clip_ratio_low=0.2, clip_ratio_high=0.28)
-        counts = dict(num_tokens_global=micro_batch["num_tokens_global"],
-                      num_sequences_global=micro_batch["num_sequences_global"], constant_normalizer=4)
+        counts = {"num_tokens_global": micro_batch["num_tokens_global"],
+                  "num_sequences_global": micro_batch["num_sequences_global"], "constant_normalizer": 4}
         kl_BT = kl_estimate(outputs["logprobs"], micro_batch["ref_logprobs"], estimator="k3", mask_BT=mask_BT)
         loss = aggregate_loss(out.loss_BT, mask_BT, aggregation=aggregation, **counts)
         return loss + 0.01 * aggregate_loss(kl_BT, mask_BT, aggregation=aggregation, **counts), {}

@@ -88,9 +88,11 @@ def test_gae_ignores_nan_and_inf_values_and_rewards_in_padding(fill):
 def test_discounted_returns_remax_and_reinforce_plus_plus_ignore_nan_in_padding(fill):
     rewards_BT = torch.tensor([[0.1, 0.0, 1.0, 0.0], [0.0, 2.0, 0.0, 0.0]])
     dirty_BT = with_padding(rewards_BT, fill)
-    assert torch.equal(discounted_returns(dirty_BT, MASK_BT, gamma=0.9), discounted_returns(rewards_BT, MASK_BT, gamma=0.9))
+    assert torch.equal(discounted_returns(dirty_BT, MASK_BT, gamma=0.9),
+                       discounted_returns(rewards_BT, MASK_BT, gamma=0.9))
     baseline_B = torch.tensor([0.5, 1.0])
-    for expected, got in zip(remax_advantages(rewards_BT, baseline_B, MASK_BT), remax_advantages(dirty_BT, baseline_B, MASK_BT)):
+    for expected, got in zip(remax_advantages(rewards_BT, baseline_B, MASK_BT),
+                             remax_advantages(dirty_BT, baseline_B, MASK_BT)):
         assert torch.equal(got, expected)
     for expected, got in zip(reinforce_plus_plus_advantages(rewards_BT, MASK_BT),
                              reinforce_plus_plus_advantages(dirty_BT, MASK_BT)):

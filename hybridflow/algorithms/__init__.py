@@ -17,8 +17,17 @@ from hybridflow.algorithms.advantages import (
     rloo_advantages,
     safe_rlhf_advantages,
 )
-from hybridflow.algorithms.dapo import dynamic_sampling_keep_mask, overlong_filter_mask, overlong_reward_penalty
-from hybridflow.algorithms.finite import NON_FINITE_ACTIONS, NonFiniteError, check_non_finite_action, first_non_finite
+from hybridflow.algorithms.dapo import (
+    dynamic_sampling_keep_mask,
+    overlong_filter_mask,
+    overlong_reward_penalty,
+)
+from hybridflow.algorithms.finite import (
+    NON_FINITE_ACTIONS,
+    NonFiniteError,
+    check_non_finite_action,
+    first_non_finite,
+)
 from hybridflow.algorithms.kl import (
     KL_ESTIMATORS,
     AdaptiveKLController,

@@ -135,7 +135,10 @@ def _prepare_groups(scores_B: Tensor, group_ids: Tensor | Sequence, method: str)
 
 
 def _outcome_to_tokens(advantage_B: Tensor, scores_B: Tensor, index_B: Tensor, mask_BT: Tensor) -> Tensor:
-    """Broadcast a float64 per-response advantage to its real tokens in the scores' dtype; a tied group gets exactly 0."""
+    """Broadcast a float64 per-response advantage to its real tokens, in the scores' dtype -> advantages_BT.
+
+    A group whose scores are all equal gets exactly 0.
+    """
     advantage_B = torch.where(group_is_tied(scores_B, index_B), torch.zeros_like(advantage_B), advantage_B)
     return masked_fill_padding(advantage_B.to(scores_B.dtype)[:, None].expand(mask_BT.shape), mask_BT)
 

@@ -1,4 +1,4 @@
-"""DAPO's sample-level pieces (Yu et al. 2025): dynamic-sampling group filter, overlong reward shaping and overlong filtering.
+"""DAPO's sample-level pieces (Yu et al. 2025): dynamic-sampling filter, overlong reward shaping and filtering.
 
 Shape legend: B = batch (responses), T = response tokens.
 DAPO's other two pieces live elsewhere: the decoupled clip range is `ppo_policy_loss`'s
@@ -48,7 +48,9 @@ def overlong_reward_penalty(
     """
     _check_lengths(response_lengths_B, max_response_length)
     if not 0 < buffer_length <= max_response_length:
-        raise ValueError(f"buffer_length must lie in (0, max_response_length={max_response_length}], got {buffer_length}")
+        raise ValueError(
+            f"buffer_length must lie in (0, max_response_length={max_response_length}], got {buffer_length}"
+        )
     if penalty_factor < 0:
         raise ValueError(f"penalty_factor must be >= 0, got {penalty_factor}")
     excess_B = response_lengths_B.double() - (max_response_length - buffer_length)

@@ -1,4 +1,4 @@
-"""Per-token losses for policy and value training: PPO (dual-clip, clip-higher), GSPO, CISPO, TIS weights, value loss, entropy.
+"""Per-token losses for policy and value training: PPO (dual/higher clip), GSPO, CISPO, TIS, value loss, entropy.
 
 Shape legend: B = batch (sequences), T = response tokens, V = vocabulary.
 Every loss is returned per token (`loss_BT`) with per-token diagnostics; the caller reduces it
@@ -43,7 +43,9 @@ def _check_policy_inputs(logprobs_BT: Tensor, old_logprobs_BT: Tensor, advantage
             f"advantages_BT {tuple(advantages_BT.shape)} must have one shape"
         )
     if mask_BT is not None and mask_BT.shape != logprobs_BT.shape:
-        raise ValueError(f"mask_BT {tuple(mask_BT.shape)} must have the shape of logprobs_BT {tuple(logprobs_BT.shape)}")
+        raise ValueError(
+            f"mask_BT {tuple(mask_BT.shape)} must have the shape of logprobs_BT {tuple(logprobs_BT.shape)}"
+        )
     if not 0 <= clip_ratio_low <= 1 or clip_ratio_high < 0:
         raise ValueError(
             f"clip_ratio_low must lie in [0, 1] (1: no lower bound) and clip_ratio_high be >= 0, "

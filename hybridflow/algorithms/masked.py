@@ -118,7 +118,9 @@ def aggregate_loss(
     if aggregation not in LOSS_AGGREGATIONS:
         raise ValueError(f"aggregation must be one of {tuple(LOSS_AGGREGATIONS)}, got {aggregation!r}")
     if constant_normalizer is not None and constant_normalizer <= 0:
-        raise ValueError(f"constant_normalizer must be > 0 (e.g. the maximum response length), got {constant_normalizer}")
+        raise ValueError(
+            f"constant_normalizer must be > 0 (e.g. the maximum response length), got {constant_normalizer}"
+        )
     # a batch without real tokens has loss 0 (not 0/0 = NaN)
     num_tokens = mask_BT.to(loss_BT.dtype).sum().clamp(min=1) if num_tokens_global is None else num_tokens_global
     num_sequences = loss_BT.shape[0] if num_sequences_global is None else num_sequences_global
