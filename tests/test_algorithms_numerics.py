@@ -24,6 +24,7 @@ from hybridflow.algorithms import (
     reinforce_plus_plus_advantages,
     remax_advantages,
     rloo_advantages,
+    value_loss,
 )
 
 MASK_BT = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
@@ -170,3 +171,18 @@ def test_first_non_finite_names_the_first_bad_quantity_in_order():
     assert first_non_finite({"loss": torch.tensor(1.0), "kl": torch.tensor([0.0, math.inf]),
                              "grad_norm": math.nan}) == "kl"
     assert first_non_finite({"loss": 1.0, "grad_norm": float("nan")}) == "grad_norm"
+
+
+def test_value_loss_with_a_mask_passes_no_nan_gradient_from_padding():
+    values_BT = with_padding(torch.tensor([[0.5, 0.2, 0.1, 0.0], [0.3, 0.4, 0.0, 0.0]]), math.nan)
+    values_BT.requires_grad_(True)
+    returns_BT = with_padding(torch.tensor([[1.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]]), math.inf)
+    old_BT = torch.tensor([[0.4, 0.2, 0.3, 0.0], [0.3, 0.5, 0.0, 0.0]])
+    loss_BT, _ = value_loss(values_BT, old_BT, returns_BT, clip_range=0.2, mask_BT=MASK_BT)
+    loss = aggregate_loss(loss_BT, MASK_BT)
+    loss.backward()
+    # hand-computed: 0.5 * max((V - R)^2, (V_clip - R)^2) per real token, token mean over 5
+    expected = 0.5 * (0.5**2 + 0.8**2 + 0.9**2 + 0.3**2 + 0.4**2) / 5
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    assert bool(torch.isfinite(values_BT.grad).all())
+    assert values_BT.grad[~MASK_BT.bool()].abs().sum().item() == 0.0

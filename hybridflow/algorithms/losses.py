@@ -223,19 +223,31 @@ def truncated_importance_weights(
 
 
 def value_loss(
-    values_BT: Tensor, old_values_BT: Tensor, returns_BT: Tensor, *, clip_range: float | None = 0.2
+    values_BT: Tensor,
+    old_values_BT: Tensor,
+    returns_BT: Tensor,
+    *,
+    clip_range: float | None = 0.2,
+    mask_BT: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Clipped value loss (PPO) -> (loss_BT, clipped_BT).
 
     loss = 0.5 * max((V - R)^2, (V_clip - R)^2) with V_clip = old_V + clip(V - old_V, -c, c);
     `clip_range=None` gives the plain 0.5 * (V - R)^2. clipped_BT marks tokens where the clipped
-    term was the larger one.
+    term was the larger one. With `mask_BT`, padded tokens have loss 0 and pass no gradient,
+    whatever values or returns they hold.
     """
     if not values_BT.shape == old_values_BT.shape == returns_BT.shape:
         raise ValueError(
             f"values_BT {tuple(values_BT.shape)}, old_values_BT {tuple(old_values_BT.shape)} and "
             f"returns_BT {tuple(returns_BT.shape)} must have one shape"
         )
+    if mask_BT is not None:
+        real_BT = mask_BT.bool()
+        # select before squaring: the square's gradient at a padded NaN would be 0 * NaN
+        values_BT = torch.where(real_BT, values_BT, torch.zeros_like(values_BT))
+        old_values_BT = torch.where(real_BT, old_values_BT, torch.zeros_like(old_values_BT))
+        returns_BT = torch.where(real_BT, returns_BT, torch.zeros_like(returns_BT))
     unclipped_BT = (values_BT - returns_BT).square()
     if clip_range is None:
         return 0.5 * unclipped_BT, torch.zeros_like(unclipped_BT, dtype=torch.bool)
