@@ -16,6 +16,7 @@ from hybridflow.algorithms import (
     aggregate_loss,
     cispo_policy_loss,
     dynamic_sampling_keep_mask,
+    first_kept_groups,
     gspo_policy_loss,
     kl_estimate,
     overlong_filter_mask,
@@ -83,6 +84,17 @@ def test_dynamic_sampling_keeps_only_groups_whose_rewards_differ():
     scores_B = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.5, 0.0, 0.0])
     keep_B = dynamic_sampling_keep_mask(scores_B, ["a", "a", "b", "b", "c", "c", "d", "d"])
     assert keep_B.tolist() == [False, False, True, True, False, False, False, False]
+
+
+def test_first_kept_groups_fills_the_batch_from_kept_groups_in_sampling_order():
+    # round 1: groups 5 (tied) and 3; round 2: groups 9 and 1 (tied) and 4
+    scores_B = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.2, 0.7, 0.0, 0.0, 1.0, 0.0])
+    group_ids_B = torch.tensor([5, 5, 3, 3, 9, 9, 1, 1, 4, 4])
+    keep_B = dynamic_sampling_keep_mask(scores_B, group_ids_B)
+    rows_R, groups_kept = first_kept_groups(keep_B, group_ids_B, num_groups=2)
+    assert rows_R.tolist() == [2, 3, 4, 5] and groups_kept == 3
+    rows_R, groups_kept = first_kept_groups(keep_B[:4], group_ids_B[:4], num_groups=2)
+    assert rows_R.tolist() == [2, 3] and groups_kept == 1
 
 
 def test_overlong_penalty_is_zero_before_the_buffer_a_ramp_inside_it_and_full_beyond():

@@ -19,6 +19,7 @@ from hybridflow.algorithms.advantages import (
 )
 from hybridflow.algorithms.dapo import (
     dynamic_sampling_keep_mask,
+    first_kept_groups,
     overlong_filter_mask,
     overlong_reward_penalty,
 )
@@ -78,6 +79,7 @@ __all__ = [
     "dr_grpo_advantages",
     "dynamic_sampling_keep_mask",
     "entropy_from_logits",
+    "first_kept_groups",
     "first_non_finite",
     "gae_advantages",
     "group_indices",

@@ -30,6 +30,25 @@ def dynamic_sampling_keep_mask(scores_B: Tensor, group_ids: Tensor | Sequence) -
     return ~group_is_tied(scores_B, index_B)
 
 
+def first_kept_groups(keep_B: Tensor, group_ids: Tensor | Sequence, *, num_groups: int) -> tuple[Tensor, int]:
+    """Rows of the first `num_groups` kept groups, in order of first appearance -> (rows_R, groups_kept).
+
+    The driver's dynamic-sampling loop: concatenate the responses of each sampling round, compute
+    `keep_B = dynamic_sampling_keep_mask(...)`, and stop drawing when `groups_kept >= num_groups`
+    (or at its round limit); `rows_R` then selects a full batch. `groups_kept` counts every kept
+    group seen, so it may exceed `num_groups`; `rows_R` never holds more than `num_groups` groups.
+    """
+    if num_groups <= 0:
+        raise ValueError(f"num_groups must be > 0, got {num_groups}")
+    ids = group_ids.tolist() if isinstance(group_ids, Tensor) else group_ids
+    index_B = group_indices(ids).to(keep_B.device)  # a list's ids are numbered in order of first appearance
+    if index_B.shape != keep_B.shape:
+        raise ValueError(f"group_ids has {index_B.numel()} entries for {keep_B.numel()} keep flags")
+    kept_groups = torch.unique(index_B[keep_B.bool()])  # sorted = order of first appearance
+    chosen_B = torch.isin(index_B, kept_groups[:num_groups]) & keep_B.bool()
+    return torch.nonzero(chosen_B).flatten(), int(kept_groups.numel())
+
+
 def _check_lengths(response_lengths_B: Tensor, max_response_length: int) -> None:
     if response_lengths_B.dim() != 1:
         raise ValueError(f"response_lengths_B must be 1-D, got shape {tuple(response_lengths_B.shape)}")
