@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from hybridflow.algorithms.masked import masked_whiten
+from hybridflow.algorithms.masked import masked_fill_padding, masked_whiten
 
 
 def _check_same_shape(**tensors: Tensor) -> None:
@@ -26,18 +26,17 @@ def _check_same_shape(**tensors: Tensor) -> None:
 def discounted_returns(rewards_BT: Tensor, mask_BT: Tensor, *, gamma: float = 1.0) -> Tensor:
     """Reward-to-go G_t = sum_{k >= t} gamma^(k - t) r_k over real tokens only -> returns_BT.
 
-    Masked-out positions are skipped (they neither add reward nor count as a discount step).
+    Masked-out positions are skipped (they neither add reward nor count as a discount step); their
+    values are never read, so NaN or inf there cannot leak into real tokens.
     """
     _check_same_shape(rewards_BT=rewards_BT, mask_BT=mask_BT)
-    mask_BT = mask_BT.to(rewards_BT.dtype)
+    real_BT = mask_BT.bool()
     running_B = torch.zeros_like(rewards_BT[:, 0])
     returns_BT = torch.zeros_like(rewards_BT)
     for t in reversed(range(rewards_BT.shape[1])):
-        mask_B = mask_BT[:, t]
-        updated_B = rewards_BT[:, t] + gamma * running_B
-        running_B = mask_B * updated_B + (1 - mask_B) * running_B
+        running_B = torch.where(real_BT[:, t], rewards_BT[:, t] + gamma * running_B, running_B)
         returns_BT[:, t] = running_B
-    return returns_BT * mask_BT
+    return masked_fill_padding(returns_BT, real_BT)
 
 
 def gae_advantages(
@@ -49,24 +48,24 @@ def gae_advantages(
     returns_t = A_t + V_t (the critic's regression target). The episode ends after the last real
     token (V after it is 0). Masked-out positions are skipped: the next real token's value and
     advantage carry across them, so a mask with holes (e.g. tool output inside a response) works.
+    Padding is dropped by selection, so NaN/inf rewards or values there do not reach real tokens.
     """
     _check_same_shape(rewards_BT=rewards_BT, values_BT=values_BT, mask_BT=mask_BT)
     if not 0.0 <= gamma <= 1.0 or not 0.0 <= lam <= 1.0:
         raise ValueError(f"gamma and lam must lie in [0, 1], got gamma={gamma}, lam={lam}")
-    mask_BT = mask_BT.to(values_BT.dtype)
+    real_BT = mask_BT.bool()
     next_value_B = torch.zeros_like(values_BT[:, 0])
     next_advantage_B = torch.zeros_like(values_BT[:, 0])
     advantages_BT = torch.zeros_like(values_BT)
     for t in reversed(range(values_BT.shape[1])):
-        mask_B = mask_BT[:, t]
+        real_B = real_BT[:, t]
         delta_B = rewards_BT[:, t] + gamma * next_value_B - values_BT[:, t]
         advantage_B = delta_B + gamma * lam * next_advantage_B
-        next_advantage_B = mask_B * advantage_B + (1 - mask_B) * next_advantage_B
-        next_value_B = mask_B * values_BT[:, t] + (1 - mask_B) * next_value_B
+        next_advantage_B = torch.where(real_B, advantage_B, next_advantage_B)
+        next_value_B = torch.where(real_B, values_BT[:, t], next_value_B)
         advantages_BT[:, t] = advantage_B
-    advantages_BT = advantages_BT * mask_BT
-    returns_BT = (advantages_BT + values_BT) * mask_BT
-    return advantages_BT, returns_BT
+    returns_BT = masked_fill_padding(advantages_BT + values_BT, real_BT)
+    return masked_fill_padding(advantages_BT, real_BT), returns_BT
 
 
 def remax_advantages(
@@ -84,7 +83,7 @@ def remax_advantages(
             f"baseline_rewards_B must have shape {tuple(rewards_BT.shape[:1])}, got {tuple(baseline_rewards_B.shape)}"
         )
     returns_BT = discounted_returns(rewards_BT, mask_BT, gamma=1.0)
-    advantages_BT = (returns_BT - baseline_rewards_B[:, None]) * mask_BT.to(returns_BT.dtype)
+    advantages_BT = masked_fill_padding(returns_BT - baseline_rewards_B[:, None], mask_BT)
     return advantages_BT, returns_BT
 
 
@@ -106,19 +105,42 @@ def _group_sums(scores_B: Tensor, index_B: Tensor) -> tuple[Tensor, Tensor]:
     return sums_G[index_B], sizes_G[index_B]
 
 
+def group_is_tied(scores_B: Tensor, index_B: Tensor) -> Tensor:
+    """True for each sample whose group's scores are all exactly equal -> tied_B (bool)."""
+    num_groups = int(index_B.max().item()) + 1
+    empty_G = torch.zeros(num_groups, dtype=scores_B.dtype, device=scores_B.device)
+    max_G = empty_G.scatter_reduce(0, index_B, scores_B, reduce="amax", include_self=False)
+    min_G = empty_G.scatter_reduce(0, index_B, scores_B, reduce="amin", include_self=False)
+    return (max_G == min_G)[index_B]
+
+
 def _prepare_groups(scores_B: Tensor, group_ids: Tensor | Sequence, method: str) -> tuple[Tensor, Tensor, Tensor]:
+    """Group index, group sum and group size per sample, in float64 -> (index_B, group_sum_B, group_size_B).
+
+    float64 because the training loop's float32 leaves a rounding residue in mean(group) - r_i that
+    std normalization then blows up (a tied group of 8 scores of 0.7 got advantages of +0.056).
+    """
     if scores_B.dim() != 1:
         raise ValueError(f"{method}: scores_B must be 1-D (one score per response), got shape {tuple(scores_B.shape)}")
     index_B = group_indices(group_ids).to(scores_B.device)
     if index_B.shape != scores_B.shape:
         raise ValueError(f"{method}: group_ids has {index_B.numel()} entries for {scores_B.numel()} scores")
-    group_sum_B, group_size_B = _group_sums(scores_B, index_B)
+    group_sum_B, group_size_B = _group_sums(scores_B.double(), index_B)
     if bool((group_size_B < 2).any()):
         raise ValueError(
             f"{method} needs at least 2 samples per prompt (a group baseline from a single sample is "
             f"undefined); got group sizes {sorted(set(group_size_B.long().tolist()))}"
         )
     return index_B, group_sum_B, group_size_B
+
+
+def _outcome_to_tokens(advantage_B: Tensor, scores_B: Tensor, index_B: Tensor, mask_BT: Tensor) -> Tensor:
+    """Broadcast a float64 per-response advantage to its real tokens, in the scores' dtype -> advantages_BT.
+
+    A group whose scores are all equal gets exactly 0.
+    """
+    advantage_B = torch.where(group_is_tied(scores_B, index_B), torch.zeros_like(advantage_B), advantage_B)
+    return masked_fill_padding(advantage_B.to(scores_B.dtype)[:, None].expand(mask_BT.shape), mask_BT)
 
 
 def grpo_advantages(
@@ -133,26 +155,46 @@ def grpo_advantages(
 
     A_i = (r_i - mean(group)) / (std(group) + eps) on every real token of response i, where the
     group is the responses sharing i's group id (the same prompt) and std is the unbiased sample
-    standard deviation. `normalize_by_std=False` keeps only the mean baseline (Dr. GRPO).
+    standard deviation. `normalize_by_std=False` keeps only the mean baseline (Dr. GRPO). Group
+    statistics are computed in float64 and a group whose scores are all equal gets exactly 0.
     """
     index_B, group_sum_B, group_size_B = _prepare_groups(scores_B, group_ids, "grpo_advantages")
+    scores64_B = scores_B.double()
     mean_B = group_sum_B / group_size_B
-    advantage_B = scores_B - mean_B
+    advantage_B = scores64_B - mean_B
     if normalize_by_std:
-        squared_sum_B, _ = _group_sums((scores_B - mean_B) ** 2, index_B)
+        squared_sum_B, _ = _group_sums(advantage_B.square(), index_B)
         std_B = torch.sqrt(squared_sum_B / (group_size_B - 1))
         advantage_B = advantage_B / (std_B + eps)
-    return advantage_B[:, None] * mask_BT.to(scores_B.dtype)
+    return _outcome_to_tokens(advantage_B, scores_B, index_B, mask_BT)
+
+
+def dr_grpo_advantages(scores_B: Tensor, group_ids: Tensor | Sequence, mask_BT: Tensor) -> Tensor:
+    """Dr. GRPO (Liu et al. 2025) -> advantages_BT: A_i = r_i - mean(group), no std normalization.
+
+    Pair it with the "seq-mean-token-sum-norm" loss aggregation (no length normalization either).
+    """
+    return grpo_advantages(scores_B, group_ids, mask_BT, normalize_by_std=False)
 
 
 def rloo_advantages(scores_B: Tensor, group_ids: Tensor | Sequence, mask_BT: Tensor) -> Tensor:
     """RLOO (Ahmadian et al. 2024) -> advantages_BT: A_i = r_i - mean of the other responses' scores.
 
-    With k responses in the group: A_i = r_i - (sum_group - r_i) / (k - 1).
+    With k responses in the group: A_i = r_i - (sum_group - r_i) / (k - 1), in float64; a group
+    whose scores are all equal gets exactly 0.
     """
-    _, group_sum_B, group_size_B = _prepare_groups(scores_B, group_ids, "rloo_advantages")
-    advantage_B = scores_B - (group_sum_B - scores_B) / (group_size_B - 1)
-    return advantage_B[:, None] * mask_BT.to(scores_B.dtype)
+    index_B, group_sum_B, group_size_B = _prepare_groups(scores_B, group_ids, "rloo_advantages")
+    scores64_B = scores_B.double()
+    advantage_B = scores64_B - (group_sum_B - scores64_B) / (group_size_B - 1)
+    return _outcome_to_tokens(advantage_B, scores_B, index_B, mask_BT)
+
+
+OUTCOME_ADVANTAGES = {
+    "grpo": grpo_advantages,
+    "dr_grpo": dr_grpo_advantages,
+    "rloo": rloo_advantages,
+}
+"""Outcome (group-baseline) estimators by config name; each is fn(scores_B, group_ids, mask_BT) -> advantages_BT."""
 
 
 def reinforce_plus_plus_advantages(

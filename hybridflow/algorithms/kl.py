@@ -13,36 +13,63 @@ import math
 import torch
 from torch import Tensor
 
-KL_ESTIMATORS = ("k1", "abs", "k2", "mse", "k3", "low_var_kl")
+from hybridflow.algorithms.masked import masked_fill_padding
 
 # k3 = exp(-x) + x - 1 grows exponentially in the log-ratio; a few tokens where the policy has
 # moved far from the reference would otherwise dominate (or overflow) the loss.
 LOW_VAR_KL_MAX = 10.0
+# k3's log-ratio is clamped to +-LOG_RATIO_LIMIT before the exponential: exp(20) is finite in
+# float32 and every |x| > 11.1 already gives k3 >= LOW_VAR_KL_MAX, so no finite value changes, but
+# x = -inf (a -inf log-prob) or x < -88 no longer gives inf (NaN gradient through the final clamp).
+LOG_RATIO_LIMIT = 20.0
 
 
-def kl_estimate(logprobs_BT: Tensor, ref_logprobs_BT: Tensor, *, estimator: str = "k1") -> Tensor:
+def _k1(log_ratio_BT: Tensor) -> Tensor:
+    return log_ratio_BT
+
+
+def _abs(log_ratio_BT: Tensor) -> Tensor:
+    return log_ratio_BT.abs()
+
+
+def _k2(log_ratio_BT: Tensor) -> Tensor:
+    return 0.5 * log_ratio_BT.square()
+
+
+def _k3(log_ratio_BT: Tensor) -> Tensor:
+    x_BT = log_ratio_BT.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    return (torch.expm1(-x_BT) + x_BT).clamp(max=LOW_VAR_KL_MAX)
+
+
+KL_ESTIMATORS = {"k1": _k1, "abs": _abs, "k2": _k2, "mse": _k2, "k3": _k3, "low_var_kl": _k3}
+"""Per-token KL estimators by config name; each maps the log-ratio x_BT to kl_BT."""
+
+
+def kl_estimate(
+    logprobs_BT: Tensor, ref_logprobs_BT: Tensor, *, estimator: str = "k1", mask_BT: Tensor | None = None
+) -> Tensor:
     """Per-token estimate of KL(pi || pi_ref) from x = log pi(a) - log pi_ref(a) -> kl_BT.
 
-    estimator:
+    estimator (a key of `KL_ESTIMATORS`):
       - "k1": x (unbiased, high variance, can be negative);
       - "abs": |x|;
       - "k2" / "mse": x^2 / 2 (biased, low variance);
-      - "k3" / "low_var_kl": exp(-x) + x - 1 (unbiased, non-negative), clamped to <= 10.
+      - "k3" / "low_var_kl": exp(-x) + x - 1 (unbiased, non-negative), clamped to <= 10, with x
+        clamped to [-20, 20] first (finite for -inf log-probs, finite gradients everywhere).
+    With `mask_BT`, padded positions are 0 and pass no gradient, whatever they hold (NaN, -inf).
     """
     if logprobs_BT.shape != ref_logprobs_BT.shape:
         raise ValueError(
             f"logprobs_BT {tuple(logprobs_BT.shape)} and ref_logprobs_BT {tuple(ref_logprobs_BT.shape)} differ in shape"
         )
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"estimator must be one of {tuple(KL_ESTIMATORS)}, got {estimator!r}")
     log_ratio_BT = logprobs_BT - ref_logprobs_BT
-    if estimator == "k1":
-        return log_ratio_BT
-    if estimator == "abs":
-        return log_ratio_BT.abs()
-    if estimator in ("k2", "mse"):
-        return 0.5 * log_ratio_BT.square()
-    if estimator in ("k3", "low_var_kl"):
-        return (torch.expm1(-log_ratio_BT) + log_ratio_BT).clamp(max=LOW_VAR_KL_MAX)
-    raise ValueError(f"estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+    if mask_BT is not None:
+        # select before the estimator: its gradient at a padded NaN would be 0 * NaN otherwise
+        log_ratio_BT = masked_fill_padding(log_ratio_BT, mask_BT)
+    kl_BT = KL_ESTIMATORS[estimator](log_ratio_BT)
+    return kl_BT if mask_BT is None else masked_fill_padding(kl_BT, mask_BT)
 
 
 def last_token_index(mask_BT: Tensor) -> Tensor:
@@ -78,7 +105,7 @@ def kl_shaped_rewards(
     r_t = -kl_coef * KL_t on every real token, plus the sequence score on the last real token.
     kl_BT (masked, before scaling) is returned for logging and for the adaptive controller.
     """
-    kl_BT = kl_estimate(logprobs_BT, ref_logprobs_BT, estimator=estimator) * mask_BT.to(logprobs_BT.dtype)
+    kl_BT = kl_estimate(logprobs_BT, ref_logprobs_BT, estimator=estimator, mask_BT=mask_BT)
     rewards_BT = scores_on_last_token(scores_B.to(logprobs_BT.dtype), mask_BT) - kl_coef * kl_BT
     return rewards_BT, kl_BT
 

@@ -9,6 +9,7 @@ rank: its tp and pp ranks) must receive the same batch; different replicas recei
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Callable
 
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from hybridflow.algorithms.finite import NonFiniteError, check_non_finite_action, first_non_finite
 from hybridflow.device import current_device, device_type
 from hybridflow.engine import checkpoint as checkpoint_io
 from hybridflow.engine.config import EngineConfig
@@ -254,13 +256,18 @@ class TrainingEngine:
 
     # ----------------------------------------------------------------- training
     def train_step(self, batch: dict[str, Tensor], loss_fn: LossFn, *, outputs: tuple[str, ...] | None = None,
-                   group_size: int = 1) -> dict[str, float]:
+                   group_size: int = 1, on_non_finite: str = "raise", context: str = "") -> dict[str, float]:
         """Forward/backward over token-budget micro-batches, then clip, optimizer step and LR step.
 
         ``outputs``: what ``loss_fn`` reads (default: all outputs of the head). Returns metrics
         averaged over micro-batches and data-parallel ranks, plus ``loss`` (summed over
         micro-batches and ranks: the mini-batch loss), ``grad_norm`` (before clipping) and ``lr``.
+        A non-finite loss or gradient norm stops the step before the optimizer touches the
+        weights: ``on_non_finite="raise"`` raises NonFiniteError naming ``context`` (e.g. the
+        role), the step and the first non-finite quantity; ``"skip"`` drops the gradients and
+        returns the metrics with ``skipped_non_finite = 1`` (the step counter does not advance).
         """
+        check_non_finite_action(on_non_finite)
         outputs = self._check_outputs(outputs or OUTPUTS_OF_HEAD[self.head])
         batch, packed, num_columns = self._prepare(batch, group_size)
         normalisers = self._normalisers(batch)
@@ -283,13 +290,30 @@ class TrainingEngine:
         self._sync_tied_embedding_gradients()
         self._all_reduce_dp_gradients()
         grad_norm = global_grad_norm(self._norm_params(), shard_group=self._shard_group(), stage_group=self.pp_group)
+        metrics = self._reduce_metrics(records)  # identical on every rank: all ranks take the same branch below
+        metrics.update(grad_norm=float(grad_norm), lr=lr)
+        if not all(map(math.isfinite, (metrics.get("loss", 0.0), metrics["grad_norm"]))):
+            return self._stop_non_finite(metrics, on_non_finite, context)
         if self.config.optim.grad_clip is not None:
             clip_gradients(self.params, self.config.optim.grad_clip, grad_norm)
         self.optimizer.step()
         self.step += 1
-        metrics = self._reduce_metrics(records)
-        metrics.update(grad_norm=float(grad_norm), lr=lr)
         return metrics
+
+    def _stop_non_finite(self, metrics: dict[str, float], on_non_finite: str, context: str) -> dict[str, float]:
+        """A non-finite loss or gradient norm: drop the gradients, then raise or report a skipped step."""
+        self.optimizer.zero_grad(set_to_none=True)
+        # the loss's own terms (pg_loss, kl_loss, ...) first: they say which part went wrong
+        named = {k: v for k, v in metrics.items() if k not in ("loss", "grad_norm", "lr")}
+        named.update(loss=metrics.get("loss", 0.0), grad_norm=metrics["grad_norm"])
+        quantity = first_non_finite(named) or "loss"
+        if on_non_finite == "raise":
+            where = f"{context} " if context else ""
+            raise NonFiniteError(f"{where}training step {self.step}: {quantity} is {metrics.get(quantity)}; the "
+                                 f"optimizer step was not taken (weights unchanged). Lower the learning rate or "
+                                 f"check the loss inputs; on_non_finite='skip' drops such steps instead",
+                                 quantity=quantity)
+        return {**metrics, "skipped_non_finite": 1.0}
 
     @property
     def _fsdp_loss_scale(self) -> float:
