@@ -38,7 +38,12 @@ OUTPUTS_OF_HEAD = {"lm": ("logprobs", "entropy"), "value": ("values",), "score":
 class TrainingEngine:
     """A model laid out over this process group, trained and queried in token-budget micro-batches."""
 
-    def __init__(self, config: EngineConfig, build_model: Callable[[], nn.Module], *, head: str = "lm"):
+    def __init__(self, config: EngineConfig, build_model: Callable[[], nn.Module], *, head: str = "lm",
+                 weights_path: str | None = None, head_seed: int = 0):
+        """``build_model()`` returns the full model; with ``weights_path`` it returns the architecture on the
+        meta device, and each rank allocates only its shards and reads them from that Hugging Face
+        directory (``engine/weights.py``). ``head_seed`` initialises a value/score head the checkpoint lacks.
+        """
         if head not in HEADS:
             raise ValueError(f"head must be one of {HEADS}, got {head!r}")
         self.config, self.head = config, head
@@ -52,11 +57,19 @@ class TrainingEngine:
         self.coords = self.layout.coords(self.rank)
         self.device = current_device(int(os.environ.get("LOCAL_RANK", "0")))
         self.mesh = build_training_mesh(self.layout)
-        self.model = self._build_stage(full_model)
-        del full_model
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.ties_embeddings = head == "lm" and bool(getattr(self.hf_config, "tie_word_embeddings", False))
         """Input and output embeddings are one matrix (checkpoints store it as model.embed_tokens.weight)."""
+        on_meta = all(p.device.type == "meta" for p in full_model.parameters())
+        if weights_path is not None and not on_meta:
+            raise ValueError("TrainingEngine(weights_path=...) needs build_model() to return a model on the meta "
+                             "device (build_model(config, device='meta'))")
+        self.model = self._build_stage(full_model)
+        del full_model
+        if on_meta:
+            if weights_path is None:
+                raise ValueError("build_model() returned a model on the meta device but no weights_path was given")
+            self._materialize(weights_path, head_seed)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
         self._tied_group, self._tied_param = self._build_tied_embedding_sync()
         self.optimizer = build_optimizer(self.model, config.optim)
         self._pipeline_stage = None  # built on first use (3d layout with pp_size > 1)
@@ -88,8 +101,11 @@ class TrainingEngine:
                              f"allowed: 1..{num_layers}")
 
     def _build_stage(self, model: nn.Module) -> nn.Module:
-        # fp32 master weights whatever dtype the model was built in; compute runs in config.dtype (autocast)
-        model.to(device=self.device, dtype=torch.float32).train()
+        # fp32 master weights whatever dtype the model was built in; compute runs in config.dtype (autocast).
+        # A meta model stays on meta through sharding and is allocated shard by shard in _materialize.
+        on_meta = all(p.device.type == "meta" for p in model.parameters())
+        model.to(dtype=torch.float32) if on_meta else model.to(device=self.device, dtype=torch.float32)
+        model.train()
         stage = build_stage(model, head=self.head, pp_size=self.layout.pp_size, pp_rank=self.coords.pp_rank)
         if self.layout.tp_size > 1:
             from hybridflow.parallel.tensor_parallel import apply_tensor_parallel
@@ -98,6 +114,35 @@ class TrainingEngine:
         if self.config.layout == "fsdp" and self.layout.dp_size > 1:
             apply_fsdp(stage, self.mesh["dp"], cpu_offload=self.config.fsdp_cpu_offload)
         return stage
+
+    def _materialize(self, weights_path: str, head_seed: int) -> None:
+        from hybridflow.engine.weights import materialize_and_load
+
+        stage = self.model
+        materialize_and_load(stage, device=self.device, path=weights_path, head=self.head, seed=head_seed,
+                             ties_embeddings=self.ties_embeddings)
+        if self.ties_embeddings and self.layout.pp_size == 1:
+            stage.lm_head.weight = stage.model.embed_tokens.weight  # to_empty allocated the two separately
+
+    @classmethod
+    def from_model_config(cls, config: EngineConfig, model_config) -> "TrainingEngine":
+        """The engine of a ``ModelConfig``: a local checkpoint is read shard by shard onto meta-initialised
+        stages (no rank ever holds the whole model); a tiny random model is built whole (it is tiny)."""
+        from hybridflow.models import build_model
+
+        if model_config.path is None or not cls.meta_init_supported(config, model_config):
+            return cls(config, lambda: build_model(model_config), head=model_config.head)
+        return cls(config, lambda: build_model(model_config, device="meta"), head=model_config.head,
+                   weights_path=model_config.path, head_seed=model_config.seed)
+
+    @staticmethod
+    def meta_init_supported(config: EngineConfig, model_config) -> bool:
+        """Meta init everywhere except a tied embedding under FSDP with several ranks (FSDP2 owns that
+        parameter pair and is not re-tied after allocation): those models are built whole, then sharded."""
+        from hybridflow.models.loader import hf_config_of
+
+        tied = model_config.head == "lm" and bool(getattr(hf_config_of(model_config), "tie_word_embeddings", False))
+        return not (tied and config.layout == "fsdp" and world_size() > 1)
 
     def _build_tied_embedding_sync(self):
         """Under pp > 1 a tied embedding lives on the first stage (input) and the last (output head):
