@@ -6,7 +6,8 @@ import pytest
 import yaml
 
 from hybridflow.mapping import Cluster, Plan, Workload, load_hardware, plan
-from hybridflow.mapping.cli import calibrate_main, plan_main
+from hybridflow.mapping.cli import plan_main
+from hybridflow.parallel.calibrate import calibrate_main
 
 TINY_PPO = ["--actor", "tiny", "--critic", "tiny", "--prompt-len", "32", "--response-len", "32", "--batch", "16"]
 
