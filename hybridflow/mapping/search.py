@@ -12,6 +12,7 @@ Paper Algorithm 1 (placements x allocations) and Algorithm 2 (parallel strategy 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 from typing import Iterator, Mapping, Sequence, TypeVar
@@ -85,7 +86,7 @@ class SetResult:
 
     costs: dict[str, RoleCost]
 
-    @property
+    @functools.cached_property
     def stage_seconds(self) -> dict[str, float]:
         # fsum is exactly rounded, so the result does not depend on the order of the roles
         return {stage: math.fsum(cost.stage_seconds.get(stage, 0.0) for cost in self.costs.values())
@@ -263,6 +264,14 @@ class Planner:
 
         yield from extend((), total)
 
+    def total_seconds_of(self, sets: Sequence[tuple[str, ...]], allocation: Sequence[int]) -> float | None:
+        """plan_for(sets, allocation).total_seconds without building the plan (the search's inner loop)."""
+        shares = self.stage_shares(sets, allocation)
+        results = [self.set_result(roles, count, shares) for roles, count in zip(sets, allocation)]
+        if any(result is None for result in results):
+            return None
+        return sum(max(result.stage_seconds[stage] for result in results) for stage in STAGES)
+
     def plan_for(self, sets: Sequence[tuple[str, ...]], allocation: Sequence[int]) -> Plan | None:
         """The simulated plan of one placement and allocation (None if a set does not fit)."""
         shares = self.stage_shares(sets, allocation)
@@ -333,13 +342,13 @@ class Planner:
             minimums = [self.min_devices(block) for block in sets]
             if any(minimum is None for minimum in minimums):
                 continue
-            best: Plan | None = None
+            best_allocation, best_seconds = None, float("inf")
             for allocation in self.allocations(minimums):
-                candidate = self.plan_for(sets, allocation)
-                if candidate is not None and (best is None or candidate.total_seconds < best.total_seconds):
-                    best = candidate
-            if best is not None:
-                best_per_placement.append(best)
+                seconds = self.total_seconds_of(sets, allocation)
+                if seconds is not None and seconds < best_seconds:
+                    best_allocation, best_seconds = allocation, seconds
+            if best_allocation is not None:
+                best_per_placement.append(self.plan_for(sets, best_allocation))
         if not best_per_placement:
             raise ValueError(f"no placement of {', '.join(roles)} fits {self.cluster.num_devices} devices of "
                              f"{self._usable_text()}: every role fits alone on all devices, but not together "

@@ -39,9 +39,9 @@ LOGIT_BYTES = 4  # log-softmax of the vocabulary head is taken in fp32
 
 
 @functools.lru_cache(maxsize=4096)
-def _groups_cross_nodes(num_devices: int, pp_size: int, tp_size: int, generation_pp_size: int,
+def _groups_cross_nodes(world: int, pp_size: int, tp_size: int, generation_pp_size: int,
                         generation_tp_size: int, node_size: int) -> bool:
-    train = ParallelLayout.for_world(num_devices, pp_size=pp_size, tp_size=tp_size)
+    train = ParallelLayout.for_world(world, pp_size=pp_size, tp_size=tp_size)
     layout = GenerationLayout(train=train, pp_size=generation_pp_size, tp_size=generation_tp_size)
     return any(len({rank // node_size for rank in group}) > 1 for group in layout.micro_dp_groups())
 
@@ -49,7 +49,10 @@ def _groups_cross_nodes(num_devices: int, pp_size: int, tp_size: int, generation
 def micro_dp_groups_cross_nodes(num_devices: int, strategy: RoleStrategy, node_size: int) -> bool:
     """Whether the 3D-HybridEngine's all-gather groups (micro-DP groups) of ``strategy`` on a pool of
     ``num_devices`` leave a node, with ranks numbered as hybridflow.parallel.layout numbers them."""
-    return _groups_cross_nodes(num_devices, strategy.pp_size, strategy.tp_size, strategy.generation_pp_size,
+    # groups lie inside one training replica (p t consecutive ranks), so the pattern of node crossings
+    # repeats every lcm(p t, node size) ranks: that many ranks decide it
+    world = min(num_devices, math.lcm(strategy.model_parallel_size, node_size))
+    return _groups_cross_nodes(world, strategy.pp_size, strategy.tp_size, strategy.generation_pp_size,
                                strategy.generation_tp_size, node_size)
 
 
