@@ -278,8 +278,10 @@ def calibrate_main(argv: list[str]) -> int:
     except OSError as error:
         print(f"hybridflow calibrate: cannot write the profile to {args.output}: {error.strerror}", file=sys.stderr)
         return 2
-    kind = "bf16" if profile.compute_dtype == "bf16" else "fp32, 1 thread"
-    print(f"matmul ({kind}): {profile.peak_flops / 1e9:.1f} GFLOP/s")
+    if profile.compute_dtype == "bf16":
+        print(f"matmul (bf16): {profile.peak_flops / 1e12:.1f} TFLOP/s")
+    else:
+        print(f"matmul (fp32, 1 thread): {profile.peak_flops / 1e9:.1f} GFLOP/s")
     print(f"memory bandwidth: {profile.memory_bandwidth / 1e9:.2f} GB/s")
     print(f"all-reduce: {profile.intra_node_bandwidth / 1e9:.3f} GB/s bus bandwidth, "
           f"{profile.intra_node_latency_s * 1e6:.1f} us per ring step")
