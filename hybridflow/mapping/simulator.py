@@ -1,11 +1,14 @@
 """Simulator: predicted memory and seconds of one role under one parallel strategy (paper section 6).
 
-Training and inference are modeled as compute-bound (model FLOPs / achievable FLOP/s) plus the
-communication they cannot hide: tensor-parallel all-reduces, pipeline sends and bubble,
-data-parallel gradient all-reduce (3d), overlapped parameter gathers (fsdp). Generation is modeled
-as memory-bound: every decode step streams the weights and the KV cache of its batch through
-memory (roofline with the step's FLOPs), the batch is bounded by the memory left for the KV cache,
-and the actor pays the 3D-HybridEngine's resharding (paper Table 2) before generating.
+Training and inference are modeled as compute-bound (the slowest pipeline stage's FLOPs / achievable
+FLOP/s, at least the time to stream the weight shard once per micro-batch) plus the communication
+they cannot hide: tensor-parallel all-reduces, pipeline sends and bubble, data-parallel gradient
+all-reduce (3d), overlapped parameter gathers (fsdp). Generation is modeled as memory-bound: every
+decode step streams the weights and the KV cache of its batch through memory (roofline with the
+step's FLOPs), pays 2 tensor-parallel all-reduces per layer and the rollout engine's host time per
+sequence of the replica's batch; the batch is bounded by the memory left for the KV cache, and the
+actor pays the 3D-HybridEngine's resharding (paper Table 2) before generating. Links (NVLink or
+the inter-node network) follow the rank order of hybridflow.parallel.layout.
 
 Symbols in the formulas: N parameters (that multiply per token), L layers, h hidden size,
 S = P + T sequence length, e bytes per element, p/t/d training pipeline/tensor/data sizes,
@@ -59,13 +62,13 @@ def micro_dp_groups_cross_nodes(num_devices: int, strategy: RoleStrategy, node_s
 def slowest_stage(spec: ModelSpec, head: str, pp_size: int) -> tuple[int, int]:
     """(matmul parameters, decoder layers) of the pipeline stage with the most work: the first stages
     hold ceil(L / p) layers, the last floor(L / p) layers and the output head (p = 1: the whole model)."""
-    base, extra = divmod(spec.num_layers, pp_size)
-    first = (base + (1 if extra else 0), (base + (1 if extra else 0)) * spec.params_per_layer)
-    last = (base, base * spec.params_per_layer + spec.head_params(head))
     if pp_size == 1:
         return spec.matmul_params(head=head), spec.num_layers
-    layers, params = max(first, last, key=lambda item: item[1])
-    return params, layers
+    base, extra = divmod(spec.num_layers, pp_size)
+    first_layers = base + (1 if extra else 0)
+    first = (first_layers * spec.params_per_layer, first_layers)
+    last = (base * spec.params_per_layer + spec.head_params(head), base)
+    return max(first, last)
 
 
 @dataclass(frozen=True)
