@@ -385,7 +385,8 @@ def test_profile_files_missing_fields_or_not_json_name_the_file_and_the_fields(t
     data = load_hardware("a100-80g").to_dict()
     path = tmp_path / "gpu.json"
     path.write_text(json.dumps({key: value for key, value in data.items() if key not in ("peak_flops", "name")}))
-    with pytest.raises(ValueError, match=rf"{path}: hardware profile lacks the required fields \['name', 'peak_flops'\]"):
+    missing = r"hardware profile lacks the required fields \['name', 'peak_flops'\]"
+    with pytest.raises(ValueError, match=rf"{path}: {missing}"):
         load_hardware(str(path))
     path.write_text('{"name": "gpu", "peak_flops": 1e15,}')
     with pytest.raises(ValueError, match=rf"hardware profile {path} is not valid JSON: .* at line 1 column"):

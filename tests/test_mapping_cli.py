@@ -43,7 +43,8 @@ def test_plan_for_an_algorithm_without_critic_defaults_reference_and_reward_to_t
 
 @pytest.mark.parametrize("extra, message", [
     (["--devices", "12"], "Cluster.num_devices 12 must be a multiple of devices_per_node 8"),
-    (["--devices", "8", "--hardware", "tpu"], "unknown hardware 'tpu'; known: a100-80g, h100-80g, h200, cpu-local, cuda-local"),
+    (["--devices", "8", "--hardware", "tpu"],
+     "unknown hardware 'tpu'; known: a100-80g, h100-80g, h200, cpu-local, cuda-local"),
     (["--devices", "8", "--reward", "gpt-9"], "unknown model 'gpt-9'"),
     (["--devices", "8", "--batch", "0"], "Workload.prompts_per_step must be a positive integer, got 0"),
 ])

@@ -1,4 +1,7 @@
-"""`hybridflow plan`: search a mapping, print it, write it as a config fragment (calibration: hybridflow.parallel.calibrate)."""
+"""`hybridflow plan`: search a mapping, print it, write it as a config fragment.
+
+(`hybridflow calibrate` lives in hybridflow.parallel.calibrate: it needs torch, the planner does not.)
+"""
 
 from __future__ import annotations
 
@@ -41,8 +44,8 @@ def _plan_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ppo-epochs", type=int, default=1, help="passes over the samples in training")
     parser.add_argument("--micro-batch-tokens", type=int, default=0, help="per rank (0: one sequence)")
     parser.add_argument("--hardware", default="a100-80g",
-                        help=f"{', '.join(builtin_profile_names())}, {' or '.join(LOCAL_PROFILE_NAMES.values())} (after "
-                             f"`hybridflow calibrate`) or a profile JSON file (default a100-80g)")
+                        help=f"{', '.join(builtin_profile_names())}, {' or '.join(LOCAL_PROFILE_NAMES.values())} "
+                             f"(after `hybridflow calibrate`) or a profile JSON file (default a100-80g)")
     parser.add_argument("--top", type=int, default=10, help="placements to list (default 10)")
     parser.add_argument("--write", metavar="PATH", help="write the chosen plan as a YAML config fragment")
     return parser

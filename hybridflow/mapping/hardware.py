@@ -155,7 +155,8 @@ def load_hardware(name_or_path: str | HardwareProfile) -> HardwareProfile:
         path = Path(name_or_path)
         if not path.is_file():
             raise ValueError(f"unknown hardware {name_or_path!r}; known: "
-                             f"{', '.join(builtin_profile_names() + list(LOCAL_PROFILE_NAMES.values()))}, or a profile JSON file")
+                             f"{', '.join(builtin_profile_names() + list(LOCAL_PROFILE_NAMES.values()))}, "
+                             f"or a profile JSON file")
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as error:
