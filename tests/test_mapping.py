@@ -575,3 +575,20 @@ def test_colocated_layouts_are_chosen_jointly_so_the_actor_keeps_room_for_its_kv
         actor = planner.best_actor(32, sum(c.resident_bytes for c in combo), max(c.transient_bytes for c in combo))
         if actor is not None:
             assert actor.total_seconds + sum(c.total_seconds for c in combo) >= joint_seconds - 1e-9
+
+
+def test_small_micro_batches_lose_efficiency_to_streaming_the_weight_shard():
+    # 16-token sequences, one per micro-batch: 2 x 16 FLOPs per weight element read, below the A100's
+    # 156e12 / 1.63e12 = 96 FLOPs per byte, so each pass is bound by reading the shard (twice more backward)
+    workload = Workload(prompts_per_step=8, prompt_length=8, response_length=8)
+    simulator = Simulator(workload=workload, cluster=a100_cluster(1, 1))
+    spec = model_spec("llama-7b")
+    shard_bytes = spec.matmul_params() * 2
+    bandwidth = 2.039e12 * 0.8
+    strategy = RoleStrategy(layout="3d")
+    assert simulator.inference_seconds(spec, "lm", strategy, 1) == pytest.approx(8 * shard_bytes / bandwidth)
+    assert simulator.training_seconds(spec, "lm", strategy, 1) == pytest.approx(8 * 3 * shard_bytes / bandwidth)
+    # long sequences are compute-bound again (the existing single-device test): efficiency recovers
+    long = Simulator(workload=PAPER_WORKLOAD, cluster=a100_cluster(1, 1))
+    per_token = 2 * (spec.matmul_params() + 32 * 4096 * 2048)
+    assert long.inference_seconds(spec, "lm", strategy, 1) == pytest.approx(1024 * 2048 * per_token / 156e12)
