@@ -1,6 +1,6 @@
 """Auto-mapping benchmark: search time, the paper's placement sweep, and predicted-vs-measured ranking.
 
-    python benchmarks/bench_mapping.py                      # search time + paper sweep (A100 profile)
+    python benchmarks/bench_mapping.py                      # paper vs planner, figure 15, search times
     python benchmarks/bench_mapping.py --template out.json  # tiny-PPO layouts to measure, with predictions
     python benchmarks/bench_mapping.py --measure runs.json  # run each layout with the PPO trainer (Ray)
     python benchmarks/bench_mapping.py --validate-measured measured.json   # Spearman rho vs measurements
@@ -19,30 +19,81 @@ import json
 import sys
 import time
 
-from hybridflow.mapping import (Cluster, Plan, Workload, load_hardware, plan, simulate_plan, spearman_correlation)
+from hybridflow.mapping import (Cluster, Plan, PoolPlan, RoleStrategy, Workload, load_hardware, plan, simulate_plan,
+                                spearman_correlation)
 
 PPO_ROLES = ("actor", "critic", "reference", "reward")
-PAPER_WORKLOAD = Workload(prompts_per_step=1024, prompt_length=1024, response_length=1024)
-PAPER_SIZES = {"llama-7b": (16, 32, 64, 96, 128), "llama-13b": (16, 32, 64, 96, 128),
-               "llama-34b": (32, 64, 96, 128), "llama-70b": (64, 96, 128)}
+# the issue's command: PPO, prompt = response = 1024, 1024 prompts per step, 8 PPO updates (mini-batch 128)
+PAPER_WORKLOAD = Workload(prompts_per_step=1024, prompt_length=1024, response_length=1024, mini_batch_size=128)
+# section 8.3 / figures 12-13: the placement the paper found best per model size and GPU count
+PAPER_PLACEMENTS = {
+    ("llama-13b", 16): "colocate", ("llama-13b", 32): "colocate", ("llama-13b", 64): "colocate",
+    ("llama-13b", 96): "split actor+ref | critic+rm 48|48", ("llama-13b", 128): "standalone 64|32|16|16",
+    ("llama-34b", 32): "colocate", ("llama-34b", 64): "colocate",
+    ("llama-34b", 96): "split actor+ref | critic+rm 48|48", ("llama-34b", 128): "split actor+ref | critic+rm 64|64",
+}
+PAPER_LABELS = {"colocate": "actor+critic+reference+reward", "split": "actor+reference | critic+reward",
+                "standalone": "actor | critic | reference | reward"}
 
 
-def paper_sweep(hardware: str) -> None:
-    """The chosen placement per model size and GPU count, with the search time of each."""
-    print(f"PPO, 4 models of one size, prompt = response = 1024 tokens, 1024 prompts, {hardware}, 8 per node")
-    print(f"{'model':<10} {'GPUs':>5} {'search s':>9}  {'chosen placement':<34} {'devices':<8} {'iter s':>8}"
-          f"  runner-up (iter s)")
-    for model, sizes in PAPER_SIZES.items():
-        for num_devices in sizes:
-            cluster = Cluster(num_devices=num_devices, devices_per_node=8, hardware=load_hardware(hardware))
-            start = time.perf_counter()
-            best = plan("ppo", {role: model for role in PPO_ROLES}, PAPER_WORKLOAD, cluster, top=2)
-            seconds = time.perf_counter() - start
-            runner_up = best.alternatives[0] if best.alternatives else None
-            runner_text = (f"{runner_up.placement_label} {runner_up.allocation_label} ({runner_up.total_seconds:.1f})"
-                           if runner_up else "-")
-            print(f"{model:<10} {num_devices:>5} {seconds:>9.2f}  {best.placement_label:<34} "
-                  f"{best.allocation_label:<8} {best.total_seconds:>8.1f}  {runner_text}")
+def _short(plan: Plan) -> str:
+    if len(plan.pools) == 1:
+        return "colocate"
+    return f"{plan.placement_label} {plan.allocation_label}"
+
+
+def paper_sweep(hardware: str, workload: Workload = PAPER_WORKLOAD) -> None:
+    """Paper vs planner for every case of section 8.3, with the paper's placement's rank and time."""
+    print(f"PPO, 4 models of one size, {workload.prompts_per_step} prompts, prompt {workload.prompt_length} + "
+          f"response {workload.response_length}, mini-batch {workload.samples_per_update}, {hardware}, 8 per node")
+    print(f"{'model':<10} {'GPUs':>4} {'search s':>8}  {'paper':<36} {'planner':<44} {'iter s':>7}  "
+          f"paper's placement: rank, iter s")
+    for (model, num_devices), paper in PAPER_PLACEMENTS.items():
+        cluster = Cluster(num_devices=num_devices, devices_per_node=8, hardware=load_hardware(hardware))
+        start = time.perf_counter()
+        best = plan("ppo", dict.fromkeys(PPO_ROLES, model), workload, cluster, top=15)
+        seconds = time.perf_counter() - start
+        ranked = [best, *best.alternatives]
+        label = PAPER_LABELS[paper.split()[0]]
+        rank, theirs = next((i + 1, p) for i, p in enumerate(ranked) if p.placement_label == label)
+        print(f"{model:<10} {num_devices:>4} {seconds:>8.2f}  {paper:<36} {_short(best):<44} "
+              f"{best.total_seconds:>7.1f}  {rank}, {theirs.total_seconds:.1f} ({theirs.allocation_label}; "
+              f"gen {theirs.stage_seconds['generation']:.1f} prep {theirs.stage_seconds['preparation']:.1f} "
+              f"train {theirs.stage_seconds['training']:.1f} vs {best.stage_seconds['generation']:.1f} "
+              f"{best.stage_seconds['preparation']:.1f} {best.stage_seconds['training']:.1f})")
+
+
+def generation_tp_sweep(hardware: str, workload: Workload = PAPER_WORKLOAD) -> None:
+    """Figure 15: 16 GPUs, all models colocated, each 3d p1 t8 (d = 2), the actor generating with tg = 1..8."""
+    cluster = Cluster(num_devices=16, devices_per_node=8, hardware=load_hardware(hardware))
+    print("generation seconds by generation TP size tg (16 GPUs, colocated, training 1-8-2):")
+    for model in ("llama-7b", "llama-13b"):
+        seconds = {}
+        for tg in (1, 2, 4, 8):
+            strategies = {role: RoleStrategy(layout="3d", pp_size=1, tp_size=8) for role in PPO_ROLES}
+            strategies["actor"] = RoleStrategy(layout="3d", pp_size=1, tp_size=8, generation_pp_size=1,
+                                               generation_tp_size=tg)
+            layout = Plan(pools=(PoolPlan(name="all", roles=PPO_ROLES, devices_per_node=(8, 8)),),
+                          strategies=strategies)
+            seconds[tg] = simulate_plan(layout, "ppo", dict.fromkeys(PPO_ROLES, model), workload,
+                                        cluster).stage_seconds["generation"]
+        best = min(seconds, key=seconds.get)
+        print(f"  {model:<10} " + "  ".join(f"tg={tg}: {s:6.1f}s" for tg, s in seconds.items())
+              + f"  best tg={best}, {100 * (1 - seconds[best] / seconds[8]):.1f}% below tg=8")
+
+
+def search_times(hardware: str, workload: Workload = PAPER_WORKLOAD) -> None:
+    """Search wall and CPU seconds of 4 models on 128 and 512 GPUs (the issue's targets: 10 s, 60 s)."""
+    import os
+
+    for model, num_devices in (("llama-13b", 128), ("llama-70b", 128), ("llama-7b", 512), ("llama-13b", 512),
+                               ("llama-70b", 512)):
+        cluster = Cluster(num_devices=num_devices, devices_per_node=8, hardware=load_hardware(hardware))
+        wall, cpu = time.perf_counter(), time.process_time()
+        best = plan("ppo", dict.fromkeys(PPO_ROLES, model), workload, cluster, top=3)
+        print(f"search {model} x4 on {num_devices}: {time.perf_counter() - wall:.2f} s wall, "
+              f"{time.process_time() - cpu:.2f} s CPU, load average {os.getloadavg()[0]:.1f}: "
+              f"{_short(best)} {best.total_seconds:.1f} s")
 
 
 # tiny-PPO layouts runnable on 2-4 CPU processes (the issue's measured validation)
@@ -206,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         validate_measured(args.validate_measured)
     else:
         paper_sweep(args.hardware)
+        generation_tp_sweep(args.hardware)
+        search_times(args.hardware)
     return 0
 
 

@@ -13,7 +13,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "sft": ("hybridflow.trainers.cli:sft_main", "supervised fine-tuning on prompt/response pairs"),
     "rm": ("hybridflow.trainers.cli:rm_main", "reward-model training on chosen/rejected pairs"),
     "plan": ("hybridflow.mapping.cli:plan_main", "auto-mapping: placement, allocation and parallelism"),
-    "calibrate": ("hybridflow.mapping.cli:calibrate_main", "measure this machine's FLOP/s and bandwidths"),
+    "calibrate": ("hybridflow.parallel.calibrate:calibrate_main", "measure this machine's FLOP/s and bandwidths"),
 }
 
 

@@ -16,6 +16,8 @@ from hybridflow.mapping.simulator import RoleCost, Simulator
 
 PPO_ROLES = ("actor", "critic", "reference", "reward")
 PAPER_WORKLOAD = Workload(prompts_per_step=1024, prompt_length=1024, response_length=1024)
+# the issue's command: 8 PPO updates per step (1024 samples, mini-batch 128), as in the paper's runs
+PAPER_PPO = Workload(prompts_per_step=1024, prompt_length=1024, response_length=1024, mini_batch_size=128)
 
 
 def a100_cluster(num_devices: int, per_node: int = 8) -> Cluster:
@@ -157,11 +159,14 @@ def test_single_device_training_is_model_flops_over_achievable_flops():
     assert simulator.inference_seconds(spec, "lm", strategy, 1) == pytest.approx(8 * 128 * 2 * per_token / flops)
 
 
-def test_ring_all_reduce_moves_twice_the_shard_fraction_of_the_bytes():
+def test_ring_all_reduce_moves_twice_the_shard_fraction_of_the_bytes_and_pays_every_ring_step():
     simulator = Simulator(workload=PAPER_WORKLOAD, cluster=a100_cluster(16))
-    intra, inter = 300e9 * 0.8, 25e9 * 0.8
-    assert simulator.all_reduce_seconds(1e9, 4, 4) == pytest.approx(1e-5 + 2 * 3 / 4 * 1e9 / intra)
-    assert simulator.all_reduce_seconds(1e9, 2, 16) == pytest.approx(2e-5 + 1e9 / inter)
+    # a100-80g: NVLink 300 GB/s, 200 Gb/s per node shared by its 8 GPUs; 80% of either; 2.5 / 10 us per step
+    intra, inter = 300e9 * 0.8, 25e9 / 8 * 0.8
+    assert simulator.all_reduce_seconds(1e9, 4, 4) == pytest.approx(6 * 2.5e-6 + 2 * 3 / 4 * 1e9 / intra)
+    assert simulator.all_reduce_seconds(1e9, 2, 16) == pytest.approx(2 * 1e-5 + 1e9 / inter)
+    assert simulator.all_gather_seconds(1e9, 8, 8, num_collectives=3) == pytest.approx(3 * 7 * 2.5e-6
+                                                                                        + 7 / 8 * 1e9 / intra)
     assert simulator.all_reduce_seconds(1e9, 1, 1) == 0.0
 
 
@@ -170,10 +175,40 @@ def test_hybrid_engine_transition_moves_the_paper_volume_inside_micro_dp_groups(
     spec = model_spec("llama-7b")
     model_bytes = spec.num_params() * 2
     strategy = RoleStrategy(layout="3d", pp_size=2, tp_size=4, generation_pp_size=1, generation_tp_size=2)
-    # (t p - tg pg) / (tg pg t p) = (8 - 2) / 16 of the model per rank, over NVLink (micro-DP group of 4)
-    assert simulator.transition_seconds(spec, strategy, 16) == pytest.approx(1e-5 + 6 / 16 * model_bytes / 240e9)
+    # (t p - tg pg) / (tg pg t p) = (8 - 2) / 16 of the model per rank; micro-DP groups of 4 ranks
+    # ({0, 1, 4, 5}, ...) lie inside a node: NVLink, 3 ring steps
+    assert simulator.transition_seconds(spec, strategy, 16) == pytest.approx(3 * 2.5e-6 + 6 / 16 * model_bytes / 240e9)
     same = RoleStrategy(layout="3d", pp_size=2, tp_size=4, generation_pp_size=2, generation_tp_size=4)
     assert simulator.transition_seconds(spec, same, 16) == 0.0
+
+
+def test_transition_groups_that_span_pipeline_stages_on_other_nodes_use_the_inter_node_links():
+    from hybridflow.parallel.layout import GenerationLayout, ParallelLayout
+
+    simulator = Simulator(workload=PAPER_WORKLOAD, cluster=a100_cluster(32))
+    spec = model_spec("llama-13b")
+    model_bytes = spec.num_params() * 2
+    strategy = RoleStrategy(layout="3d", pp_size=4, tp_size=8, generation_pp_size=1, generation_tp_size=8)
+    # the project's rank order puts the 4 training stages on 4 nodes; the generation stage gathers them
+    groups = GenerationLayout(train=ParallelLayout.for_world(32, pp_size=4, tp_size=8), pp_size=1,
+                              tp_size=8).micro_dp_groups()
+    assert groups[0] == [0, 8, 16, 24]
+    received = (32 - 8) / (8 * 32) * model_bytes
+    assert simulator.transition_seconds(spec, strategy, 32) == pytest.approx(3 * 1e-5 + received / (25e9 / 8 * 0.8))
+    # the same volume over NVLink when tg shrinks inside each node's TP group instead
+    inside = RoleStrategy(layout="3d", pp_size=4, tp_size=8, generation_pp_size=4, generation_tp_size=2)
+    assert simulator.transition_seconds(spec, inside, 32) == pytest.approx(3 * 2.5e-6 + received / 240e9)
+
+
+def test_the_slowest_pipeline_stage_holds_the_extra_layers_or_the_output_head():
+    from hybridflow.mapping.simulator import slowest_stage
+
+    spec = model_spec("llama-13b")  # 40 layers, 32000 x 5120 output head
+    layer, head = spec.params_per_layer, 32000 * 5120
+    assert slowest_stage(spec, "lm", 1) == (spec.matmul_params(), 40)
+    assert slowest_stage(spec, "lm", 8) == (5 * layer + head, 5)  # 5 layers each, the head on the last
+    assert slowest_stage(spec, "lm", 16) == (3 * layer, 3)  # 3,3,...,2 + head: the first stages are slower
+    assert slowest_stage(spec, "value", 8) == (5 * layer + 5121, 5)
 
 
 def test_generation_runs_in_as_many_waves_as_the_kv_budget_requires():
@@ -341,11 +376,33 @@ def test_profile_files_with_unknown_fields_or_bad_values_are_rejected(tmp_path):
         load_hardware(str(path))
     with pytest.raises(ValueError, match=r"flops_fraction must be in \(0, 1\], got 1.5"):
         HardwareProfile(**(data | {"flops_fraction": 1.5}))
+    path.write_text(json.dumps(data | {"flops_fraction": 1.5}))
+    with pytest.raises(ValueError, match=rf"{path}: HardwareProfile.flops_fraction must be in"):
+        load_hardware(str(path))
+
+
+def test_profile_files_missing_fields_or_not_json_name_the_file_and_the_fields(tmp_path):
+    data = load_hardware("a100-80g").to_dict()
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps({key: value for key, value in data.items() if key not in ("peak_flops", "name")}))
+    missing = r"hardware profile lacks the required fields \['name', 'peak_flops'\]"
+    with pytest.raises(ValueError, match=rf"{path}: {missing}"):
+        load_hardware(str(path))
+    path.write_text('{"name": "gpu", "peak_flops": 1e15,}')
+    with pytest.raises(ValueError, match=rf"hardware profile {path} is not valid JSON: .* at line 1 column"):
+        load_hardware(str(path))
+    path.write_text("[1, 2]")
+    with pytest.raises(ValueError, match=rf"{path}: a hardware profile must be a JSON object of fields, got list"):
+        load_hardware(str(path))
+    # fields added later have defaults, so profiles written before them still load
+    older = {key: value for key, value in data.items() if key != "decode_host_seconds_per_sequence"}
+    path.write_text(json.dumps(older))
+    assert load_hardware(str(path)).decode_host_seconds_per_sequence == 0.0
 
 
 def test_cpu_local_profile_asks_for_calibration_until_measured(tmp_path, monkeypatch):
     monkeypatch.setenv("HYBRIDFLOW_HOME", str(tmp_path))
-    with pytest.raises(ValueError, match="run `hybridflow calibrate` first"):
+    with pytest.raises(ValueError, match="run `hybridflow calibrate` on a machine without a GPU first"):
         load_hardware("cpu-local")
 
 
@@ -440,3 +497,98 @@ def test_layouts_split_the_batch_evenly_or_the_planner_says_why():
     with pytest.raises(ValueError, match="role 'actor' \\(tiny\\) has no layout on 128 devices that splits the batch"):
         plan("ppo", same_model("tiny"), Workload(prompts_per_step=4, prompt_length=8, response_length=8),
              a100_cluster(128))
+
+
+# ---- the paper's findings (section 8.3, figures 12, 13 and 15; docs/mapping.md has the table) ----
+@pytest.mark.parametrize("model, num_devices", [("llama-13b", 16), ("llama-13b", 32), ("llama-13b", 64),
+                                                ("llama-34b", 32), ("llama-34b", 64)])
+def test_with_eight_ppo_updates_the_planner_colocates_everything_up_to_64_gpus_like_the_paper(model, num_devices):
+    best = plan("ppo", same_model(model), PAPER_PPO, a100_cluster(num_devices), top=2)
+    assert best.placement_label == "actor+critic+reference+reward"
+    # the split runner-up loses in generation: the actor gets half the devices
+    runner_up = best.alternatives[0]
+    assert runner_up.stage_seconds["generation"] > best.stage_seconds["generation"]
+
+
+def test_13b_on_96_gpus_puts_actor_and_critic_on_separate_devices_like_the_paper():
+    best = plan("ppo", same_model("llama-13b"), PAPER_PPO, a100_cluster(96), top=1)
+    assert best.pool_of("actor") != best.pool_of("critic")
+
+
+def _generation_seconds_with_tg(model: str, tg: int) -> float:
+    """Figure 15's setting: 16 GPUs, all four models colocated, each 3d 1-8-2, the actor generating with tg."""
+    strategies = {role: RoleStrategy(layout="3d", pp_size=1, tp_size=8) for role in PPO_ROLES}
+    strategies["actor"] = RoleStrategy(layout="3d", pp_size=1, tp_size=8, generation_pp_size=1,
+                                       generation_tp_size=tg)
+    layout = Plan(pools=(PoolPlan(name="all", roles=PPO_ROLES, devices_per_node=(8, 8)),), strategies=strategies)
+    simulated = simulate_plan(layout, "ppo", same_model(model), PAPER_PPO, a100_cluster(16))
+    return simulated.stage_seconds["generation"]
+
+
+def test_generation_tp_sweep_of_figure_15_is_fastest_at_tg_2_for_7b_and_tg_4_for_13b_and_slow_at_tg_8():
+    seconds_7b = {tg: _generation_seconds_with_tg("llama-7b", tg) for tg in (1, 2, 4, 8)}
+    seconds_13b = {tg: _generation_seconds_with_tg("llama-13b", tg) for tg in (1, 2, 4, 8)}
+    assert min(seconds_7b, key=seconds_7b.get) == 2
+    assert min(seconds_13b, key=seconds_13b.get) == 4
+    assert max(seconds_7b, key=seconds_7b.get) == 8  # one replica's host work per step grows with its batch
+    assert seconds_13b[8] > seconds_13b[2] > seconds_13b[4]
+
+
+def test_decode_pays_the_host_time_of_every_sequence_of_a_replica_per_generated_token():
+    workload = Workload(prompts_per_step=64, prompt_length=100, response_length=28)
+    spec = model_spec("llama-7b")
+    strategy = RoleStrategy(layout="3d", tp_size=2, generation_pp_size=1, generation_tp_size=1)
+    per_sequence = 2 * 32 * 4096 * 128 * 2
+    hardware = load_hardware("a100-80g")
+    seconds = {}
+    for host in (0.0, 1e-4):
+        cluster = Cluster(num_devices=2, devices_per_node=2,
+                          hardware=HardwareProfile(**(hardware.to_dict() | {"decode_host_seconds_per_sequence": host})))
+        seconds[host] = Simulator(workload=workload, cluster=cluster).generation_seconds(
+            spec, strategy, 2, 10.5 * per_sequence)[0]
+    # 4 waves of 8 sequences, 28 decode steps each
+    assert seconds[1e-4] - seconds[0.0] == pytest.approx(4 * 28 * 8 * 1e-4)
+
+
+def test_plans_may_generate_with_less_tensor_parallelism_than_they_train_with():
+    best = plan("ppo", same_model("llama-13b"), PAPER_PPO, a100_cluster(128), top=1)
+    actor = best.strategies["actor"]
+    assert actor.generation_tp_size < actor.tp_size
+
+
+def test_colocated_layouts_are_chosen_jointly_so_the_actor_keeps_room_for_its_kv_cache():
+    planner = Planner(dataflow=dataflow("ppo"), models=resolve_models(same_model("llama-13b")),
+                      workload=PAPER_PPO, cluster=a100_cluster(32))
+    joint = planner.set_result(PPO_ROLES, 32)
+    joint_seconds = sum(cost.total_seconds for cost in joint.costs.values())
+    # greedy: every other role takes its fastest layout, the actor the memory that is left
+    fastest = [planner.candidates(role, 32)[0] for role in PPO_ROLES[1:]]
+    greedy_actor = planner.best_actor(32, sum(c.resident_bytes for c in fastest), max(c.transient_bytes
+                                                                                        for c in fastest))
+    greedy_seconds = greedy_actor.total_seconds + sum(cost.total_seconds for cost in fastest)
+    assert joint_seconds < 0.95 * greedy_seconds
+    assert joint.costs["actor"].stage_seconds["generation"] < greedy_actor.stage_seconds["generation"]
+    # and no combination of the roles' candidate layouts that fits does better
+    import itertools
+
+    for combo in itertools.product(*(planner.candidates(role, 32) for role in PPO_ROLES[1:])):
+        actor = planner.best_actor(32, sum(c.resident_bytes for c in combo), max(c.transient_bytes for c in combo))
+        if actor is not None:
+            assert actor.total_seconds + sum(c.total_seconds for c in combo) >= joint_seconds - 1e-9
+
+
+def test_small_micro_batches_lose_efficiency_to_streaming_the_weight_shard():
+    # 16-token sequences, one per micro-batch: 2 x 16 FLOPs per weight element read, below the A100's
+    # 156e12 / 1.63e12 = 96 FLOPs per byte, so each pass is bound by reading the shard (twice more backward)
+    workload = Workload(prompts_per_step=8, prompt_length=8, response_length=8)
+    simulator = Simulator(workload=workload, cluster=a100_cluster(1, 1))
+    spec = model_spec("llama-7b")
+    shard_bytes = spec.matmul_params() * 2
+    bandwidth = 2.039e12 * 0.8
+    strategy = RoleStrategy(layout="3d")
+    assert simulator.inference_seconds(spec, "lm", strategy, 1) == pytest.approx(8 * shard_bytes / bandwidth)
+    assert simulator.training_seconds(spec, "lm", strategy, 1) == pytest.approx(8 * 3 * shard_bytes / bandwidth)
+    # long sequences are compute-bound again (the existing single-device test): efficiency recovers
+    long = Simulator(workload=PAPER_WORKLOAD, cluster=a100_cluster(1, 1))
+    per_token = 2 * (spec.matmul_params() + 32 * 4096 * 2048)
+    assert long.inference_seconds(spec, "lm", strategy, 1) == pytest.approx(1024 * 2048 * per_token / 156e12)

@@ -6,7 +6,8 @@ import pytest
 import yaml
 
 from hybridflow.mapping import Cluster, Plan, Workload, load_hardware, plan
-from hybridflow.mapping.cli import calibrate_main, plan_main
+from hybridflow.mapping.cli import plan_main
+from hybridflow.parallel.calibrate import calibrate_main
 
 TINY_PPO = ["--actor", "tiny", "--critic", "tiny", "--prompt-len", "32", "--response-len", "32", "--batch", "16"]
 
@@ -26,6 +27,9 @@ def test_plan_prints_the_plan_and_writes_the_config_fragment_the_api_returns(tmp
     written = yaml.safe_load(out.read_text())
     assert written == expected.to_config_fragment()
     assert Plan.from_config_fragment(written) == expected.without_prediction()
+    # the header says which batch the plan was searched for (its layouts split exactly that evenly)
+    assert ("# planned for: 1024 prompts per step x 1 samples, prompt 1024 + response 1024 tokens, mini-batch "
+            "1024 samples, 1 epoch(s), micro-batch tokens 2048") in out.read_text()
 
 
 def test_plan_for_an_algorithm_without_critic_defaults_reference_and_reward_to_the_actor(capsys):
@@ -39,13 +43,29 @@ def test_plan_for_an_algorithm_without_critic_defaults_reference_and_reward_to_t
 
 @pytest.mark.parametrize("extra, message", [
     (["--devices", "12"], "Cluster.num_devices 12 must be a multiple of devices_per_node 8"),
-    (["--devices", "8", "--hardware", "tpu"], "unknown hardware 'tpu'; known: a100-80g, h100-80g, h200, cpu-local"),
+    (["--devices", "8", "--hardware", "tpu"],
+     "unknown hardware 'tpu'; known: a100-80g, h100-80g, h200, cpu-local, cuda-local"),
     (["--devices", "8", "--reward", "gpt-9"], "unknown model 'gpt-9'"),
     (["--devices", "8", "--batch", "0"], "Workload.prompts_per_step must be a positive integer, got 0"),
 ])
 def test_plan_reports_bad_input_on_stderr_with_exit_code_2(extra, message, capsys):
     assert plan_main(TINY_PPO + extra) == 2
     assert message in capsys.readouterr().err
+
+
+def test_plan_reports_a_missing_write_folder_and_bad_profile_files_without_a_traceback(tmp_path, capsys):
+    missing = tmp_path / "nowhere" / "plan.yaml"
+    assert plan_main(TINY_PPO + ["--devices", "8", "--write", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert f"--write '{missing}': folder '{missing.parent}' does not exist; create it first" in err
+    assert "Traceback" not in err and not missing.parent.exists()
+    broken = tmp_path / "gpu.json"
+    broken.write_text('{"name": "gpu",')
+    assert plan_main(TINY_PPO + ["--devices", "8", "--hardware", str(broken)]) == 2
+    assert f"hardware profile {broken} is not valid JSON" in capsys.readouterr().err
+    broken.write_text('{"name": "gpu"}')
+    assert plan_main(TINY_PPO + ["--devices", "8", "--hardware", str(broken)]) == 2
+    assert f"{broken}: hardware profile lacks the required fields" in capsys.readouterr().err
 
 
 def test_plan_with_a_rule_based_reward_places_no_reward_model(tmp_path):

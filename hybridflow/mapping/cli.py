@@ -1,15 +1,20 @@
-"""`hybridflow plan` (search a mapping, print it, write it as config) and `hybridflow calibrate`."""
+"""`hybridflow plan`: search a mapping, print it, write it as a config fragment.
+
+(`hybridflow calibrate` lives in hybridflow.parallel.calibrate: it needs torch, the planner does not.)
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 from hybridflow.mapping.cluster import Cluster
 from hybridflow.mapping.dataflow import DATAFLOWS, Dataflow, dataflow
-from hybridflow.mapping.hardware import LOCAL_PROFILE_NAME, builtin_profile_names, load_hardware, local_profile_dir
+from hybridflow.mapping.hardware import LOCAL_PROFILE_NAMES, builtin_profile_names, load_hardware
 from hybridflow.mapping.model_spec import KNOWN_MODELS
 from hybridflow.mapping.plan import format_table
 from hybridflow.mapping.search import plan
@@ -39,8 +44,8 @@ def _plan_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ppo-epochs", type=int, default=1, help="passes over the samples in training")
     parser.add_argument("--micro-batch-tokens", type=int, default=0, help="per rank (0: one sequence)")
     parser.add_argument("--hardware", default="a100-80g",
-                        help=f"{', '.join(builtin_profile_names())}, {LOCAL_PROFILE_NAME} (after `hybridflow "
-                             f"calibrate`) or a profile JSON file (default a100-80g)")
+                        help=f"{', '.join(builtin_profile_names())}, {' or '.join(LOCAL_PROFILE_NAMES.values())} "
+                             f"(after `hybridflow calibrate`) or a profile JSON file (default a100-80g)")
     parser.add_argument("--top", type=int, default=10, help="placements to list (default 10)")
     parser.add_argument("--write", metavar="PATH", help="write the chosen plan as a YAML config fragment")
     return parser
@@ -65,6 +70,8 @@ def _dataflow_and_models(args: argparse.Namespace) -> tuple[Dataflow, dict[str, 
 def plan_main(argv: list[str]) -> int:
     args = _plan_parser().parse_args(argv)
     try:
+        if args.write:
+            _check_writable(args.write)
         workload = Workload(prompts_per_step=args.batch, prompt_length=args.prompt_len,
                             response_length=args.response_len, samples_per_prompt=args.samples_per_prompt,
                             mini_batch_size=args.mini_batch, ppo_epochs=args.ppo_epochs,
@@ -87,30 +94,28 @@ def plan_main(argv: list[str]) -> int:
 
         with open(args.write, "w") as handle:
             handle.write(f"# hybridflow plan: {best.placement_label} on {best.allocation_label} devices, "
-                         f"predicted {best.total_seconds:.1f} s per iteration ({cluster.hardware.name})\n")
+                         f"predicted {best.total_seconds:.1f} s per iteration ({cluster.hardware.name})\n"
+                         f"# planned for: {_workload_text(workload)}\n")
             yaml.safe_dump(best.to_config_fragment(), handle, sort_keys=False)
         print(f"\nwrote {args.write}")
     return 0
 
 
-def calibrate_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="hybridflow calibrate",
-        description="Measure this machine (one-thread fp32 matmul FLOP/s, memory bandwidth, gloo all-reduce "
-                    f"between 2 local processes) and write the hardware profile '{LOCAL_PROFILE_NAME}'.")
-    default_output = local_profile_dir() / f"{LOCAL_PROFILE_NAME}.json"
-    parser.add_argument("--output", default=str(default_output), help=f"profile file (default {default_output})")
-    parser.add_argument("--quick", action="store_true", help="smaller probes (a few seconds, noisier)")
-    args = parser.parse_args(argv)
-    from hybridflow.mapping.calibrate import calibrate
+def _workload_text(workload: Workload) -> str:
+    """The batch the plan was searched for, in the trainer's batch vocabulary (its layouts split it evenly)."""
+    return (f"{workload.prompts_per_step} prompts per step x {workload.samples_per_prompt} samples, prompt "
+            f"{workload.prompt_length} + response {workload.response_length} tokens, mini-batch "
+            f"{workload.samples_per_update} samples, {workload.ppo_epochs} epoch(s), micro-batch tokens "
+            f"{workload.micro_batch_tokens or workload.sequence_length}")
 
-    profile = calibrate(quick=args.quick)
-    path = profile.save(args.output)
-    print(f"matmul (fp32, 1 thread): {profile.peak_flops / 1e9:.1f} GFLOP/s")
-    print(f"memory bandwidth (1 thread): {profile.memory_bandwidth / 1e9:.2f} GB/s")
-    print(f"gloo all-reduce (2 processes): {profile.intra_node_bandwidth / 1e9:.3f} GB/s bus bandwidth, "
-          f"{profile.intra_node_latency_s * 1e6:.0f} us latency")
-    print(f"eager overhead per decoder layer: {profile.layer_overhead_s * 1e6:.0f} us")
-    print(f"memory per process: {profile.device_memory_gib:.2f} GiB; cores: {profile.compute_units_per_node}")
-    print(f"wrote {path}")
-    return 0
+
+def _check_writable(path: str) -> None:
+    """ValueError before searching if ``--write`` cannot create its file."""
+    target = Path(path)
+    folder = target.parent
+    if target.is_dir():
+        raise ValueError(f"--write {path!r} is a folder; give a file path such as {target / 'plan.yaml'}")
+    if not folder.is_dir():
+        raise ValueError(f"--write {path!r}: folder {str(folder)!r} does not exist; create it first")
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"--write {path!r}: folder {str(folder)!r} is not writable")

@@ -57,18 +57,19 @@ class Cluster:
         """Whether pools of these sizes pack into the nodes (sub-node pools first-fit, largest first)."""
         if sum(counts) != self.num_devices:
             return False
-        free = [self.node_size] * (self.num_devices // self.node_size)
-        for count in sorted(counts, reverse=True):
-            if count >= self.node_size:
-                whole = count // self.node_size
-                empty = [i for i, space in enumerate(free) if space == self.node_size][:whole]
-                if len(empty) < whole:
-                    return False
-                for i in empty:
-                    free[i] = 0
+        node = self.node_size
+        whole = sum(count // node for count in counts if count >= node)
+        if any(count >= node and count % node for count in counts):
+            return False
+        free_nodes = self.num_devices // node - whole
+        partial: list[int] = []  # free devices of the nodes sub-node pools have started
+        for count in sorted((count for count in counts if count < node), reverse=True):
+            slot = next((i for i, space in enumerate(partial) if space >= count), None)
+            if slot is not None:
+                partial[slot] -= count
+            elif free_nodes > 0:
+                free_nodes -= 1
+                partial.append(node - count)
             else:
-                slot = next((i for i, space in enumerate(free) if space >= count), None)
-                if slot is None:
-                    return False
-                free[slot] -= count
+                return False
         return True

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
 PROFILE_DIR = Path(__file__).parent / "profiles"
 """The built-in profiles (public spec sheets), one JSON file per device type."""
-LOCAL_PROFILE_NAME = "cpu-local"
-"""The profile `hybridflow calibrate` measures on this machine."""
+LOCAL_PROFILE_NAMES = {"cpu": "cpu-local", "cuda": "cuda-local"}
+"""The profile `hybridflow calibrate` measures on this machine, per device type it finds."""
+LOCAL_PROFILE_NAME = LOCAL_PROFILE_NAMES["cpu"]
 
 GIB = 1024**3
 
@@ -50,15 +51,20 @@ class HardwareProfile:
     link_bandwidth_fraction: float
     """Achievable share of the link bandwidths by collectives (NCCL/gloo bus bandwidth)."""
     intra_node_latency_s: float
-    """Fixed cost of one collective inside a node, seconds."""
+    """Latency of one ring step of a collective inside a node, seconds: a ring all-reduce over g ranks
+    pays 2 (g - 1) of them, an all-gather g - 1, a point-to-point send one."""
     inter_node_latency_s: float
-    """Fixed cost of one collective across nodes, seconds."""
+    """Latency of one ring step of a collective whose ring crosses nodes, seconds."""
     compute_dtype: str = "bf16"
     """'bf16' (mixed precision: bf16 weights, fp32 master weights and Adam) or 'fp32' (everything fp32)."""
     compute_units_per_node: int = 0
     """CPU profiles: cores shared by the processes of one node (when more of its processes are busy
     at once than it has cores, they divide FLOP/s, memory bandwidth and dispatch speed); 0 for
     devices that do not share."""
+    decode_host_seconds_per_sequence: float = 0.0
+    """Host seconds per sequence of a replica's batch per decode step that do not overlap the device
+    (the rollout engine's scheduling, sampling and bookkeeping run between steps): a replica decoding
+    B sequences pays B times this per generated token. 0 where decoding is device-bound."""
     layer_overhead_s: float = 0.0
     """Host seconds per decoder layer per forward pass that do not overlap with compute (a backward
     counts twice): eager op dispatch on CPU, measured by calibrate; 0 on GPUs, whose kernel launches run
@@ -78,7 +84,8 @@ class HardwareProfile:
             value = getattr(self, field_name)
             if not isinstance(value, (int, float)) or not 0 < value <= 1:
                 raise ValueError(f"HardwareProfile.{field_name} must be in (0, 1], got {value!r}")
-        for field_name in ("intra_node_latency_s", "inter_node_latency_s", "layer_overhead_s"):
+        for field_name in ("intra_node_latency_s", "inter_node_latency_s", "layer_overhead_s",
+                           "decode_host_seconds_per_sequence"):
             value = getattr(self, field_name)
             if not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"HardwareProfile.{field_name} must be >= 0 seconds, got {value!r}")
@@ -108,11 +115,23 @@ class HardwareProfile:
 
     @classmethod
     def from_dict(cls, data: dict, *, source: str = "profile") -> "HardwareProfile":
+        """A profile from a JSON object; every error names ``source`` (the file) and the fields."""
+        if not isinstance(data, dict):
+            raise ValueError(f"{source}: a hardware profile must be a JSON object of fields, "
+                             f"got {type(data).__name__}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"{source}: unknown hardware profile fields {unknown}; allowed: {sorted(known)}")
-        return cls(**data)
+        required = sorted(f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING)
+        missing = [name for name in required if name not in data]
+        if missing:
+            raise ValueError(f"{source}: hardware profile lacks the required fields {missing}; "
+                             f"required: {required}")
+        try:
+            return cls(**data)
+        except ValueError as error:
+            raise ValueError(f"{source}: {error}") from None
 
 
 def builtin_profile_names() -> list[str]:
@@ -124,17 +143,25 @@ def load_hardware(name_or_path: str | HardwareProfile) -> HardwareProfile:
     if isinstance(name_or_path, HardwareProfile):
         return name_or_path
     key = str(name_or_path).lower()
-    if key == LOCAL_PROFILE_NAME:
-        path = local_profile_dir() / f"{LOCAL_PROFILE_NAME}.json"
+    if key in LOCAL_PROFILE_NAMES.values():
+        path = local_profile_dir() / f"{key}.json"
         if not path.is_file():
-            raise ValueError(f"hardware {LOCAL_PROFILE_NAME!r} has not been measured on this machine yet "
-                             f"(no {path}); run `hybridflow calibrate` first")
+            device = "a CUDA machine" if key == LOCAL_PROFILE_NAMES["cuda"] else "a machine without a GPU"
+            raise ValueError(f"hardware {key!r} has not been measured on this machine yet "
+                             f"(no {path}); run `hybridflow calibrate` on {device} first")
     elif (PROFILE_DIR / f"{key}.json").is_file():
         path = PROFILE_DIR / f"{key}.json"
     else:
         path = Path(name_or_path)
         if not path.is_file():
             raise ValueError(f"unknown hardware {name_or_path!r}; known: "
-                             f"{', '.join(builtin_profile_names() + [LOCAL_PROFILE_NAME])}, or a profile JSON file")
-    with open(path) as handle:
-        return HardwareProfile.from_dict(json.load(handle), source=str(path))
+                             f"{', '.join(builtin_profile_names() + list(LOCAL_PROFILE_NAMES.values()))}, "
+                             f"or a profile JSON file")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"hardware profile {path} is not valid JSON: {error.msg} at line {error.lineno} "
+                         f"column {error.colno}") from None
+    except OSError as error:
+        raise ValueError(f"hardware profile {path} cannot be read: {error.strerror}") from None
+    return HardwareProfile.from_dict(data, source=str(path))

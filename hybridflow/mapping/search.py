@@ -12,6 +12,7 @@ Paper Algorithm 1 (placements x allocations) and Algorithm 2 (parallel strategy 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 from typing import Iterator, Mapping, Sequence, TypeVar
@@ -51,13 +52,41 @@ def pareto_front(costs: list[RoleCost]) -> list[RoleCost]:
     return front
 
 
+MAX_FRONT = 8
+"""Layouts per colocated role tried jointly: the fastest, the most frugal and others evenly between."""
+
+
+def _spread(front: list[RoleCost], count: int) -> list[RoleCost]:
+    """At most ``count`` entries of a Pareto front (fastest first), keeping both ends."""
+    if len(front) <= count:
+        return front
+    return [front[round(i * (len(front) - 1) / (count - 1))] for i in range(count)]
+
+
+def _combinations_front(fronts: list[list[RoleCost]]) -> list[tuple[float, float, float, tuple[RoleCost, ...]]]:
+    """(summed seconds, summed resident bytes, largest transient bytes, costs) of every choice of one
+    entry per front that no other choice beats on all three: the only candidates for a joint choice."""
+    combos = [(0.0, 0.0, 0.0, ())]
+    for front in fronts:
+        combos = [(seconds + cost.total_seconds, resident + cost.resident_bytes,
+                   max(transient, cost.transient_bytes), chosen + (cost,))
+                  for seconds, resident, transient, chosen in combos for cost in front]
+        combos.sort(key=lambda combo: combo[:3])
+        kept: list[tuple] = []
+        for combo in combos:  # drop dominated choices (sorted by seconds: a kept one is at least as fast)
+            if not any(k[1] <= combo[1] and k[2] <= combo[2] for k in kept):
+                kept.append(combo)
+        combos = kept
+    return combos
+
+
 @dataclass(frozen=True)
 class SetResult:
     """The chosen costs of one colocated set's roles on a device count."""
 
     costs: dict[str, RoleCost]
 
-    @property
+    @functools.cached_property
     def stage_seconds(self) -> dict[str, float]:
         # fsum is exactly rounded, so the result does not depend on the order of the roles
         return {stage: math.fsum(cost.stage_seconds.get(stage, 0.0) for cost in self.costs.values())
@@ -82,6 +111,7 @@ class Planner:
         self.simulator = self._simulator(1.0)
         self._candidates: dict[tuple, list[RoleCost]] = {}
         self._actor: dict[tuple, RoleCost | None] = {}
+        self._actor_alone: dict[tuple, list[RoleCost]] = {}
         self._sets: dict[tuple, SetResult | None] = {}
 
     # ---- one role ----------------------------------------------------------------------------
@@ -149,62 +179,67 @@ class Planner:
             self._candidates[key] = pareto_front([cost for cost in costs if cost is not None])
         return self._candidates[key]
 
+    def actor_costs(self, num_devices: int, shares: tuple[float, ...] = NO_SHARING) -> list[RoleCost]:
+        """The actor's strategies that fit alone on ``num_devices``, each with the memory its generation
+        leaves for the KV cache; generation seconds are recomputed for the memory colocated roles leave."""
+        role = self.dataflow.actor_role
+        key = (self.models[role], num_devices, shares)
+        if key not in self._actor_alone:
+            costs = [self._cost(role, strategy, num_devices, shares=shares)
+                     for strategy in self._strategies(role, num_devices)]
+            self._actor_alone[key] = [cost for cost in costs if cost is not None]
+        return self._actor_alone[key]
+
     def best_actor(self, num_devices: int, other_resident: float = 0.0, other_transient: float = 0.0,
                    shares: tuple[float, ...] = NO_SHARING) -> RoleCost | None:
         """The actor's fastest strategy next to colocated roles holding the given memory (cached)."""
         role = self.dataflow.actor_role
         key = (self.models[role], num_devices, other_resident, other_transient, shares)
         if key not in self._actor:
-            costs = [self._cost(role, strategy, num_devices, other_resident, other_transient, shares)
-                     for strategy in self._strategies(role, num_devices)]
-            feasible = [cost for cost in costs if cost is not None]
-            self._actor[key] = min(feasible, key=lambda c: c.total_seconds) if feasible else None
+            best = None
+            for alone in self.actor_costs(num_devices, shares):
+                if other_resident + alone.resident_bytes + max(alone.transient_bytes, other_transient) \
+                        > self.simulator.budget_bytes:
+                    continue
+                # generation only gets slower with less memory: skip strategies that cannot win
+                if best is not None and alone.total_seconds >= best.total_seconds:
+                    continue
+                cost = self._cost(role, alone.strategy, num_devices, other_resident, other_transient, shares)
+                if cost is not None and (best is None or cost.total_seconds < best.total_seconds):
+                    best = cost
+            self._actor[key] = best
         return self._actor[key]
 
     # ---- one colocated set -------------------------------------------------------------------
     def set_result(self, roles: tuple[str, ...], num_devices: int,
                    shares: tuple[float, ...] = NO_SHARING) -> SetResult | None:
-        """The roles' strategies on one pool of ``num_devices``, or None if they cannot fit together."""
+        """The roles' strategies on one pool of ``num_devices``, chosen jointly: the combination of
+        layouts with the least summed time among those that fit together, the actor's generation
+        taking the KV cache the others leave (None if they cannot fit together)."""
         key = (roles, num_devices, shares)
         if key in self._sets:
             return self._sets[key]
         actor = self.dataflow.actor_role if self.dataflow.actor_role in roles else None
         others = [role for role in roles if role != actor]
-        fronts = {role: self.candidates(role, num_devices, shares) for role in others}
+        fronts = [_spread(self.candidates(role, num_devices, shares), MAX_FRONT) for role in others]
         result = None
-        if all(fronts.values()):
-            choice = {role: 0 for role in others}
-            while True:
-                chosen = {role: fronts[role][choice[role]] for role in others}
-                resident = sum(cost.resident_bytes for cost in chosen.values())
-                transient = max((cost.transient_bytes for cost in chosen.values()), default=0.0)
-                if actor is not None:
-                    actor_cost = self.best_actor(num_devices, resident, transient, shares)
-                    if actor_cost is not None:
-                        result = SetResult(costs={actor: actor_cost, **chosen})
-                        break
-                elif resident + transient <= self.simulator.budget_bytes:
-                    result = SetResult(costs=chosen)
-                    break
-                step = self._cheapest_memory_step(fronts, choice)
-                if step is None:
-                    break
-                choice[step] += 1
+        if all(fronts):
+            budget = self.simulator.budget_bytes
+            best_seconds = float("inf")
+            for combo in _combinations_front(fronts):
+                seconds, resident, transient, chosen = combo
+                if resident + transient > budget:
+                    continue
+                if actor is None:
+                    if seconds < best_seconds:
+                        best_seconds, result = seconds, SetResult(costs=dict(zip(others, chosen)))
+                    continue
+                actor_cost = self.best_actor(num_devices, resident, transient, shares)
+                if actor_cost is not None and seconds + actor_cost.total_seconds < best_seconds:
+                    best_seconds = seconds + actor_cost.total_seconds
+                    result = SetResult(costs={actor: actor_cost, **dict(zip(others, chosen))})
         self._sets[key] = result
         return result
-
-    @staticmethod
-    def _cheapest_memory_step(fronts: dict[str, list[RoleCost]], choice: dict[str, int]) -> str | None:
-        """The role whose next slower strategy frees memory at the fewest extra seconds per byte."""
-        best_role, best_rate = None, float("inf")
-        for role, index in choice.items():
-            if index + 1 < len(fronts[role]):
-                current, slower = fronts[role][index], fronts[role][index + 1]
-                extra_seconds = slower.total_seconds - current.total_seconds
-                rate = extra_seconds / (current.footprint_bytes - slower.footprint_bytes)
-                if rate < best_rate:
-                    best_role, best_rate = role, rate
-        return best_role
 
     def min_devices(self, roles: tuple[str, ...]) -> int | None:
         """Fewest devices (among the node-aligned counts) on which the set fits, or None."""
@@ -228,6 +263,14 @@ class Planner:
                     yield from extend(prefix + (count,), remaining - count)
 
         yield from extend((), total)
+
+    def total_seconds_of(self, sets: Sequence[tuple[str, ...]], allocation: Sequence[int]) -> float | None:
+        """plan_for(sets, allocation).total_seconds without building the plan (the search's inner loop)."""
+        shares = self.stage_shares(sets, allocation)
+        results = [self.set_result(roles, count, shares) for roles, count in zip(sets, allocation)]
+        if any(result is None for result in results):
+            return None
+        return sum(max(result.stage_seconds[stage] for result in results) for stage in STAGES)
 
     def plan_for(self, sets: Sequence[tuple[str, ...]], allocation: Sequence[int]) -> Plan | None:
         """The simulated plan of one placement and allocation (None if a set does not fit)."""
@@ -299,13 +342,13 @@ class Planner:
             minimums = [self.min_devices(block) for block in sets]
             if any(minimum is None for minimum in minimums):
                 continue
-            best: Plan | None = None
+            best_allocation, best_seconds = None, float("inf")
             for allocation in self.allocations(minimums):
-                candidate = self.plan_for(sets, allocation)
-                if candidate is not None and (best is None or candidate.total_seconds < best.total_seconds):
-                    best = candidate
-            if best is not None:
-                best_per_placement.append(best)
+                seconds = self.total_seconds_of(sets, allocation)
+                if seconds is not None and seconds < best_seconds:
+                    best_allocation, best_seconds = allocation, seconds
+            if best_allocation is not None:
+                best_per_placement.append(self.plan_for(sets, best_allocation))
         if not best_per_placement:
             raise ValueError(f"no placement of {', '.join(roles)} fits {self.cluster.num_devices} devices of "
                              f"{self._usable_text()}: every role fits alone on all devices, but not together "

@@ -1,11 +1,14 @@
 """Simulator: predicted memory and seconds of one role under one parallel strategy (paper section 6).
 
-Training and inference are modeled as compute-bound (model FLOPs / achievable FLOP/s) plus the
-communication they cannot hide: tensor-parallel all-reduces, pipeline sends and bubble,
-data-parallel gradient all-reduce (3d), overlapped parameter gathers (fsdp). Generation is modeled
-as memory-bound: every decode step streams the weights and the KV cache of its batch through
-memory (roofline with the step's FLOPs), the batch is bounded by the memory left for the KV cache,
-and the actor pays the 3D-HybridEngine's resharding (paper Table 2) before generating.
+Training and inference are modeled as compute-bound (the slowest pipeline stage's FLOPs / achievable
+FLOP/s, at least the time to stream the weight shard once per micro-batch) plus the communication
+they cannot hide: tensor-parallel all-reduces, pipeline sends and bubble, data-parallel gradient
+all-reduce (3d), overlapped parameter gathers (fsdp). Generation is modeled as memory-bound: every
+decode step streams the weights and the KV cache of its batch through memory (roofline with the
+step's FLOPs), pays 2 tensor-parallel all-reduces per layer and the rollout engine's host time per
+sequence of the replica's batch; the batch is bounded by the memory left for the KV cache, and the
+actor pays the 3D-HybridEngine's resharding (paper Table 2) before generating. Links (NVLink or
+the inter-node network) follow the rank order of hybridflow.parallel.layout.
 
 Symbols in the formulas: N parameters (that multiply per token), L layers, h hidden size,
 S = P + T sequence length, e bytes per element, p/t/d training pipeline/tensor/data sizes,
@@ -14,6 +17,7 @@ pg/tg generation sizes, n devices of the role's pool.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -21,6 +25,7 @@ from hybridflow.mapping.cluster import Cluster
 from hybridflow.mapping.model_spec import ModelSpec
 from hybridflow.mapping.strategy import RoleStrategy
 from hybridflow.mapping.workload import Workload
+from hybridflow.parallel.layout import GenerationLayout, ParallelLayout
 
 # Activations one decoder layer keeps for backward, in elements per token per hidden unit, with
 # flash attention (no S x S scores) and sequence parallelism (all of it split over t): the 34 bytes
@@ -34,6 +39,36 @@ OPTIMIZER_BYTES = {"bf16": 4 + 4 + 4, "fp32": 4 + 4}
 # FSDP2 keeps fp32 sharded parameters (bf16 copies exist only while gathered), fp32 gradients and Adam.
 FSDP_STATE_BYTES = 4 + 4 + 8
 LOGIT_BYTES = 4  # log-softmax of the vocabulary head is taken in fp32
+
+
+@functools.lru_cache(maxsize=4096)
+def _groups_cross_nodes(world: int, pp_size: int, tp_size: int, generation_pp_size: int,
+                        generation_tp_size: int, node_size: int) -> bool:
+    train = ParallelLayout.for_world(world, pp_size=pp_size, tp_size=tp_size)
+    layout = GenerationLayout(train=train, pp_size=generation_pp_size, tp_size=generation_tp_size)
+    return any(len({rank // node_size for rank in group}) > 1 for group in layout.micro_dp_groups())
+
+
+def micro_dp_groups_cross_nodes(num_devices: int, strategy: RoleStrategy, node_size: int) -> bool:
+    """Whether the 3D-HybridEngine's all-gather groups (micro-DP groups) of ``strategy`` on a pool of
+    ``num_devices`` leave a node, with ranks numbered as hybridflow.parallel.layout numbers them."""
+    # groups lie inside one training replica (p t consecutive ranks), so the pattern of node crossings
+    # repeats every lcm(p t, node size) ranks: that many ranks decide it
+    world = min(num_devices, math.lcm(strategy.model_parallel_size, node_size))
+    return _groups_cross_nodes(world, strategy.pp_size, strategy.tp_size, strategy.generation_pp_size,
+                               strategy.generation_tp_size, node_size)
+
+
+def slowest_stage(spec: ModelSpec, head: str, pp_size: int) -> tuple[int, int]:
+    """(matmul parameters, decoder layers) of the pipeline stage with the most work: the first stages
+    hold ceil(L / p) layers, the last floor(L / p) layers and the output head (p = 1: the whole model)."""
+    if pp_size == 1:
+        return spec.matmul_params(head=head), spec.num_layers
+    base, extra = divmod(spec.num_layers, pp_size)
+    first_layers = base + (1 if extra else 0)
+    first = (first_layers * spec.params_per_layer, first_layers)
+    last = (base * spec.params_per_layer + spec.head_params(head), base)
+    return max(first, last)
 
 
 @dataclass(frozen=True)
@@ -80,36 +115,44 @@ class Simulator:
         self.layer_overhead_s = hardware.layer_overhead_s / compute_share
 
     # ---- links -------------------------------------------------------------------------------
-    def _link(self, group_span: int) -> tuple[float, float]:
-        """(bandwidth bytes/s, latency s) of a group whose ranks lie within ``group_span`` consecutive ranks."""
+    def crosses_nodes(self, group_span: int) -> bool:
+        """Whether a group whose ranks lie within ``group_span`` consecutive ranks of a pool leaves a node
+        (pools larger than a node take whole nodes, smaller ones lie inside one)."""
+        return group_span > self.cluster.node_size
+
+    def _link(self, crosses_nodes: bool) -> tuple[float, float]:
+        """(bandwidth bytes/s per device, latency of one ring step s) of a group's links."""
         hardware = self.cluster.hardware
         # a collective waits for every rank to be scheduled: when processes outnumber cores its fixed
         # cost grows like host work (compute_share is 1 on devices that do not share cores)
         share = self.compute_share
-        if group_span <= self.cluster.node_size:
-            bandwidth, latency = hardware.intra_node_bandwidth, hardware.intra_node_latency_s
-        else:
+        if crosses_nodes:
             bandwidth, latency = hardware.inter_node_bandwidth, hardware.inter_node_latency_s
+        else:
+            bandwidth, latency = hardware.intra_node_bandwidth, hardware.intra_node_latency_s
         return bandwidth * hardware.link_bandwidth_fraction, latency / share
 
-    def all_reduce_seconds(self, num_bytes: float, group_size: int, group_span: int) -> float:
-        """Ring all-reduce of ``num_bytes`` on every rank: 2 (g-1)/g of it crosses each rank's link."""
+    def all_reduce_seconds(self, num_bytes: float, group_size: int, group_span: int, *,
+                           crosses_nodes: bool | None = None) -> float:
+        """Ring all-reduce of ``num_bytes`` on every rank: 2 (g-1) steps, 2 (g-1)/g of the bytes per link."""
         if group_size <= 1:
             return 0.0
-        bandwidth, latency = self._link(group_span)
-        return latency + 2 * (group_size - 1) / group_size * num_bytes / bandwidth
+        crosses = self.crosses_nodes(group_span) if crosses_nodes is None else crosses_nodes
+        bandwidth, latency = self._link(crosses)
+        return 2 * (group_size - 1) * latency + 2 * (group_size - 1) / group_size * num_bytes / bandwidth
 
     def all_gather_seconds(self, num_bytes: float, group_size: int, group_span: int, *,
-                           num_collectives: int = 1) -> float:
-        """Ring all-gather (or reduce-scatter) of a ``num_bytes`` whole: (g-1)/g of it crosses each link;
-        split over ``num_collectives`` calls (e.g. one per FSDP unit), each paying the latency."""
+                           num_collectives: int = 1, crosses_nodes: bool | None = None) -> float:
+        """Ring all-gather (or reduce-scatter) of a ``num_bytes`` whole: g-1 steps, (g-1)/g of it per link;
+        split over ``num_collectives`` calls (e.g. one per FSDP unit), each paying the steps' latency."""
         if group_size <= 1:
             return 0.0
-        bandwidth, latency = self._link(group_span)
-        return num_collectives * latency + (group_size - 1) / group_size * num_bytes / bandwidth
+        crosses = self.crosses_nodes(group_span) if crosses_nodes is None else crosses_nodes
+        bandwidth, latency = self._link(crosses)
+        return num_collectives * (group_size - 1) * latency + (group_size - 1) / group_size * num_bytes / bandwidth
 
     def send_seconds(self, num_bytes: float, group_span: int) -> float:
-        bandwidth, latency = self._link(group_span)
+        bandwidth, latency = self._link(self.crosses_nodes(group_span))
         return latency + num_bytes / bandwidth
 
     # ---- memory ------------------------------------------------------------------------------
@@ -149,10 +192,20 @@ class Simulator:
         dp_size = strategy.dp_size(num_devices)
         sequences_per_rank = math.ceil(sequences / dp_size)
         work_factor = 3 if backward else 1
-        attention_flops = spec.num_layers * spec.hidden_size * seq_len
-        flops_per_token = 2 * work_factor * (spec.matmul_params(head=head) + attention_flops)
+        # a pipeline runs at the pace of its slowest stage: the first stages take the extra layers when
+        # p does not divide L (hybridflow.parallel.layout.stage_layer_range), the last one the output head
+        stage_params, stage_layers = slowest_stage(spec, head, strategy.pp_size)
+        flops_per_token = 2 * work_factor * (stage_params + stage_layers * spec.hidden_size * seq_len)
         micro_batches = math.ceil(sequences_per_rank / workload.sequences_per_micro_batch)
-        compute = passes * sequences_per_rank * seq_len * flops_per_token / strategy.model_parallel_size / self.flops
+        compute = passes * sequences_per_rank * seq_len * flops_per_token / strategy.tp_size / self.flops
+        # efficiency falls with the work per device: every micro-batch streams the device's weight shard
+        # (forward; backward reads it again and writes its gradient), so a pass takes at least that
+        # memory time: the roofline, whose knee is peak FLOP/s / bandwidth tokens per micro-batch
+        shard_bytes = spec.matmul_params(head=head) * self.element_bytes / strategy.model_parallel_size
+        if strategy.layout == "fsdp":
+            shard_bytes = spec.matmul_params(head=head) * self.element_bytes  # each rank runs the whole model
+        streaming = passes * micro_batches * work_factor * shard_bytes / self.memory_bandwidth
+        compute = max(compute, streaming)
         compute += passes * micro_batches * work_factor * spec.num_layers / strategy.pp_size * self.layer_overhead_s
         micro_tokens = workload.sequences_per_micro_batch * seq_len
         activation_bytes = micro_tokens * spec.hidden_size * self.element_bytes
@@ -215,8 +268,11 @@ class Simulator:
         if micro_dp_size == 1:
             return 0.0
         received = (train_size - gen_size) / (gen_size * train_size) * model_bytes
-        bandwidth, latency = self._link(micro_dp_size)
-        return latency + received / bandwidth
+        # every micro-DP group gathers at once; which links it uses follows the project's rank order
+        # (hybridflow.parallel.layout): with pg < p a group spans training stages t ranks apart
+        crosses = micro_dp_groups_cross_nodes(num_devices, strategy, self.cluster.node_size)
+        bandwidth, latency = self._link(crosses)
+        return (micro_dp_size - 1) * latency + received / bandwidth
 
     def kv_bytes_per_sequence(self, spec: ModelSpec, strategy: RoleStrategy) -> float:
         """Per device: keys and values of one full sequence on this rank's layers and heads."""
@@ -260,7 +316,11 @@ class Simulator:
 
         prefill = pass_seconds(batch * prompt_len, batch * prompt_len, batch * prompt_len * prompt_len / 2)
         mean_context = prompt_len + response_len / 2
-        decode = response_len * pass_seconds(batch, batch * mean_context, batch * mean_context)
+        # between decode steps the rollout engine's host work (scheduling, sampling inputs, bookkeeping)
+        # grows with the replica's batch and does not overlap the device: few large replicas (large tg)
+        # pay more of it than many small ones
+        host = batch * self.cluster.hardware.decode_host_seconds_per_sequence / self.compute_share
+        decode = response_len * (pass_seconds(batch, batch * mean_context, batch * mean_context) + host)
         seconds = self.generation_passes * waves * (prefill + decode)
         return seconds, {"generation_waves": float(waves), "generation_batch": float(batch)}
 
