@@ -205,7 +205,11 @@ def test_local_shards_of_a_pipeline_stage_hold_its_layers_under_global_indices(w
 def test_export_from_pipeline_layout_loads_with_from_pretrained_and_reproduces_logits(reference, world2):
     from transformers import AutoModelForCausalLM
 
-    exported = AutoModelForCausalLM.from_pretrained(str(world2[1] / "export"))
+    export = world2[1] / "export"
+    # one file per stage, written by that stage, and the index: nothing was gathered across stages
+    assert sorted(p.name for p in export.glob("*.safetensors*")) == [
+        "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
+    exported = AutoModelForCausalLM.from_pretrained(str(export))
     expected = build_tiny_model()
     expected.load_state_dict({name: torch.from_numpy(value) for name, value in reference[1].items()})
     batch = make_batch()

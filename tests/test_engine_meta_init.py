@@ -104,3 +104,22 @@ def test_from_model_config_reads_a_checkpoint_on_meta_and_builds_a_tiny_model_wh
     assert all(torch.equal(got[key], want[key]) for key in got)
     tiny = TrainingEngine.from_model_config(EngineConfig(), ModelConfig(tiny={}, seed=2))
     assert tiny.full_state_dict().keys() == got.keys()
+
+
+def _bf16_fsdp_step(rank, world_size):
+    config = EngineConfig(layout="fsdp", micro_batch_tokens=64, dtype="bfloat16", optim=OptimConfig(lr=1e-2, eps=1e-4))
+    engine = TrainingEngine(config, lambda: build_model(ModelConfig(tiny={}, seed=5)))
+    loss = engine.train_step(_batch(), _loss)["loss"]
+    dtypes = {param.dtype for param in engine.model.parameters()}
+    return loss, dtypes
+
+
+def test_fsdp_with_bf16_compute_gathers_bf16_keeps_fp32_master_weights_and_matches_one_process():
+    # MixedPrecisionPolicy: bf16 all-gather and forward, fp32 gradient reduction and master weights
+    (loss_a, dtypes), (loss_b, _) = run_distributed(_bf16_fsdp_step, 2)
+    single = TrainingEngine(EngineConfig(micro_batch_tokens=64, dtype="bfloat16", optim=OptimConfig(lr=1e-2, eps=1e-4)),
+                            lambda: build_model(ModelConfig(tiny={}, seed=5)))
+    want = single.train_step(_batch(), _loss)["loss"]
+    assert dtypes == {torch.float32}
+    assert loss_a == loss_b
+    assert loss_a == pytest.approx(want, rel=2e-2)

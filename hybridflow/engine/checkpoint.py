@@ -137,14 +137,21 @@ def load_checkpoint(engine: "TrainingEngine", directory: str) -> None:
     engine.step = int(record["step"])
 
 
-def gather_full_state_dict(engine: "TrainingEngine") -> dict[str, torch.Tensor]:
-    """Full CPU tensors of every parameter (HF names) on global rank 0, {} on the other ranks."""
+def _full_stage_tensors(engine: "TrainingEngine") -> dict[str, torch.Tensor]:
+    """This rank's stage as full CPU tensors (HF names): tensor/data-parallel shards gathered one parameter
+    at a time, so device memory holds at most one full parameter beyond the shards."""
     local: dict[str, torch.Tensor] = {}
     for name, tensor in engine.model.state_dict().items():
-        if name.endswith("rotary_emb.inv_freq") or "rotary_emb" in name:
+        if "rotary_emb" in name:
             continue
         full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
         local[name] = full.detach().to("cpu", copy=True)
+    return local
+
+
+def gather_full_state_dict(engine: "TrainingEngine") -> dict[str, torch.Tensor]:
+    """Full CPU tensors of every parameter (HF names) on global rank 0, {} on the other ranks."""
+    local = _full_stage_tensors(engine)
     if engine.layout.pp_size == 1:
         return local if _is_rank0() else {}
     # one rank per stage (dp 0, tp 0) contributes its stage's tensors
@@ -161,19 +168,43 @@ def gather_full_state_dict(engine: "TrainingEngine") -> dict[str, torch.Tensor]:
 
 
 def export_hf(engine: "TrainingEngine", directory: str) -> None:
-    """Write config.json + model.safetensors that ``from_pretrained`` loads (any layout -> full weights)."""
+    """Write config.json + safetensors that ``from_pretrained`` loads (any layout -> full weights).
+
+    Nothing is gathered across pipeline stages: one rank per stage (dp 0, tp 0) writes its stage's
+    file, ``model-0000k-of-0000p.safetensors``, and rank 0 writes the index Hugging Face reads
+    (``model.safetensors.index.json``); with one stage it is a single ``model.safetensors``.
+    """
     from safetensors.torch import save_file
 
-    state = gather_full_state_dict(engine)
+    state = _full_stage_tensors(engine)
+    tied = bool(getattr(engine.hf_config, "tie_word_embeddings", False))
+    if tied:
+        state.pop(OUTPUT_HEAD, None)  # transformers re-ties it to the input embedding
+    pp_size, coords = engine.layout.pp_size, engine.coords
+    writes = coords.dp_rank == 0 and coords.tp_rank == 0
+    file_name = ("model.safetensors" if pp_size == 1
+                 else f"model-{coords.pp_rank + 1:05d}-of-{pp_size:05d}.safetensors")
     tmp = _begin_atomic(directory)
+    if writes:
+        save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(tmp, file_name),
+                  metadata={"format": "pt"})
+    if pp_size > 1:
+        mine = {name: (file_name, t.numel() * t.element_size()) for name, t in state.items()} if writes else {}
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)  # names and sizes only
+        if _is_rank0():
+            weight_map, total = {}, 0
+            for part in everyone:
+                for name, (file, size) in part.items():
+                    weight_map[name] = file
+                    total += size
+            with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as handle:
+                json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
+                          handle, indent=2)
     if _is_rank0():
         hf_config = copy.deepcopy(engine.hf_config)
-        if getattr(hf_config, "tie_word_embeddings", False):
-            state.pop("lm_head.weight", None)  # transformers re-ties it to the input embedding
         family = type(engine.hf_config).__name__.removesuffix("Config")
         suffix = "ForCausalLM" if engine.head == "lm" else "ForTokenClassification"
         hf_config.architectures = [family + suffix]
         hf_config.save_pretrained(tmp)
-        save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(tmp, "model.safetensors"),
-                  metadata={"format": "pt"})
     _commit_atomic(tmp, directory)

@@ -161,6 +161,7 @@ class DecoderStage:
         self._check_weights()
         any_piece = next(iter(weights.values()))[0]
         self.dtype, self.device = any_piece.dtype, any_piece.device
+        self.inv_freq = self.inv_freq.to(self.device)  # once, not a host-to-device copy per decode step
 
     @classmethod
     def from_state_dict(cls, hf_config, state_dict: dict[str, torch.Tensor]) -> "DecoderStage":
@@ -229,7 +230,7 @@ class DecoderStage:
         return self._rms_norm(hidden, "model.norm.weight")
 
     def _rope(self, positions_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs_BSd = positions_BS.float().unsqueeze(-1) * self.inv_freq.to(positions_BS.device)
+        freqs_BSd = positions_BS.float().unsqueeze(-1) * self.inv_freq
         angles_BSD = torch.cat((freqs_BSd, freqs_BSd), dim=-1)
         cos = (angles_BSD.cos() * self.rope_scaling).to(self.dtype).unsqueeze(1)
         sin = (angles_BSD.sin() * self.rope_scaling).to(self.dtype).unsqueeze(1)
@@ -248,13 +249,12 @@ class DecoderStage:
         end = cache.length + S
         cache.keys[slot][:, :, cache.length:end] = k_BNSD
         cache.values[slot][:, :, cache.length:end] = v_BNSD
-        keys_BNLD, values_BNLD = cache.keys[slot][:, :, :end], cache.values[slot][:, :, :end]
-        groups = self.local_heads // self.local_kv_heads
-        if groups > 1:
-            keys_BNLD = keys_BNLD.repeat_interleave(groups, dim=1)
-            values_BNLD = values_BNLD.repeat_interleave(groups, dim=1)
-        out_BNSD = F.scaled_dot_product_attention(q_BNSD, keys_BNLD, values_BNLD, attn_mask=mask_B1SL,
-                                                  scale=D ** -0.5)
+        keys_BKLD, values_BKLD = cache.keys[slot][:, :, :end], cache.values[slot][:, :, :end]
+        # grouped-query attention inside SDPA: expanding the cache to every query head would copy the
+        # whole KV cache once per layer per decode step
+        out_BNSD = F.scaled_dot_product_attention(q_BNSD, keys_BKLD, values_BKLD, attn_mask=mask_B1SL,
+                                                  scale=D ** -0.5,
+                                                  enable_gqa=self.local_heads != self.local_kv_heads)
         out_BSX = out_BNSD.transpose(1, 2).reshape(B, S, self.local_heads * D)
         return self._row(out_BSX, f"{prefix}.o_proj")
 

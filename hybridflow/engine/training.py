@@ -112,7 +112,9 @@ class TrainingEngine:
 
             apply_tensor_parallel(stage, self.mesh["tp"])
         if self.config.layout == "fsdp" and self.layout.dp_size > 1:
-            apply_fsdp(stage, self.mesh["dp"], cpu_offload=self.config.fsdp_cpu_offload)
+            compute = self.config.compute_dtype
+            apply_fsdp(stage, self.mesh["dp"], cpu_offload=self.config.fsdp_cpu_offload,
+                       param_dtype=None if compute == torch.float32 else compute)
         return stage
 
     def _materialize(self, weights_path: str, head_seed: int) -> None:
@@ -342,6 +344,9 @@ class TrainingEngine:
         if self.config.optim.grad_clip is not None:
             clip_gradients(self.params, self.config.optim.grad_clip, grad_norm)
         self.optimizer.step()
+        # gradients are dead until the next backward: free them now, not at the next step, so they do
+        # not sit in memory through generation and scoring (a full fp32 copy of the model)
+        self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return metrics
 
