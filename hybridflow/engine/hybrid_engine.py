@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -44,8 +45,11 @@ class HybridEngineConfig:
     """pg: generation pipeline stages; divides the training pp_size."""
     tp_size: int = 1
     """tg: generation tensor-parallel size; divides the training tp_size."""
-    strategy: str = "hybrid"
-    """'hybrid' (zero redundancy, the paper's), 'vanilla' (consecutive groups) or 'full_gather'."""
+    strategy: Literal["hybrid", "vanilla", "full_gather"] = "hybrid"
+    """How the actor goes from its training shards to its generation shards: ``hybrid`` (the paper's
+    zero-redundancy grouping), or a baseline for measurement: ``vanilla`` (consecutive generation TP groups,
+    a redundant copy) or ``full_gather`` (every rank gathers the whole model, as DeepSpeed-Chat does; needs
+    pp_size = tp_size = 1)."""
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:

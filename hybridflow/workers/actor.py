@@ -17,13 +17,13 @@ from hybridflow.controller import register
 from hybridflow.engine.hybrid_engine import HybridEngine
 from hybridflow.protocol import DataProto
 from hybridflow.workers.base import SEQUENCE_KEYS, ModelWorker, tensors_of
-from hybridflow.workers.spec import ActorSpec, PolicyLossSpec
+from hybridflow.workers.spec import ActorSpec, PolicyLossConfig
 
 UPDATE_KEYS = SEQUENCE_KEYS + ("old_logprobs", "advantages", "ref_logprobs")
-GENERATION_OVERRIDES = ("greedy", "num_samples_per_prompt", "seed", "max_new_tokens")
+GENERATION_OVERRIDES = ("greedy", "samples_per_prompt", "seed", "max_new_tokens")
 
 
-def policy_loss_fn(spec: PolicyLossSpec):
+def policy_loss_fn(spec: PolicyLossConfig):
     """The per-micro-batch PPO loss the training engine calls: clipped surrogate - entropy bonus + KL loss."""
 
     def loss_fn(outputs: dict[str, Tensor], batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
@@ -65,7 +65,7 @@ class ActorWorker(ModelWorker):
     def __init__(self, spec: ActorSpec) -> None:
         super().__init__(spec.engine)
         self.actor_spec = spec
-        self.hybrid = HybridEngine(self.engine.hf_config, self.engine.layout, spec.hybrid)
+        self.hybrid = HybridEngine(self.engine.hf_config, self.engine.layout, spec.hybrid_engine)
         self.set_parallel_layout(self.engine.layout, generation=self.hybrid.generation_layout)
         self.last_transition: dict[str, float] = {}
 
@@ -84,7 +84,7 @@ class ActorWorker(ModelWorker):
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Responses for this replica's prompts: rows become prompts x samples per prompt (prompt-major).
 
-        ``prompts.meta_info`` may override ``greedy``, ``num_samples_per_prompt``, ``seed`` and
+        ``prompts.meta_info`` may override ``greedy``, ``samples_per_prompt``, ``seed`` and
         ``max_new_tokens`` of the spec's sampling defaults.
         """
         overrides = {key: prompts.meta_info[key] for key in GENERATION_OVERRIDES if key in prompts.meta_info}
@@ -97,7 +97,7 @@ class ActorWorker(ModelWorker):
         finally:
             to_training = self.hybrid.to_training()
         self.last_transition = {"to_generation_s": to_generation.seconds, "to_training_s": to_training.seconds}
-        samples = config.num_samples_per_prompt
+        samples = config.samples_per_prompt
         non_tensors = {key: np.repeat(values, samples) for key, values in prompts.non_tensor_batch.items()}
         return DataProto.from_dict(tensors={k: v.cpu() for k, v in output.items()}, non_tensors=non_tensors,
                                    meta_info=dict(prompts.meta_info))

@@ -25,6 +25,8 @@ class ModelWorker(Worker):
 
     def __init__(self, spec: EngineSpec) -> None:
         self.spec = spec
+        if spec.engine.num_threads:
+            torch.set_num_threads(spec.engine.num_threads)
         self.engine = TrainingEngine(spec.engine, lambda: build_model(spec.model), head=spec.model.head)
         self.set_parallel_layout(self.engine.layout)
 
