@@ -15,7 +15,7 @@ from hybridflow.data.builtin import ArithmeticTaskConfig, prompt_rows
 from hybridflow.engine.config import EngineConfig
 from hybridflow.engine.generation import GenerationConfig, process_logits, sample_tokens
 from hybridflow.trainers.config import RLConfig, load_rl_config
-from hybridflow.trainers.config_loader import build_dataclass, dump_yaml
+from hybridflow.trainers.config_loader import build_dataclass
 
 BASE = ["data.train_path=train.jsonl", "actor.model.builtin=arithmetic", "reward.function=pkg.mod:score"]
 
@@ -237,3 +237,36 @@ def test_a_plan_made_for_another_workload_is_refused_and_a_matching_one_is_appli
     assert applied.actor.engine.optim == config.actor.engine.optim
     with pytest.raises(ValueError, match="the plan was made for"):
         apply_plan(config, replace(plan, workload=replace(plan.workload, prompts_per_step=16)))
+
+
+def test_project_license_is_an_spdx_string_not_the_deprecated_table():
+    import tomllib
+    from pathlib import Path
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    assert project["license"] == "Apache-2.0"
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_install_script_shows_one_line_per_step_and_only_the_real_errors(tmp_path, fails):
+    import subprocess
+    from pathlib import Path
+
+    fake_python = tmp_path / "venv" / "bin" / "python"
+    fake_python.parent.mkdir(parents=True)
+    fake_python.write_text("#!/usr/bin/env bash\n"
+                           "if [ \"$1\" = -c ]; then echo 'torch 2.13.0'; exit 0; fi\n"
+                           "for i in 1 2 3 4 5; do echo \"WARNING: noisy line $i\"; done\n"
+                           + ("echo 'ERROR: No matching distribution found for torch==2.13.0' >&2; exit 1\n" if fails
+                              else "exit 0\n"))
+    fake_python.chmod(0o755)
+    script = Path(__file__).parents[1] / "scripts" / "install.sh"
+    result = subprocess.run(["bash", str(script)], capture_output=True, text=True,
+                            env={"PATH": "/usr/bin:/bin", "HYBRIDFLOW_VENV": str(tmp_path / "venv")})
+    assert "WARNING" not in result.stdout + result.stderr
+    if fails:
+        assert result.returncode == 1
+        assert "ERROR: No matching distribution found for torch==2.13.0" in result.stderr
+    else:
+        assert result.returncode == 0
+        assert result.stdout.count("  ok  ") == 3 and "torch 2.13.0" in result.stdout

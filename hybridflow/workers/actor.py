@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
