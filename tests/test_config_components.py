@@ -270,3 +270,27 @@ def test_install_script_shows_one_line_per_step_and_only_the_real_errors(tmp_pat
     else:
         assert result.returncode == 0
         assert result.stdout.count("  ok  ") == 3 and "torch 2.13.0" in result.stdout
+
+
+def test_the_example_configs_load_with_the_unified_keys():
+    from pathlib import Path
+
+    examples = Path(__file__).parents[1] / "examples"
+    arithmetic = load_rl_config(examples / "arithmetic_ppo.yaml")
+    assert arithmetic.actor.engine.optim.lr == 5.0e-4 and arithmetic.critic.engine.optim.lr == 1.0e-3
+    smollm2 = load_rl_config(examples / "smollm2_gsm8k" / "config.yaml",
+                             ["data.train_path=t.jsonl", "data.val_path=v.jsonl", "actor.model.path=/models/smollm2"])
+    assert smollm2.actor.loss.clip_ratio == 0.2 and smollm2.actor.engine.optim.warmup_steps == 2
+
+
+def test_asking_for_wandb_without_it_installed_names_the_key(tmp_path):
+    pytest.importorskip("torch.utils.tensorboard")
+    from hybridflow.trainers.metrics import MetricsLogger
+
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        with pytest.raises(ValueError, match=r"trainer\.wandb_project got 'demo' but wandb is not installed"):
+            MetricsLogger(tmp_path, tensorboard=False, wandb_project="demo")
+    else:
+        pytest.skip("wandb is installed here; the error path cannot run")

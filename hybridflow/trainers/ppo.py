@@ -128,9 +128,9 @@ class RLTrainer:
         sequence_scores_B, dense_rewards_BT, reward_metrics = self.scorer.token_rewards(batch)
         baseline_B = self._greedy_baseline(prompts) if self.config.algorithm.advantage_estimator == "remax" else None
         result = compute_advantages(
-            algorithm=self.config.algorithm, scores_B=sequence_scores_B, response_mask_BT=batch.batch["response_mask"],
-            old_logprobs_BT=batch.batch["old_logprobs"], ref_logprobs_BT=batch.get("ref_logprobs"),
-            values_BT=batch.get("values"), group_ids=batch.non_tensor_batch["uid"], baseline_scores_B=baseline_B,
+            algorithm=self.config.algorithm, scores_B=sequence_scores_B, response_mask_BT=batch["response_mask"],
+            old_logprobs_BT=batch["old_logprobs"], ref_logprobs_BT=batch.get("ref_logprobs"),
+            values_BT=batch.get("values"), group_ids=batch["uid"], baseline_scores_B=baseline_B,
             kl_coef=self.kl_controller.value, dense_rewards_BT=dense_rewards_BT, costs_B=batch.get("costs"),
             cost_values_BT=batch.get("cost_values"),
             lagrange_multiplier=self.lagrange.value if self.lagrange is not None else None)
@@ -147,7 +147,7 @@ class RLTrainer:
                 metrics.update(_first(self.actor.update_actor_ptx(self.ptx_loader.next_batch())))
             for critic_update in critic_updates:
                 metrics.update(_first(critic_update.get()))
-        mask_BT = batch.batch["response_mask"]
+        mask_BT = batch["response_mask"]
         current_kl = sequence_kl(result.kl_BT, mask_BT)
         self.kl_controller.update(current_kl, self.derived.samples_per_step)
         lengths_B = mask_BT.sum(-1).float()
@@ -161,15 +161,15 @@ class RLTrainer:
             **{f"time/{name}_s": seconds for name, seconds in timing.items()},
         })
         if "values" in batch:
-            metrics["critic/values_before_mean"] = token_mean(batch.batch["values"], mask_BT)
+            metrics["critic/values_before_mean"] = token_mean(batch["values"], mask_BT)
         if self.lagrange is not None:
-            costs_B = batch.batch["costs"].float()
+            costs_B = batch["costs"].float()
             self.lagrange.update(float(costs_B.mean()), self.derived.samples_per_step)
             metrics.update({"cost/mean": float(costs_B.mean()), "cost/max": float(costs_B.max()),
                             "cost/min": float(costs_B.min()), "lagrange/lambda": self.lagrange.value})
             metrics.update({"cost_advantage/mean": token_mean(result.cost_advantages_BT, mask_BT),
                             "cost_return/mean": token_mean(result.cost_returns_BT, mask_BT),
-                            "cost_critic/values_before_mean": token_mean(batch.batch["cost_values"], mask_BT)})
+                            "cost_critic/values_before_mean": token_mean(batch["cost_values"], mask_BT)})
         return metrics
 
     def _score(self, batch: DataProto) -> DataProto:
@@ -211,10 +211,10 @@ class RLTrainer:
                 batch = batch.union(self.reward_model.compute_reward(batch))
             scores.append(self.scorer.score(batch)[0])
             if self.cost_model is not None:
-                costs.append(self.cost_model.compute_cost(batch).batch["costs"].float())
+                costs.append(self.cost_model.compute_cost(batch)["costs"].float())
             if self.val_rule is not None:
                 rule_scores.append(self.scorer.rule_scores(batch, self.val_rule))
-            lengths.append(batch.batch["response_mask"].sum(-1).float())
+            lengths.append(batch["response_mask"].sum(-1).float())
         metrics = {"val/score_mean": float(torch.cat(scores).mean()),
                    "val/response_length_mean": float(torch.cat(lengths).mean())}
         if rule_scores:

@@ -144,9 +144,9 @@ def _evaluate(config: SupervisedRun, group: WorkerGroup, dataset) -> dict[str, f
     parts = [group.evaluate(dataset.batch(range(start, min(start + config.batch_size, len(dataset)))))
              for start in range(0, len(dataset), config.batch_size)]
     if isinstance(config, SFTConfig):
-        nll = sum(float(p.batch["nll_sum"].sum()) for p in parts) / sum(float(p.batch["num_tokens"].sum()) for p in parts)
+        nll = sum(float(p["nll_sum"].sum()) for p in parts) / sum(float(p["num_tokens"].sum()) for p in parts)
         return {"val/nll": nll}
-    margins = torch.cat([p.batch["chosen_scores"] - p.batch["rejected_scores"] for p in parts])
+    margins = torch.cat([p["chosen_scores"] - p["rejected_scores"] for p in parts])
     return {"val/accuracy": float((margins > 0).float().mean()), "val/margin": float(margins.mean())}
 
 

@@ -9,11 +9,10 @@ import dataclasses
 
 import numpy as np
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 
 from hybridflow.algorithms import aggregate_loss, kl_estimate, masked_mean, ppo_policy_loss
 from hybridflow.controller import register
-from hybridflow.engine.hybrid_engine import HybridEngine
+from hybridflow.engine.hybrid_engine import HybridEngine, training_shards
 from hybridflow.protocol import DataProto
 from hybridflow.workers.base import SEQUENCE_KEYS, ModelWorker, tensors_of
 from hybridflow.workers.spec import ActorSpec, PolicyLossConfig
@@ -68,17 +67,6 @@ class ActorWorker(ModelWorker):
         self.set_parallel_layout(self.engine.layout, generation=self.hybrid.generation_layout)
         self.last_transition: dict[str, float] = {}
 
-    def _training_shards(self) -> dict[str, Tensor]:
-        """This rank's parameters as the hybrid engine expects them (3d: live local shards).
-
-        Under fsdp each rank holds 1/d of every parameter; it gathers the whole model (the
-        DeepSpeed-Chat style transition) and generates with tg = pg = 1.
-        """
-        if self.engine.config.layout == "3d":
-            return self.engine.local_shards()
-        return {name: (param.full_tensor() if isinstance(param, DTensor) else param).detach()
-                for name, param in self.engine.model.named_parameters()}
-
     @register("3D_ALL_MICRO_DP")
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Responses for this replica's prompts: rows become prompts x samples per prompt (prompt-major).
@@ -90,9 +78,9 @@ class ActorWorker(ModelWorker):
         config = dataclasses.replace(self.actor_spec.generation, **overrides)
         # replicas draw different noise for their different prompts; ranks of one replica the same
         config = dataclasses.replace(config, seed=config.seed * 1_000_003 + self.hybrid.replica)
-        to_generation = self.hybrid.to_generation(self._training_shards())
+        to_generation = self.hybrid.to_generation(training_shards(self.engine))
         try:
-            output = self.hybrid.generate(prompts.batch["input_ids"], prompts.batch["attention_mask"], config)
+            output = self.hybrid.generate(prompts["input_ids"], prompts["attention_mask"], config)
         finally:
             to_training = self.hybrid.to_training()
         self.last_transition = {"to_generation_s": to_generation.seconds, "to_training_s": to_training.seconds}
@@ -128,6 +116,6 @@ class ActorWorker(ModelWorker):
     def compute_loss(self, data: DataProto) -> DataProto:
         """Per-sample mean next-token loss of the responses (``nll`` [B]); no update (validation, ptx monitoring)."""
         logprobs_BT = self._forward(data, ("logprobs",))["logprobs"]
-        mask_BT = data.batch["response_mask"].to(logprobs_BT.dtype)
+        mask_BT = data["response_mask"].to(logprobs_BT.dtype)
         nll_B = -(logprobs_BT * mask_BT).sum(-1) / mask_BT.sum(-1).clamp(min=1)
         return DataProto.from_dict(tensors={"nll": nll_B})

@@ -17,7 +17,7 @@ SEQUENCE_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "re
 def tensors_of(data: DataProto, keys: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
     """The DataProto's tensors as a plain dict (all of them, or ``keys``)."""
     names = list(data.batch.keys()) if keys is None else [key for key in keys if key in data.batch.keys()]
-    return {name: data.batch[name] for name in names}
+    return {name: data[name] for name in names}
 
 
 class ModelWorker(Worker):
