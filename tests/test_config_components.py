@@ -294,3 +294,14 @@ def test_asking_for_wandb_without_it_installed_names_the_key(tmp_path):
             MetricsLogger(tmp_path, tensorboard=False, wandb_project="demo")
     else:
         pytest.skip("wandb is installed here; the error path cannot run")
+
+
+def test_each_transition_strategy_setting_names_one_class():
+    import typing
+
+    from hybridflow.engine.hybrid_engine import TRANSITION_STRATEGIES, HybridEngineConfig
+
+    hints = typing.get_type_hints(HybridEngineConfig)
+    assert set(typing.get_args(hints["strategy"])) == set(TRANSITION_STRATEGIES)
+    assert [name for name, cls in TRANSITION_STRATEGIES.items() if cls.whole_model] == ["full_gather"]
+    assert TRANSITION_STRATEGIES["vanilla"].generation_grouping == "vanilla"
