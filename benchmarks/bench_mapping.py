@@ -122,7 +122,7 @@ def tiny_fragment(layout: dict) -> dict:
         fragment[role] = {"engine": {"layout": "fsdp", "pp_size": 1, "tp_size": 1}}
     if layout["actor_tp"] > 1:
         fragment["actor"]["engine"] = {"layout": "3d", "pp_size": 1, "tp_size": layout["actor_tp"]}
-    fragment["actor"]["generation"] = {"pp_size": 1, "tp_size": layout["actor_tp"]}
+    fragment["actor"]["hybrid_engine"] = {"pp_size": 1, "tp_size": layout["actor_tp"]}
     return fragment
 
 

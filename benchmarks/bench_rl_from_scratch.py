@@ -53,8 +53,8 @@ def sft_from_scratch(data: Path, output_dir: Path, steps: int) -> str:
 
     return run_supervised(load_supervised_config(SFTConfig, None, [
         "model.builtin=arithmetic", f"data.train_path={data}", f"output_dir={output_dir}", "progress_bar=false",
-        "batch_size=32", "epochs=1", f"max_steps={steps}", "optim.lr=3e-3", f"optim.warmup_steps={steps // 10}",
-        "optim.schedule=cosine", "seed=0"]), mode="local", tensorboard=False)["model_dir"]
+        "batch_size=32", "epochs=1", f"max_steps={steps}", "engine.optim.lr=3e-3", f"engine.optim.warmup_steps={steps // 10}",
+        "engine.optim.lr_schedule=cosine", "seed=0"]), mode="local", tensorboard=False)["model_dir"]
 
 
 def rl_run(files: dict[str, Path], output_dir: Path, *, policy: str, reward: list[str], steps: int,
@@ -66,7 +66,7 @@ def rl_run(files: dict[str, Path], output_dir: Path, *, policy: str, reward: lis
 
     config = load_rl_config(None, [
         f"data.train_path={files['prompts']}", f"data.val_path={files['eval']}", f"actor.model.path={policy}",
-        f"actor.generation.max_new_tokens={MAX_NEW_TOKENS}", "critic.optim.lr=1e-3", "algorithm.kl_coef=0.02",
+        f"actor.generation.max_new_tokens={MAX_NEW_TOKENS}", "critic.engine.optim.lr=1e-3", "algorithm.kl_coef=0.02",
         f"batch.prompts_per_step={PROMPTS_PER_STEP}", f"batch.samples_per_prompt={SAMPLES_PER_PROMPT}",
         "batch.mini_batch_size=64", f"trainer.total_steps={steps}", f"trainer.val_every={steps}",
         "trainer.val_function=arithmetic", f"trainer.output_dir={output_dir}", "trainer.resume=false",
@@ -155,22 +155,22 @@ def main() -> None:
     habit = [f"reward.function={Path(__file__).resolve()}:starts_with_5"]
     runs = {
         "ppo_rule_1e-4": lambda: rl_run(files, root / "r1", policy=policy(700), reward=rule, steps=60,
-                                        extra=["actor.optim.lr=1e-4"]),
+                                        extra=["actor.engine.optim.lr=1e-4"]),
         "ppo_rule_3e-4": lambda: rl_run(files, root / "r2", policy=policy(700), reward=rule, steps=60,
-                                        extra=["actor.optim.lr=3e-4"]),
+                                        extra=["actor.engine.optim.lr=3e-4"]),
         "ppo_rule_1e-3": lambda: rl_run(files, root / "r3", policy=policy(700), reward=rule, steps=60,
-                                        extra=["actor.optim.lr=1e-3"]),
+                                        extra=["actor.engine.optim.lr=1e-3"]),
         "ppo_likelihood_3e-4": lambda: rl_run(files, root / "l1", policy=policy(700), reward=judge(), steps=60,
-                                              extra=["actor.optim.lr=3e-4", "critic.value_clip=0"]),
+                                              extra=["actor.engine.optim.lr=3e-4", "critic.loss.value_clip=0"]),
         "reinforce++_likelihood_3e-4": lambda: rl_run(
             files, root / "l2", policy=policy(700), reward=judge(), steps=60,
-            extra=["actor.optim.lr=3e-4", "algorithm.advantage_estimator=reinforce_plus_plus"]),
+            extra=["actor.engine.optim.lr=3e-4", "algorithm.advantage_estimator=reinforce_plus_plus"]),
         "grpo_rule_1e-4": lambda: rl_run(files, root / "g1", policy=policy(1000), reward=rule, steps=60,
-                                         extra=["actor.optim.lr=1e-4", "algorithm.advantage_estimator=grpo"]),
+                                         extra=["actor.engine.optim.lr=1e-4", "algorithm.advantage_estimator=grpo"]),
         "grpo_rule_1e-3": lambda: rl_run(files, root / "g2", policy=policy(1000), reward=rule, steps=60,
-                                         extra=["actor.optim.lr=1e-3", "algorithm.advantage_estimator=grpo"]),
+                                         extra=["actor.engine.optim.lr=1e-3", "algorithm.advantage_estimator=grpo"]),
         "grpo_rule_3e-3": lambda: rl_run(files, root / "g3", policy=policy(1000), reward=rule, steps=60,
-                                         extra=["actor.optim.lr=3e-3", "algorithm.advantage_estimator=grpo"]),
+                                         extra=["actor.engine.optim.lr=3e-3", "algorithm.advantage_estimator=grpo"]),
         "plain_grpo_1e-4": lambda: plain_grpo(files, policy(1000), lr=1e-4),
         "plain_grpo_1e-3": lambda: plain_grpo(files, policy(1000), lr=1e-3),
     }
@@ -185,7 +185,7 @@ def main() -> None:
             from hybridflow.data import read_rows
 
             # the share of *training samples* that start with 5 (the habit), not held-out accuracy
-            rl_run(files, root / "habit", policy=policy(700), reward=habit, steps=20, extra=["actor.optim.lr=3e-4"])
+            rl_run(files, root / "habit", policy=policy(700), reward=habit, steps=20, extra=["actor.engine.optim.lr=3e-4"])
             records = list(read_rows(root / "habit" / "metrics.jsonl"))
             print(json.dumps({"run": name, "samples_starting_with_5": {
                 record["step"]: round(record["reward/score_mean"], 3) for record in records if record["step"] in (1, 5, 20)},

@@ -38,7 +38,7 @@ def run(steps: int, workdir: Path, *, local: bool) -> list[dict[str, float]]:
         for step in range(steps):
             prompts = trainer.loader.next_batch()
             prompts["uid"] = np.arange(len(prompts))                 # samples of one prompt share a group id
-            prompts.meta_info.update(num_samples_per_prompt=SAMPLES_PER_PROMPT, seed=step)
+            prompts.meta_info.update(samples_per_prompt=SAMPLES_PER_PROMPT, seed=step)
             batch = actor.generate_sequences(prompts)                # one chunk per generation replica
             batch = batch.union(actor.compute_log_prob(batch))       # split by data-parallel rank
             batch = batch.union(reference.compute_ref_log_prob(batch))

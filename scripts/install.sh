@@ -7,7 +7,19 @@ cd "$(dirname "$0")/.."
 VENV=${HYBRIDFLOW_VENV:-.venv}
 PYTHON=${PYTHON:-python3}
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-"$VENV/bin/python" -m pip install -q --upgrade pip
-"$VENV/bin/python" -m pip install -q "torch==2.13.0"
-"$VENV/bin/python" -m pip install -q -e ".[test,math]"
+LOG=$(mktemp -t hybridflow-install.XXXXXX.log)
+# pip's full output goes to $LOG; the terminal gets one line per step, and on a failure pip's errors.
+quiet_pip() {
+  local what=$1; shift
+  if "$VENV/bin/python" -m pip install --disable-pip-version-check --no-input -q "$@" >>"$LOG" 2>&1; then
+    echo "  ok  $what"
+  else
+    echo "  FAILED  $what; pip's errors (full log: $LOG):" >&2
+    grep -E "^(ERROR|error)|Error|No matching distribution|conflict" "$LOG" | tail -n 20 >&2 || tail -n 20 "$LOG" >&2
+    exit 1
+  fi
+}
+quiet_pip "pip" --upgrade pip
+quiet_pip "torch 2.13.0" "torch==2.13.0"
+quiet_pip "hybridflow and its dependencies" -e ".[test,math]"
 echo "installed hybridflow into $VENV ($("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)'))"

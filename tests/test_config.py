@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import pytest
 
@@ -19,10 +18,10 @@ def _load(*overrides: str) -> RLConfig:
 
 def test_yaml_file_and_overrides_combine_with_overrides_winning(tmp_path):
     path = tmp_path / "run.yaml"
-    path.write_text("data:\n  train_path: a.jsonl\nactor:\n  model: {builtin: arithmetic}\n  optim: {lr: 0.001}\n"
+    path.write_text("data:\n  train_path: a.jsonl\nactor:\n  model: {builtin: arithmetic}\n  engine: {optim: {lr: 0.001}}\n"
                     "reward: {function: 'm:f'}\nbatch: {prompts_per_step: 4, samples_per_prompt: 2, mini_batch_size: 4}\n")
-    config = load_rl_config(path, ["actor.optim.lr=1e-5", "actor.generation.top_k=5"])
-    assert config.actor.optim.lr == 1e-5
+    config = load_rl_config(path, ["actor.engine.optim.lr=1e-5", "actor.generation.top_k=5"])
+    assert config.actor.engine.optim.lr == 1e-5
     assert config.actor.generation.top_k == 5
     assert config.batch.prompts_per_step == 4
     assert config.data.train_path == "a.jsonl"
@@ -30,7 +29,7 @@ def test_yaml_file_and_overrides_combine_with_overrides_winning(tmp_path):
 
 def test_derived_sizes_follow_from_pools_and_parallel_sizes():
     config = _load("placement.pools={a: [4], b: [2]}", "placement.roles={actor: a, reference: a, critic: b}",
-                   "actor.engine.layout=3d", "actor.engine.tp_size=2", "actor.generation.tp_size=1",
+                   "actor.engine.layout=3d", "actor.engine.tp_size=2", "actor.hybrid_engine.tp_size=1",
                    "batch.prompts_per_step=4", "batch.samples_per_prompt=2", "batch.mini_batch_size=4")
     derived = config.derived()
     assert derived.samples_per_step == 8
@@ -40,9 +39,9 @@ def test_derived_sizes_follow_from_pools_and_parallel_sizes():
 
 
 def test_unknown_key_names_the_dotted_key_and_the_allowed_keys():
-    with pytest.raises(ValueError, match=r"unknown config key actor\.optim\.lrr; allowed keys here: betas, "
-                                         r"grad_clip, lr, schedule, warmup_steps, weight_decay"):
-        _load("actor.optim.lrr=1e-5")
+    with pytest.raises(ValueError, match=r"unknown config key actor\.engine\.optim\.lrr; allowed keys here: betas, "
+                                         r"eps, grad_clip, lr, lr_schedule, warmup_steps, weight_decay"):
+        _load("actor.engine.optim.lrr=1e-5")
 
 
 def test_wrong_type_names_the_key_the_value_and_the_allowed_type():
@@ -55,9 +54,9 @@ def test_wrong_type_names_the_key_the_value_and_the_allowed_type():
 
 
 def test_out_of_range_value_names_the_full_dotted_key():
-    with pytest.raises(ValueError, match=r"config key actor\.optim\.lr got -1\.0; allowed: a float > 0"):
-        _load("actor.optim.lr=-1")
-    with pytest.raises(ValueError, match=r"config key actor\.generation\.top_p got 1\.5"):
+    with pytest.raises(ValueError, match=r"config key actor\.engine\.optim: optim\.lr must be a number > 0, got -1\.0"):
+        _load("actor.engine.optim.lr=-1")
+    with pytest.raises(ValueError, match=r"config key actor\.generation: top_p must be in \(0, 1\], got 1\.5"):
         _load("actor.generation.top_p=1.5")
 
 
@@ -85,14 +84,14 @@ def test_model_parallel_size_must_divide_the_pool():
 
 
 def test_fsdp_layout_rejects_model_parallel_sizes():
-    with pytest.raises(ValueError, match=r"config key critic\.engine\.layout got 'fsdp'; allowed: '3d'"):
+    with pytest.raises(ValueError, match=r"config key critic\.engine: engine\.pp_size/tp_size must be 1 with layout='fsdp'"):
         _load("critic.engine.pp_size=2")
 
 
 def test_generation_sizes_must_divide_training_sizes():
-    with pytest.raises(ValueError, match=r"actor\.generation\.tp_size got 2; allowed: a divisor of "
+    with pytest.raises(ValueError, match=r"actor\.hybrid_engine\.tp_size got 2; allowed: a divisor of "
                                          r"actor\.engine\.tp_size=1"):
-        _load("actor.generation.tp_size=2")
+        _load("actor.hybrid_engine.tp_size=2")
 
 
 def test_role_on_unknown_pool_and_unknown_role_are_rejected():
@@ -110,14 +109,14 @@ def test_reward_needs_a_model_or_a_well_formed_function():
 
 
 def test_model_source_needs_exactly_one_of_path_or_builtin():
-    with pytest.raises(ValueError, match=r"actor\.model\.path needs exactly one of path or builtin"):
+    with pytest.raises(ValueError, match=r"actor\.model\.path needs exactly one of path, tiny and builtin"):
         _load("actor.model.path=/models/x")
 
 
 def test_ptx_coefficient_needs_a_ptx_dataset():
-    with pytest.raises(ValueError, match=r"config key actor\.ptx_coef got 0\.5; allowed: 0 unless data\.ptx_path"):
-        _load("actor.ptx_coef=0.5")
-    assert _load("actor.ptx_coef=0.5", "data.ptx_path=p.jsonl").actor.ptx_coef == 0.5
+    with pytest.raises(ValueError, match=r"config key actor\.loss\.ptx_coef got 0\.5; allowed: 0 unless data\.ptx_path"):
+        _load("actor.loss.ptx_coef=0.5")
+    assert _load("actor.loss.ptx_coef=0.5", "data.ptx_path=p.jsonl").actor.loss.ptx_coef == 0.5
 
 
 def test_critic_free_estimator_drops_the_critic_from_active_roles():
@@ -130,13 +129,13 @@ def test_config_is_frozen_and_overrides_do_not_touch_the_input():
     config = _load()
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.batch.mini_batch_size = 2  # type: ignore[misc]
-    data = {"actor": {"optim": {"lr": 1.0}}}
-    assert apply_overrides(data, ["actor.optim.lr=2.0"]) == {"actor": {"optim": {"lr": 2.0}}}
-    assert data == {"actor": {"optim": {"lr": 1.0}}}
+    data = {"actor": {"engine": {"optim": {"lr": 1.0}}}}
+    assert apply_overrides(data, ["actor.engine.optim.lr=2.0"]) == {"actor": {"engine": {"optim": {"lr": 2.0}}}}
+    assert data == {"actor": {"engine": {"optim": {"lr": 1.0}}}}
 
 
 def test_plain_dump_round_trips_through_the_loader():
-    config = _load("actor.optim.lr=3e-4", "placement.pools={a: [2]}", "batch.mini_batch_size=4")
+    config = _load("actor.engine.optim.lr=3e-4", "placement.pools={a: [2]}", "batch.mini_batch_size=4")
     rebuilt = build_dataclass(RLConfig, to_plain(config))
     assert rebuilt == config
 
@@ -152,7 +151,7 @@ def test_auto_mapping_places_every_active_role_within_the_given_devices():
     assert set(resolved.placement.roles) == set(config.active_roles)
     assert sum(resolved.placement.pool_size(pool) for pool in resolved.placement.pools) <= 8
     assert resolved.derived().samples_per_step == 64  # sizes stay consistent under the chosen layouts
-    assert resolved.actor.optim == config.actor.optim
+    assert resolved.actor.engine.optim == config.actor.engine.optim
     manual, no_plan = resolve_auto_mapping(_load())
     assert no_plan is None and manual == _load()
 
@@ -160,24 +159,27 @@ def test_auto_mapping_places_every_active_role_within_the_given_devices():
 def test_train_command_reports_config_errors_before_starting_anything(capsys):
     from hybridflow.cli import main
 
-    assert main(["train", *BASE, "actor.optim.lrr=1"]) == 2
-    assert "unknown config key actor.optim.lrr" in capsys.readouterr().err
+    assert main(["train", *BASE, "actor.engine.optim.lrr=1"]) == 2
+    assert "unknown config key actor.engine.optim.lrr" in capsys.readouterr().err
     assert main(["sft", "model.builtin=arithmetic", "data.train_path=x.jsonl", "batch_size=0"]) == 2
     assert "config key batch_size got 0" in capsys.readouterr().err
 
 
-def test_print_config_shows_the_resolved_config_and_derived_sizes(capsys):
+def test_print_config_shows_the_resolved_config_as_yaml_with_the_derived_sizes(capsys):
+    import yaml
+
     from hybridflow.cli import main
 
     assert main(["train", *BASE, "batch.samples_per_prompt=4", "--print-config"]) == 0
-    printed = json.loads(capsys.readouterr().out)
+    out = capsys.readouterr().out
+    printed = yaml.safe_load(out)
     assert printed["batch"]["samples_per_prompt"] == 4
-    assert printed["derived"]["samples_per_step"] == 32
+    assert '"samples_per_step": 32' in out.split("# derived sizes")[1]
 
 
-def test_full_gather_generation_baseline_needs_generation_pp_and_tp_of_one():
-    from hybridflow.trainers.config import GenerationSection
+def test_full_gather_transition_needs_generation_pp_and_tp_of_one():
+    from hybridflow.engine.hybrid_engine import HybridEngineConfig
 
-    assert GenerationSection(grouping="full_gather").grouping == "full_gather"
-    with pytest.raises(ValueError, match="tp_size.*full_gather.*pp_size = tp_size = 1"):
-        GenerationSection(grouping="full_gather", tp_size=2)
+    assert HybridEngineConfig(strategy="full_gather").strategy == "full_gather"
+    with pytest.raises(ValueError, match="full_gather.*pp_size and tp_size must be 1"):
+        HybridEngineConfig(strategy="full_gather", tp_size=2)

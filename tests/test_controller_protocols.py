@@ -172,10 +172,13 @@ class ProbeWorker(Worker):
 
     @register("ONE_TO_ALL")
     def where_in_mesh(self) -> tuple:
-        coords, generation = self.coords, self.generation_coords
-        return ((coords.dp_rank, coords.pp_rank, coords.tp_rank),
-                None if generation is None else (generation.replica, generation.micro_dp_rank),
-                self.micro_dp_group)
+        coords, layout = self.coords, self.generation_layout
+        if layout is None:
+            return (coords.dp_rank, coords.pp_rank, coords.tp_rank), None, None
+        generation = layout.coords(self.rank)
+        micro_dp_group = next(group for group in layout.micro_dp_groups() if self.rank in group)
+        return ((coords.dp_rank, coords.pp_rank, coords.tp_rank), (generation.replica, generation.micro_dp_rank),
+                micro_dp_group)
 
     @register("ALL_TO_ALL")
     def echo(self, value: int) -> int:

@@ -295,7 +295,6 @@ def test_engine_config_rejects_bad_values_naming_field_given_and_allowed(kwargs,
 @pytest.mark.parametrize("kwargs, message", [
     (dict(lr=0), r"optim.lr must be a number > 0, got 0"),
     (dict(betas=(0.9, 1.0)), r"optim.betas must be two numbers in \[0, 1\)"),
-    (dict(lr_schedule="cosine"), r"optim.total_steps is required by lr_schedule='cosine'"),
     (dict(lr_schedule="step"), r"optim.lr_schedule must be one of"),
     (dict(warmup_steps=5, total_steps=2), r"optim.warmup_steps 5 exceeds optim.total_steps 2"),
 ])
@@ -309,3 +308,11 @@ def test_gradients_are_freed_right_after_the_optimizer_step():
     engine.train_step(make_batch(), nll_loss)
     assert all(param.grad is None for param in engine.model.parameters())
     assert engine.optimizer.state  # the step itself ran: Adam holds its moments
+
+
+def test_a_decaying_schedule_without_total_steps_is_refused_when_the_optimizer_is_built():
+    from hybridflow.engine.optim import build_optimizer
+
+    config = OptimConfig(lr_schedule="cosine")  # total_steps is derived by the trainers, so the config is valid
+    with pytest.raises(ValueError, match=r"optim.total_steps is required by lr_schedule='cosine'"):
+        build_optimizer(torch.nn.Linear(2, 2), config)

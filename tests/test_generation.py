@@ -159,7 +159,7 @@ def test_eos_and_stop_tokens_end_responses_and_finished_rows_stop_costing_comput
 def test_samples_per_prompt_are_prompt_major_and_differ_between_samples():
     engine = engine_for(tiny_model())
     prompts, mask = batch(2)
-    out = engine.generate(prompts, mask, GenerationConfig(max_new_tokens=T, num_samples_per_prompt=3, seed=1))
+    out = engine.generate(prompts, mask, GenerationConfig(max_new_tokens=T, samples_per_prompt=3, seed=1))
     assert out["responses"].shape == (6, T)
     assert torch.equal(out["prompts"], prompts.repeat_interleave(3, dim=0))
     assert len({tuple(r) for r in out["responses"][:3].tolist()}) > 1
@@ -185,7 +185,7 @@ def test_kv_cache_is_released_when_generation_returns():
 
 
 @pytest.mark.parametrize("field, value", [("max_new_tokens", 0), ("temperature", 0.0), ("top_k", -1),
-                                          ("top_p", 0.0), ("top_p", 1.5), ("num_samples_per_prompt", 0),
+                                          ("top_p", 0.0), ("top_p", 1.5), ("samples_per_prompt", 0),
                                           ("eos_token_ids", [2]), ("stop_token_ids", (-1,))])
 def test_invalid_generation_configs_are_rejected_with_the_field_named(field, value):
     with pytest.raises(ValueError, match=field):

@@ -260,7 +260,6 @@ def test_twenty_round_trips_restore_training_memory_and_leave_training_exactly_a
         assert result["memory_after_each"] == [result["training_bytes"]] * ROUND_TRIPS
         assert len(set(result["peaks"])) == 1 and result["peaks"][0] > result["training_bytes"]
     # the last generation ran on the trained weights: rebuild them whole and compare with HF
-    config = tiny_hf_config("llama")
     layout = ParallelLayout.for_world(WORLD, pp_size=2, tp_size=2)
     model = tiny_model("llama")
     full = {}

@@ -19,13 +19,14 @@ from hybridflow.models.loader import build_model
 from hybridflow.protocol import DataProto
 from hybridflow.trainers.advantage import compute_advantages
 from hybridflow.trainers.build import model_config_of, role_specs
-from hybridflow.trainers.config import AlgorithmSection, ModelSource, RewardSection, load_rl_config
+from hybridflow.models.config import ModelConfig
+from hybridflow.trainers.config import AlgorithmSection, RewardSection, load_rl_config
 from hybridflow.trainers.scoring import RewardScorer
 from hybridflow.trainers.supervised import PreferenceData, RMConfig, load_supervised_config, run_supervised
 from hybridflow.workers import EngineSpec, RewardSpec, RewardWorker, TokenizerSource
 from hybridflow.workers.supervised import PreferenceWorker, likelihood_preference_loss_fn, likelihood_scores
 
-BUILTIN = ModelSource(builtin="arithmetic")
+BUILTIN = ModelConfig(builtin="arithmetic")
 TASK = ArithmeticTaskConfig(max_digits=2)
 
 
@@ -145,7 +146,7 @@ def _rm_overrides(tmp_path, *extra) -> list[str]:
     write_jsonl(tmp_path / "pairs_val.jsonl", preference_rows(8, split="eval", seed=0, config=TASK))
     return ["model.builtin=arithmetic", f"data.train_path={tmp_path / 'pairs.jsonl'}",
             f"data.val_path={tmp_path / 'pairs_val.jsonl'}", f"output_dir={tmp_path / 'rm'}", "batch_size=8",
-            "max_steps=3", "optim.lr=3e-3", "progress_bar=false", *extra]
+            "max_steps=3", "engine.optim.lr=3e-3", "progress_bar=false", *extra]
 
 
 def test_rm_training_with_likelihood_rewards_exports_a_causal_lm_whose_scores_give_the_logged_margin(tmp_path):
@@ -346,7 +347,7 @@ def test_ppo_runs_two_steps_against_a_likelihood_reward_model_crediting_tokens_d
     config = load_rl_config(None, [
         f"data.train_path={tmp_path / 'train.jsonl'}", "actor.model.builtin=arithmetic",
         f"reward.model.path={model_dir}", "reward.model_type=likelihood", "reward.model_weight=0.5",
-        "actor.generation.max_new_tokens=4", "actor.optim.lr=1e-3", "critic.optim.lr=1e-3",
+        "actor.generation.max_new_tokens=4", "actor.engine.optim.lr=1e-3", "critic.engine.optim.lr=1e-3",
         "batch.prompts_per_step=4", "batch.samples_per_prompt=2", "batch.mini_batch_size=4",
         "trainer.total_steps=2", "trainer.progress_bar=false", f"trainer.output_dir={tmp_path / 'run'}"])
     # same tokenizer in another directory: the reward model reads the actor's tokens (dense credit possible)

@@ -334,7 +334,7 @@ def test_config_fragment_uses_the_shared_placement_and_engine_keys():
         "placement": {"pools": {"actor_reference": [8, 8], "critic_reward": [8]},
                       "roles": {"actor": "actor_reference", "reference": "actor_reference",
                                 "critic": "critic_reward", "reward": "critic_reward"}},
-        "actor": {"engine": {"layout": "3d", "pp_size": 2, "tp_size": 4}, "generation": {"pp_size": 1, "tp_size": 2}},
+        "actor": {"engine": {"layout": "3d", "pp_size": 2, "tp_size": 4}, "hybrid_engine": {"pp_size": 1, "tp_size": 2}},
         "reference": {"engine": {"layout": "fsdp", "pp_size": 1, "tp_size": 1}},
         "critic": {"engine": {"layout": "3d", "pp_size": 1, "tp_size": 2}},
         "reward": {"engine": {"layout": "fsdp", "pp_size": 1, "tp_size": 1}},
@@ -347,7 +347,7 @@ def test_config_fragment_with_bad_values_is_rejected():
     with pytest.raises(ValueError, match="generation tp_size 3 must divide"):
         Plan.from_config_fragment({"placement": {"pools": {"p": [4]}, "roles": {"actor": "p"}},
                                    "actor": {"engine": {"layout": "3d", "tp_size": 4},
-                                             "generation": {"tp_size": 3}}})
+                                             "hybrid_engine": {"tp_size": 3}}})
     with pytest.raises(ValueError, match=r"missing from placement.pools \['p'\]"):
         Plan.from_config_fragment({"placement": {"pools": {"p": [4]}, "roles": {"actor": "q"}}})
 
@@ -355,7 +355,7 @@ def test_config_fragment_with_bad_values_is_rejected():
 def test_simulating_a_layout_that_does_not_fit_its_pool_is_rejected():
     layout = Plan.from_config_fragment({
         "placement": {"pools": {"all": [8]}, "roles": {role: "all" for role in PPO_ROLES}},
-        "actor": {"engine": {"layout": "3d", "tp_size": 2}, "generation": {"tp_size": 2}}})
+        "actor": {"engine": {"layout": "3d", "tp_size": 2}, "hybrid_engine": {"tp_size": 2}}})
     with pytest.raises(ValueError, match="does not fit in 8 devices"):
         simulate_plan(layout, "ppo", same_model("llama-13b"), PAPER_WORKLOAD, a100_cluster(8))
 

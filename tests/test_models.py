@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import warnings
 
 import pytest
@@ -60,8 +59,8 @@ def test_tiny_config_applies_overrides_and_rejects_unknown_or_inconsistent_field
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({}, "needs exactly one of path and tiny"),
-    ({"path": "/x", "tiny": {}}, "needs exactly one of path and tiny"),
+    ({}, "needs exactly one of path, tiny and builtin"),
+    ({"path": "/x", "tiny": {}}, "needs exactly one of path, tiny and builtin"),
     ({"tiny": {}, "head": "reward"}, r"ModelConfig.head must be one of \('lm', 'value', 'score'\), got 'reward'"),
     ({"tiny": {}, "dtype": "float16"}, "ModelConfig.dtype must be one of"),
     ({"tiny": {}, "attn_implementation": "flash"}, "ModelConfig.attn_implementation must be one of"),

@@ -21,7 +21,8 @@ from hybridflow.models.loader import build_model
 from hybridflow.trainers import ppo
 from hybridflow.trainers.advantage import compute_advantages
 from hybridflow.trainers.build import COST_CRITIC_PREFIX, model_config_of, role_specs
-from hybridflow.trainers.config import AlgorithmSection, CostSection, ModelSource, RLConfig, load_rl_config
+from hybridflow.models.config import ModelConfig
+from hybridflow.trainers.config import AlgorithmSection, CostSection, RLConfig, load_rl_config
 from hybridflow.trainers.config_loader import build_dataclass, to_plain
 from hybridflow.trainers.ppo import RLTrainer
 
@@ -97,7 +98,7 @@ def test_cost_specs_use_a_score_head_and_a_prefixed_value_critic_on_the_actor_ba
 
 
 def test_a_config_with_a_cost_section_round_trips_through_its_plain_dump():
-    config = load_rl_config(None, BASE + ["cost.limit=0.5", "cost.lambda_max=10", "cost.critic.value_clip=0"])
+    config = load_rl_config(None, BASE + ["cost.limit=0.5", "cost.lambda_max=10", "cost.critic.loss.value_clip=0"])
     assert build_dataclass(RLConfig, to_plain(config)) == config
 
 
@@ -168,7 +169,7 @@ def assets(tmp_path_factory):
     write_jsonl(directory / "train.jsonl", prompt_rows(32, split="train", seed=0, config=TASK))
     write_jsonl(directory / "val.jsonl", prompt_rows(4, split="eval", seed=0, config=TASK))
     cost_dir = directory / "cost_model"
-    build_model(model_config_of(ModelSource(builtin="arithmetic"), head="score", seed=11)).save_pretrained(cost_dir)
+    build_model(model_config_of(ModelConfig(builtin="arithmetic"), head="score", seed=11)).save_pretrained(cost_dir)
     builtin_tokenizer().save_pretrained(cost_dir)
     return directory
 
@@ -177,8 +178,8 @@ def _config(assets, output_dir, *overrides):
     return load_rl_config(None, [
         f"data.train_path={assets / 'train.jsonl'}", f"data.val_path={assets / 'val.jsonl'}",
         "actor.model.builtin=arithmetic", "reward.model.builtin=arithmetic", f"cost.model.path={assets / 'cost_model'}",
-        "actor.generation.max_new_tokens=4", "actor.optim.lr=1e-3", "critic.optim.lr=1e-3",
-        "cost.critic.optim.lr=1e-3", "batch.prompts_per_step=4", "batch.samples_per_prompt=2",
+        "actor.generation.max_new_tokens=4", "actor.engine.optim.lr=1e-3", "critic.engine.optim.lr=1e-3",
+        "cost.critic.engine.optim.lr=1e-3", "batch.prompts_per_step=4", "batch.samples_per_prompt=2",
         "batch.mini_batch_size=4", "trainer.total_steps=2", "trainer.progress_bar=false",
         f"trainer.output_dir={output_dir}", *overrides])
 
@@ -235,13 +236,28 @@ def test_two_safe_rlhf_steps_train_both_critics_and_raise_lambda_while_the_cost_
     assert "val/cost_mean" in history[1] and "val/cost_mean" not in history[0]
 
 
+def test_lagrange_controller_has_the_kl_controllers_interface_and_steps_like_the_dual_update():
+    from hybridflow.algorithms.lagrangian import LagrangeController
+
+    controller = LagrangeController(init_lambda=2.0, cost_limit=1.0, lr=0.1, max_lambda=3.0)
+    assert controller.value == pytest.approx(2.0, rel=1e-12)
+    controller.update(1.5, 8)
+    expected = lagrange_multiplier_update(math.log(2.0), 1.5, cost_limit=1.0, lr=0.1, max_lambda=3.0)
+    assert controller.log_lambda == expected and controller.value == pytest.approx(math.exp(expected), rel=1e-12)
+    restored = LagrangeController(init_lambda=1.0, cost_limit=1.0, lr=0.1)
+    restored.load_state_dict(controller.state_dict())
+    assert restored.value == controller.value
+    with pytest.raises(ValueError, match="init_lambda 4.0 exceeds max_lambda 3.0"):
+        LagrangeController(init_lambda=4.0, cost_limit=1.0, lr=0.1, max_lambda=3.0)
+
+
 def test_lambda_falls_while_the_cost_is_below_the_limit_and_resumes_from_the_checkpoint(assets, tmp_path):
     def run(total_steps: int, *overrides) -> tuple[list[dict], float]:
         config = _config(assets, tmp_path / "run", "cost.limit=2.0", f"trainer.total_steps={total_steps}", *overrides)
         with local_mode():
             trainer = RLTrainer(config, tensorboard=False)
             try:
-                resumed_log_lambda = trainer.log_lambda
+                resumed_log_lambda = trainer.lagrange.log_lambda
                 return trainer.fit(), resumed_log_lambda
             finally:
                 trainer.shutdown()
@@ -253,11 +269,11 @@ def test_lambda_falls_while_the_cost_is_below_the_limit_and_resumes_from_the_che
     assert [record["lagrange/lambda"] for record in history] == pytest.approx(lambdas, rel=1e-12)
     assert 1.0 > lambdas[0] > lambdas[1]  # every mean cost is far below the limit 2
     driver = json.loads((tmp_path / "run" / "checkpoints" / "step_000002" / "driver.json").read_text())
-    assert math.exp(driver["log_lambda"]) == pytest.approx(lambdas[1], rel=1e-12)
+    assert math.exp(driver["lagrange"]["log_lambda"]) == pytest.approx(lambdas[1], rel=1e-12)
     resumed, resumed_log_lambda = run(3)
-    assert resumed_log_lambda == driver["log_lambda"]
+    assert resumed_log_lambda == driver["lagrange"]["log_lambda"]
     assert [record["step"] for record in resumed] == [1, 2, 3]
-    log_lambda = lagrange_multiplier_update(driver["log_lambda"], resumed[2]["cost/mean"], cost_limit=2.0, lr=0.1)
+    log_lambda = lagrange_multiplier_update(driver["lagrange"]["log_lambda"], resumed[2]["cost/mean"], cost_limit=2.0, lr=0.1)
     assert resumed[2]["lagrange/lambda"] == pytest.approx(math.exp(log_lambda), rel=1e-12)
 
 

@@ -46,7 +46,7 @@ def _config(data_dir, output_dir, *overrides):
     return load_rl_config(None, [
         f"data.train_path={data_dir / 'train.jsonl'}", f"data.val_path={data_dir / 'val.jsonl'}",
         "actor.model.builtin=arithmetic", f"reward.function={__file__}:length_reward",
-        "actor.generation.max_new_tokens=4", "actor.optim.lr=1e-3", "critic.optim.lr=1e-3",
+        "actor.generation.max_new_tokens=4", "actor.engine.optim.lr=1e-3", "critic.engine.optim.lr=1e-3",
         "batch.prompts_per_step=4", "batch.samples_per_prompt=2", "batch.mini_batch_size=4",
         "trainer.total_steps=2", "trainer.progress_bar=false", f"trainer.output_dir={output_dir}", *overrides])
 
@@ -66,7 +66,7 @@ def _export(trainer: RLTrainer, role: str, directory) -> dict[str, torch.Tensor]
 
 
 def test_ppo_steps_change_every_actor_and_critic_parameter(data_dir, tmp_path):
-    config = _config(data_dir, tmp_path / "run", "actor.entropy_coef=0.01", "reward.model.builtin=arithmetic",
+    config = _config(data_dir, tmp_path / "run", "actor.loss.entropy_coef=0.01", "reward.model.builtin=arithmetic",
                      "trainer.val_every=2")
     with local_mode():
         trainer = RLTrainer(config, tensorboard=False)
@@ -107,7 +107,7 @@ def test_kl_as_loss_and_adaptive_controller_are_logged(data_dir, tmp_path):
 
 def test_ptx_rows_add_a_next_token_step_after_the_ppo_update(data_dir, tmp_path):
     write_jsonl(tmp_path / "ptx.jsonl", sft_rows(8, split="train", seed=1, config=TASK))
-    history = _run(_config(data_dir, tmp_path, "actor.ptx_coef=0.5", f"data.ptx_path={tmp_path / 'ptx.jsonl'}",
+    history = _run(_config(data_dir, tmp_path, "actor.loss.ptx_coef=0.5", f"data.ptx_path={tmp_path / 'ptx.jsonl'}",
                            "trainer.total_steps=1"))
     assert history[0]["actor/ptx_loss"] == pytest.approx(0.5 * history[0]["actor/ptx_nll"], rel=1e-5)
     assert history[0]["actor/ptx_nll"] > 0

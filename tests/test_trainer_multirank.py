@@ -7,7 +7,7 @@ reference and reward model run under ``fsdp`` with dp 2. Each run is compared wi
 ``[1]``, every layout ``fsdp``).
 
 Why the runs can be compared at all:
-- generation is greedy (``actor.generation.temperature=0``). Sampling could not match: each
+- generation is greedy (``actor.generation.greedy=true``). Sampling could not match: each
   generation replica draws from its own seeded stream (seed + replica index), so two replicas
   sample different noise than one replica does for the same prompts;
 - ``batch.mini_batch_size`` equals the samples of a step (one optimizer step per epoch). With
@@ -70,7 +70,7 @@ def _train(train_path, directory, *overrides: str, export_before: bool = False):
     config = load_rl_config(None, [
         f"data.train_path={train_path}", "actor.model.builtin=arithmetic", "reward.model.builtin=arithmetic",
         f"reward.function={__file__}:character_reward", f"actor.generation.max_new_tokens={MAX_NEW_TOKENS}",
-        "actor.generation.temperature=0", f"actor.optim.lr={LR}", f"critic.optim.lr={LR}",
+        "actor.generation.greedy=true", f"actor.engine.optim.lr={LR}", f"critic.engine.optim.lr={LR}",
         "batch.prompts_per_step=4", "batch.samples_per_prompt=2", "batch.mini_batch_size=8",
         "trainer.total_steps=2", "trainer.progress_bar=false", "trainer.resume=false",
         f"trainer.output_dir={directory / 'run'}", *overrides])
@@ -122,7 +122,7 @@ def one_rank(ray_session, train_path, tmp_path_factory):
 def test_3d_tp2_actor_with_two_generation_replicas_updates_everything_and_equals_one_rank(
         ray_session, train_path, tmp_path, one_rank):
     history, before, after, meshes = _train(train_path, tmp_path, "placement.pools={all: [2]}", *TP2,
-                                            "actor.generation.tp_size=1", export_before=True)
+                                            "actor.hybrid_engine.tp_size=1", export_before=True)
     actor_mesh = meshes["actor"]
     assert (actor_mesh.layout.tp_size, actor_mesh.layout.pp_size, actor_mesh.layout.dp_size) == (2, 1, 1)
     assert actor_mesh.generation.num_replicas == 2
@@ -144,12 +144,12 @@ def test_3d_tp2_actor_with_two_generation_replicas_updates_everything_and_equals
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [
-    pytest.param(TP2 + ("actor.generation.tp_size=1", "actor.generation.grouping=vanilla"), id="tp2-vanilla-grouping"),
-    pytest.param(TP2 + ("actor.generation.tp_size=1", "actor.generation.grouping=full_gather"),
+    pytest.param(TP2 + ("actor.hybrid_engine.tp_size=1", "actor.hybrid_engine.strategy=vanilla"), id="tp2-vanilla-grouping"),
+    pytest.param(TP2 + ("actor.hybrid_engine.tp_size=1", "actor.hybrid_engine.strategy=full_gather"),
                  id="tp2-full-gather-baseline"),
-    pytest.param(TP2 + ("actor.generation.tp_size=2",), id="tp2-tensor-parallel-generation"),
-    pytest.param(PP2 + ("actor.generation.pp_size=1",), id="pp2-two-generation-replicas"),
-    pytest.param(PP2 + ("actor.generation.pp_size=2",), id="pp2-pipelined-generation"),
+    pytest.param(TP2 + ("actor.hybrid_engine.tp_size=2",), id="tp2-tensor-parallel-generation"),
+    pytest.param(PP2 + ("actor.hybrid_engine.pp_size=1",), id="pp2-two-generation-replicas"),
+    pytest.param(PP2 + ("actor.hybrid_engine.pp_size=2",), id="pp2-pipelined-generation"),
 ])
 def test_other_two_rank_actor_layouts_equal_one_rank(ray_session, train_path, tmp_path, one_rank, layout):
     history, _, after, _ = _train(train_path, tmp_path, "placement.pools={all: [2]}", *layout)
@@ -162,7 +162,7 @@ def test_other_two_rank_actor_layouts_equal_one_rank(ray_session, train_path, tm
 def test_four_rank_actor_with_tp2_and_dp2_equals_one_rank(ray_session, train_path, tmp_path, one_rank):
     """tp 2 x dp 2: four generation replicas, and DP_METRICS/3D_PROTO over two actor data-parallel groups."""
     history, _, after, meshes = _train(train_path, tmp_path, "placement.pools={all: [4]}", *TP2,
-                                       "actor.generation.tp_size=1")
+                                       "actor.hybrid_engine.tp_size=1")
     assert meshes["actor"].layout.dp_size == 2 and meshes["actor"].generation.num_replicas == 4
     one_rank_history, _, one_rank_after = one_rank
     _assert_same_metrics(history, one_rank_history)

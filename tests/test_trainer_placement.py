@@ -16,7 +16,7 @@ def _run(tmp_path, name: str, *placement: str) -> list[dict]:
     config = load_rl_config(None, [
         f"data.train_path={tmp_path / 'train.jsonl'}", "actor.model.builtin=arithmetic",
         "reward.model.builtin=arithmetic", "reward.function=arithmetic", "actor.generation.max_new_tokens=4",
-        "actor.optim.lr=1e-3", "critic.optim.lr=1e-3", "batch.prompts_per_step=4", "batch.samples_per_prompt=2",
+        "actor.engine.optim.lr=1e-3", "critic.engine.optim.lr=1e-3", "batch.prompts_per_step=4", "batch.samples_per_prompt=2",
         "batch.mini_batch_size=4", "trainer.total_steps=2", "trainer.progress_bar=false",
         f"trainer.output_dir={tmp_path / name}", *placement])
     trainer = RLTrainer(config, mode="ray", tensorboard=False)

@@ -14,11 +14,11 @@ from hybridflow.engine import EngineConfig, OptimConfig
 from hybridflow.engine.generation import GenerationConfig
 from hybridflow.protocol import DataProto
 from hybridflow.trainers.build import model_config_of
-from hybridflow.trainers.config import ModelSource
+from hybridflow.models.config import ModelConfig
 from hybridflow.workers import ActorSpec, ActorWorker, EngineSpec, RewardSpec, RewardWorker, TokenizerSource
 from hybridflow.workers.supervised import SFTWorker, bradley_terry_loss_fn, interleave_pairs
 
-BUILTIN = ModelSource(builtin="arithmetic")
+BUILTIN = ModelConfig(builtin="arithmetic")
 
 
 def _spec(head: str, lr: float = 1e-3) -> EngineSpec:
@@ -37,7 +37,7 @@ def test_generation_is_prompt_major_and_old_logprobs_match_the_sampler():
     with local_mode():
         actor = WorkerGroup(ResourcePool([1]), ActorWorker, spec)
         prompts = _prompts(3)
-        prompts.meta_info["num_samples_per_prompt"] = 2
+        prompts.meta_info["samples_per_prompt"] = 2
         batch = actor.generate_sequences(prompts)
         old = actor.compute_log_prob(batch)
         actor.shutdown()

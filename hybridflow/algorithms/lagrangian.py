@@ -26,3 +26,37 @@ def lagrange_multiplier_update(
     if max_lambda is not None:
         new_log_lambda = min(new_log_lambda, math.log(max_lambda))
     return new_log_lambda
+
+
+class LagrangeController:
+    """Safe-RLHF's multiplier lambda with the KL controllers' interface: ``value``, ``update``, state dicts.
+
+    ``update(mean_cost, n_steps)`` takes one dual step (``lagrange_multiplier_update``) on the step's mean
+    cost; ``value`` is lambda = exp(log_lambda), the weight of the cost advantages in the next step.
+    """
+
+    def __init__(self, *, init_lambda: float, cost_limit: float, lr: float, max_lambda: float | None = None) -> None:
+        if not (math.isfinite(init_lambda) and init_lambda > 0):
+            raise ValueError(f"init_lambda must be a finite float > 0, got {init_lambda}")
+        if max_lambda is not None and init_lambda > max_lambda:
+            raise ValueError(f"init_lambda {init_lambda} exceeds max_lambda {max_lambda}")
+        if lr <= 0:
+            raise ValueError(f"lr must be > 0, got {lr}")
+        self.log_lambda = math.log(init_lambda)
+        self.cost_limit, self.lr, self.max_lambda = float(cost_limit), float(lr), max_lambda
+
+    @property
+    def value(self) -> float:
+        """The current multiplier lambda."""
+        return math.exp(self.log_lambda)
+
+    def update(self, mean_cost: float, n_steps: int = 1) -> None:
+        """One dual-ascent step on the mean cost measured over the last ``n_steps`` samples."""
+        self.log_lambda = lagrange_multiplier_update(self.log_lambda, mean_cost, cost_limit=self.cost_limit,
+                                                     lr=self.lr, max_lambda=self.max_lambda)
+
+    def state_dict(self) -> dict:
+        return {"log_lambda": self.log_lambda}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.log_lambda = float(state["log_lambda"])

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridflow.device import current_device
-from hybridflow.parallel.layout import GenerationCoords, GenerationLayout, ParallelLayout, RankCoords
+from hybridflow.parallel.layout import GenerationLayout, ParallelLayout, RankCoords
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,27 +97,14 @@ class Worker:
 
     @property
     def generation_layout(self) -> GenerationLayout | None:
+        """A second layout some roles declare for a second phase (the actor's generation); the transfer
+        protocols split data by its replicas. Its coordinates and groups belong to ``GenerationLayout``."""
         return self._generation_layout
 
     @property
     def coords(self) -> RankCoords:
         """This rank's (dp, pp, tp) coordinates in the training layout."""
         return self._parallel_layout.coords(self.rank)
-
-    @property
-    def generation_coords(self) -> GenerationCoords | None:
-        """This rank's generation replica and (pg, tg) coordinates, when a generation layout is declared."""
-        if self._generation_layout is None:
-            return None
-        return self._generation_layout.coords(self.rank)
-
-    @property
-    def micro_dp_group(self) -> list[int] | None:
-        """Ranks of this rank's micro-DP group (the hybrid engine's all-gather group), when a generation
-        layout is declared: the ranks of its training replica holding the same generation shard."""
-        if self._generation_layout is None:
-            return None
-        return next(group for group in self._generation_layout.micro_dp_groups() if self.rank in group)
 
     def colocated_role(self, role: str) -> "Worker":
         """Another role object living in this process (built by ``WorkerGroup.colocate`` on the same pool)."""

@@ -97,3 +97,10 @@ class PromptEncoder:
             return []
         encoded = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
         return [list(ids) + [self.tokenizer.eos_token_id] for ids in encoded]
+
+
+def decode_responses(tokenizer, data) -> list[str]:
+    """The text of each response of a DataProto (its real tokens, special tokens such as EOS removed)."""
+    responses_BT, mask_BT = data["responses"], data["response_mask"].bool()
+    return [tokenizer.decode(responses_BT[row][mask_BT[row]].tolist(), skip_special_tokens=True)
+            for row in range(len(data))]

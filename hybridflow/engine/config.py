@@ -43,8 +43,16 @@ class OptimConfig:
     """Decay after warmup: constant, linear to 0 at total_steps, or cosine to 0 at total_steps."""
     warmup_steps: int = 0
     """Optimizer steps of linear warmup from 0 to lr."""
-    total_steps: int | None = None
-    """Optimizer steps of the whole run; required by the linear and cosine schedules."""
+    total_steps: int | None = field(default=None, metadata={"derived": "the trainer's step count"})
+    """Optimizer steps of the whole run; required by the linear and cosine schedules (the RL, SFT and RM
+    trainers set it from their step counts)."""
+
+    def check_schedule(self) -> None:
+        """Raise unless the schedule can be computed: linear and cosine need ``total_steps`` (which a trainer
+        derives from its step count, so a YAML config never sets it; the optimizer is built only after)."""
+        if self.lr_schedule != "constant" and self.total_steps is None:
+            raise ValueError(f"optim.total_steps is required by lr_schedule={self.lr_schedule!r}; "
+                             f"given None, allowed: a positive integer")
 
     def __post_init__(self) -> None:
         if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or self.lr <= 0:
@@ -66,9 +74,6 @@ class OptimConfig:
             raise ValueError(f"optim.warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
         if self.total_steps is not None:
             _check_positive_int("optim.total_steps", self.total_steps)
-        if self.lr_schedule != "constant" and self.total_steps is None:
-            raise ValueError(f"optim.total_steps is required by lr_schedule={self.lr_schedule!r}; "
-                             f"given None, allowed: a positive integer")
         if self.total_steps is not None and self.warmup_steps > self.total_steps:
             raise ValueError(f"optim.warmup_steps {self.warmup_steps} exceeds optim.total_steps "
                              f"{self.total_steps}; allowed: 0..{self.total_steps}")
@@ -89,13 +94,17 @@ class EngineConfig:
     micro_batch_tokens: int = 4096
     """Per-rank token budget of one forward/backward (real tokens; padding is removed)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Compute dtype: 'auto' is bf16 on GPUs that support it, fp32 on CPU; weights stay fp32."""
+    """Compute dtype of forward/backward (autocast): 'auto' is bf16 on GPUs that support it, fp32 on CPU.
+    Master weights, gradients and optimizer state stay fp32. 'float16' is refused (no loss scaling)."""
     pipeline_schedule: Literal["1f1b", "gpipe"] = "1f1b"
     """Pipeline schedule of the 3d layout when pp_size > 1."""
-    seed: int = 0
+    num_threads: int = 0
+    """CPU threads of each worker process (torch.set_num_threads); 0 keeps the process's setting. Roles
+    colocated in one process share it: the last role built sets it."""
+    seed: int = field(default=0, metadata={"derived": "trainer.seed"})
     """Seed set before the model is built (same initial weights on every rank)."""
     optim: OptimConfig = field(default_factory=OptimConfig)
-    """Optimizer and learning-rate schedule."""
+    """Optimizer and learning-rate schedule (ignored by inference-only roles: reference, reward, cost)."""
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -112,9 +121,15 @@ class EngineConfig:
         _check_positive_int("engine.micro_batch_tokens", self.micro_batch_tokens)
         if self.dtype not in DTYPES:
             raise ValueError(f"engine.dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+        if self.dtype == "float16":
+            # fp16 gradients underflow without dynamic loss scaling, which this engine does not implement
+            raise ValueError("engine.dtype got 'float16', which needs loss scaling (not implemented); allowed: "
+                             "'auto', 'float32' or 'bfloat16' (bf16 has fp32's exponent range and needs none)")
         if self.pipeline_schedule not in PIPELINE_SCHEDULES:
             raise ValueError(f"engine.pipeline_schedule must be one of {PIPELINE_SCHEDULES}, "
                              f"got {self.pipeline_schedule!r}")
+        if not isinstance(self.num_threads, int) or isinstance(self.num_threads, bool) or self.num_threads < 0:
+            raise ValueError(f"engine.num_threads must be an integer >= 0 (0 = unchanged), got {self.num_threads!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"engine.seed must be an integer, got {self.seed!r}")
         if not isinstance(self.optim, OptimConfig):

@@ -13,7 +13,7 @@ S = P + T, V vocabulary, H hidden size.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 import torch.distributed as dist
@@ -23,44 +23,110 @@ from hybridflow.engine.decoder import DecoderStage
 
 @dataclass(frozen=True, kw_only=True)
 class GenerationConfig:
-    """How to sample responses."""
+    """How to sample responses.
 
-    max_new_tokens: int = 32
+    The recorded ``logprobs`` are those of the tempered distribution softmax(logits / temperature), the
+    one a training engine recomputes; top-k/top-p, ``repetition_penalty``, ``suppress_tokens`` and
+    ``min_new_tokens`` only shape which token is drawn (as vLLM does).
+    """
+
+    max_new_tokens: int = 64
     """T: the most tokens generated per response; responses are right-padded to exactly T."""
+    min_new_tokens: int = 0
+    """End tokens (EOS, stop tokens) cannot be sampled before this many response tokens."""
     temperature: float = 1.0
     """Logits are divided by it before top-k/top-p and sampling (ignored when greedy)."""
     top_k: int = 0
     """Sample among the k most likely tokens only; 0 turns it off."""
     top_p: float = 1.0
     """Nucleus sampling: the smallest set of tokens whose probability reaches top_p; 1.0 turns it off."""
+    repetition_penalty: float = 1.0
+    """CTRL-style penalty on tokens already in the prompt or response: positive logits are divided by it,
+    negative ones multiplied; 1.0 turns it off."""
     greedy: bool = False
     """Take the most likely token at every step (temperature, top_k, top_p and seed are ignored)."""
-    num_samples_per_prompt: int = 1
-    """Responses generated per prompt; output rows are prompt-major (prompt 0's samples first)."""
-    eos_token_ids: tuple[int, ...] = ()
-    """Tokens that end a response (kept in it, response_mask 1)."""
+    suppress_tokens: tuple[int, ...] = ()
+    """Token ids never sampled (added to the model's ``suppress_tokens`` when ``use_model_defaults``)."""
+    stop: tuple[str, ...] = ()
+    """Strings that end a response (kept in it); the trainer encodes them into ``stop_sequences``."""
     stop_token_ids: tuple[int, ...] = ()
     """Further tokens that end a response, e.g. an end-of-turn token; kept like EOS."""
-    pad_token_id: int = 0
+    use_model_defaults: bool = True
+    """Read the model directory's ``generation_config.json``: its EOS ids and ``suppress_tokens`` are added,
+    and its temperature, top_k, top_p and repetition_penalty replace the ones left at their defaults here."""
+    samples_per_prompt: int = field(default=1, metadata={"derived": "batch.samples_per_prompt"})
+    """Responses generated per prompt; output rows are prompt-major (prompt 0's samples first)."""
+    eos_token_ids: tuple[int, ...] = field(default=(), metadata={"derived": "the tokenizer (and generation_config.json)"})
+    """Tokens that end a response (kept in it, response_mask 1)."""
+    stop_sequences: tuple[tuple[int, ...], ...] = field(default=(), metadata={"derived": "stop, encoded"})
+    """Token sequences that end a response when the response ends with one of them."""
+    pad_token_id: int = field(default=0, metadata={"derived": "the tokenizer"})
     """Fills responses after their end."""
-    seed: int = 0
+    seed: int = field(default=0, metadata={"derived": "trainer.seed"})
     """Seed of the sampling generator: same prompts, weights and config give the same responses."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if not isinstance(self.min_new_tokens, int) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(f"min_new_tokens must be an integer in [0, max_new_tokens={self.max_new_tokens}], "
+                             f"got {self.min_new_tokens!r}")
         if not self.temperature > 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature!r}; use greedy=True for argmax")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.num_samples_per_prompt, int) or self.num_samples_per_prompt < 1:
-            raise ValueError(f"num_samples_per_prompt must be a positive integer, got {self.num_samples_per_prompt!r}")
-        for name in ("eos_token_ids", "stop_token_ids"):
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1.0 = off), got {self.repetition_penalty!r}")
+        if not isinstance(self.samples_per_prompt, int) or self.samples_per_prompt < 1:
+            raise ValueError(f"samples_per_prompt must be a positive integer, got {self.samples_per_prompt!r}")
+        for name in ("eos_token_ids", "stop_token_ids", "suppress_tokens"):
             ids = getattr(self, name)
             if not isinstance(ids, tuple) or not all(isinstance(i, int) and i >= 0 for i in ids):
                 raise ValueError(f"{name} must be a tuple of non-negative token ids, got {ids!r}")
+        if not isinstance(self.stop, tuple) or not all(isinstance(text, str) and text for text in self.stop):
+            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        if not all(isinstance(seq, tuple) and seq and all(isinstance(i, int) and i >= 0 for i in seq)
+                   for seq in self.stop_sequences):
+            raise ValueError(f"stop_sequences must hold non-empty token-id sequences, got {self.stop_sequences!r}")
+
+    def with_model_defaults(self, model_defaults: dict, *, encode=None) -> "GenerationConfig":
+        """This config with a model's ``generation_config.json`` (a dict) applied per ``use_model_defaults``,
+        and ``stop`` encoded into ``stop_sequences`` by ``encode`` (text -> token ids)."""
+        changes: dict = {}
+        if encode is not None and self.stop:
+            changes["stop_sequences"] = tuple(tuple(encode(text)) for text in self.stop)
+        if self.use_model_defaults and model_defaults:
+            eos = model_defaults.get("eos_token_id")
+            eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+            changes["eos_token_ids"] = tuple(dict.fromkeys([*self.eos_token_ids, *eos]))
+            suppress = list(model_defaults.get("suppress_tokens") or [])
+            changes["suppress_tokens"] = tuple(dict.fromkeys([*self.suppress_tokens, *suppress]))
+            defaults = {f.name: f.default for f in fields(self)}
+            for name in ("temperature", "top_k", "top_p", "repetition_penalty"):
+                if model_defaults.get(name) is not None and getattr(self, name) == defaults[name]:
+                    changes[name] = type(defaults[name])(model_defaults[name])
+        return replace(self, **changes)
+
+
+def process_logits(logits_BV: torch.Tensor, config: GenerationConfig, *, history_BL: torch.Tensor | None,
+                   step: int, end_ids: torch.Tensor | None) -> torch.Tensor:
+    """Logits with repetition penalty, suppressed tokens and ``min_new_tokens`` applied (a new tensor).
+
+    ``history_BL``: the tokens seen so far per row (prompt and response; padding may be included, it is
+    never sampled anyway); ``step``: response tokens generated so far; ``end_ids``: EOS and stop ids.
+    """
+    logits_BV = logits_BV.clone()
+    if config.repetition_penalty != 1.0 and history_BL is not None:
+        seen_BL = logits_BV.gather(-1, history_BL)
+        penalised_BL = torch.where(seen_BL > 0, seen_BL / config.repetition_penalty, seen_BL * config.repetition_penalty)
+        logits_BV.scatter_(-1, history_BL, penalised_BL)
+    if config.suppress_tokens:
+        logits_BV[:, list(config.suppress_tokens)] = float("-inf")
+    if step < config.min_new_tokens and end_ids is not None and len(end_ids):
+        logits_BV[:, end_ids] = float("-inf")
+    return logits_BV
 
 
 @dataclass
@@ -92,21 +158,24 @@ class PipelinePeers:
         return len(self.ranks)
 
 
-def sample_tokens(logits_BV: torch.Tensor, config: GenerationConfig,
-                  generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_tokens(logits_BV: torch.Tensor, config: GenerationConfig, generator: torch.Generator | None, *,
+                  history_BL: torch.Tensor | None = None, step: int = 0,
+                  end_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens [B], logprobs [B]) of one step.
 
     Greedy: argmax and its log-probability under the model (temperature 1). Sampling: the
     log-probability under the tempered distribution softmax(logits / temperature) before top-k/top-p
-    truncation: the distribution a training engine recomputes with the same temperature.
+    truncation: the distribution a training engine recomputes with the same temperature. The token is
+    chosen from the logits after ``process_logits`` (repetition penalty, suppressed tokens, min length).
     """
+    processed_BV = process_logits(logits_BV, config, history_BL=history_BL, step=step, end_ids=end_ids)
     if config.greedy:
         logprobs_BV = torch.log_softmax(logits_BV, dim=-1)
-        tokens_B = logits_BV.argmax(dim=-1)
+        tokens_B = processed_BV.argmax(dim=-1)
         return tokens_B, logprobs_BV.gather(-1, tokens_B[:, None]).squeeze(-1)
     scaled_BV = logits_BV / config.temperature
     logprobs_BV = torch.log_softmax(scaled_BV, dim=-1)
-    filtered_BV = scaled_BV.clone()
+    filtered_BV = processed_BV / config.temperature
     if config.top_k and config.top_k < filtered_BV.shape[-1]:
         kth_B1 = filtered_BV.topk(config.top_k, dim=-1).values[:, -1:]
         filtered_BV[filtered_BV < kth_B1] = float("-inf")
@@ -141,12 +210,12 @@ class GenerationEngine:
 
         Returns ``prompts``, ``responses`` [B, T], ``response_mask``, ``input_ids`` [B, P+T],
         ``attention_mask``, ``position_ids``, ``logprobs`` [B, T] (0 after the end), with
-        B = prompts x num_samples_per_prompt and T = max_new_tokens.
+        B = prompts x samples_per_prompt and T = max_new_tokens.
         """
         start = time.perf_counter()
         device = self.stage.device
-        prompts_BP = prompts_BP.to(device).repeat_interleave(config.num_samples_per_prompt, dim=0)
-        prompt_mask_BP = prompt_mask_BP.to(device).repeat_interleave(config.num_samples_per_prompt, dim=0).long()
+        prompts_BP = prompts_BP.to(device).repeat_interleave(config.samples_per_prompt, dim=0)
+        prompt_mask_BP = prompt_mask_BP.to(device).repeat_interleave(config.samples_per_prompt, dim=0).long()
         B, P = prompts_BP.shape
         T = config.max_new_tokens
         responses_BT = torch.full((B, T), config.pad_token_id, dtype=prompts_BP.dtype, device=device)
@@ -166,12 +235,20 @@ class GenerationEngine:
         next_position_B = prompt_mask_BP.sum(dim=1)
         logits_BV = self._forward(prompts_BP, positions_BP, cache, key_valid_BS)
         stats.peak_kv_cache_bytes = cache.nbytes()
+        needs_history = config.repetition_penalty != 1.0
         for step in range(T):
-            tokens_B, logprobs_B = self._sample_and_share(logits_BV, config, generator, len(rows_B))
+            history_BL = (torch.cat([prompts_BP[rows_B], responses_BT[rows_B, :step]], dim=1)
+                          if needs_history else None)
+            tokens_B, logprobs_B = self._sample_and_share(logits_BV, config, generator, len(rows_B),
+                                                          history_BL=history_BL, step=step, end_ids=stops)
             responses_BT[rows_B, step] = tokens_B
             logprobs_BT[rows_B, step] = logprobs_B
             response_mask_BT[rows_B, step] = 1
             finished_B = torch.isin(tokens_B, stops)
+            for sequence in config.stop_sequences:
+                if len(sequence) <= step + 1:
+                    tail_BL = responses_BT[rows_B, step + 1 - len(sequence):step + 1]
+                    finished_B |= (tail_BL == torch.tensor(sequence, device=device)).all(dim=1)
             if step == T - 1 or bool(finished_B.all()):
                 break
             key_valid_BS[:, P + step] = True
@@ -221,12 +298,12 @@ class GenerationEngine:
             dist.recv(last_hidden_BH, src=p.ranks[-1], group=p.group)
         return stage.head(last_hidden_BH) if p.stage == self.head_stage else None
 
-    def _sample_and_share(self, logits_BV, config, generator, rows: int):
+    def _sample_and_share(self, logits_BV, config, generator, rows: int, **processing):
         """Sample on the head stage (every tp rank draws the same tokens from the same logits and seed),
         then broadcast tokens and log-probs to the other stages of the pipeline."""
         p = self.pipeline
         if p.stage == self.head_stage:
-            tokens_B, logprobs_B = sample_tokens(logits_BV, config, generator)
+            tokens_B, logprobs_B = sample_tokens(logits_BV, config, generator, **processing)
         else:
             tokens_B = torch.empty(rows, dtype=torch.long, device=self.stage.device)
             logprobs_B = torch.empty(rows, dtype=torch.float32, device=self.stage.device)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -33,7 +34,7 @@ from hybridflow.engine.generation import GenerationConfig, GenerationEngine, Pip
 from hybridflow.parallel.layout import GenerationLayout, ParallelLayout, stage_layer_range
 from hybridflow.parallel.sharding import tp_shard_dim
 
-STRATEGIES = ("hybrid", "vanilla", "full_gather")
+STRATEGIES = ("hybrid", "vanilla", "full_gather")  # the classes: TRANSITION_STRATEGIES below
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,8 +45,11 @@ class HybridEngineConfig:
     """pg: generation pipeline stages; divides the training pp_size."""
     tp_size: int = 1
     """tg: generation tensor-parallel size; divides the training tp_size."""
-    strategy: str = "hybrid"
-    """'hybrid' (zero redundancy, the paper's), 'vanilla' (consecutive groups) or 'full_gather'."""
+    strategy: Literal["hybrid", "vanilla", "full_gather"] = "hybrid"
+    """How the actor goes from its training shards to its generation shards: ``hybrid`` (the paper's
+    zero-redundancy grouping), or a baseline for measurement: ``vanilla`` (consecutive generation TP groups,
+    a redundant copy) or ``full_gather`` (every rank gathers the whole model, as DeepSpeed-Chat does; needs
+    pp_size = tp_size = 1)."""
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -90,6 +94,21 @@ def training_stage_of(name: str, *, num_layers: int, pp_size: int) -> int:
         layer = int(name.split(".")[2])
         return next(s for s in range(pp_size) if layer in stage_layer_range(num_layers, pp_size, s))
     return 0 if name.startswith("model.embed_tokens.") else pp_size - 1
+
+
+def training_shards(engine) -> dict[str, torch.Tensor]:
+    """A training engine's parameters on this rank as ``HybridEngine.to_generation`` takes them.
+
+    3d: the live local shards (tensor-parallel pieces of this rank's stage). fsdp: each rank holds 1/d of
+    every parameter, so it gathers the whole model (the DeepSpeed-Chat style transition) and generates
+    with tg = pg = 1.
+    """
+    if engine.config.layout == "3d":
+        return engine.local_shards()
+    from torch.distributed.tensor import DTensor
+
+    return {name: (param.full_tensor() if isinstance(param, DTensor) else param).detach()
+            for name, param in engine.model.named_parameters()}
 
 
 def cut_training_shards(state_dict: dict[str, torch.Tensor], hf_config, layout: ParallelLayout,
@@ -139,6 +158,200 @@ class _Groups:
         return chosen
 
 
+class TransitionStrategy:
+    """How the actor goes from its training shards to its generation weights and back (one subclass per
+    ``HybridEngineConfig.strategy``); it owns the process groups its collectives use."""
+
+    name: str = ""
+    generation_grouping: str = "hybrid"
+    """How ``GenerationLayout`` groups the generation ranks."""
+    whole_model: bool = False
+    """Every rank generates alone with the whole model (pg = tg = 1, one replica per rank)."""
+
+    def build_groups(self, engine: "HybridEngine", groups: "_Groups") -> None:
+        """Create this strategy's process groups (every rank creates every group, in the same order)."""
+        raise NotImplementedError
+
+    def gather(self, engine: "HybridEngine", shards: dict[str, torch.Tensor],
+               stats: "TransitionStats") -> dict[str, list]:
+        """This rank's generation weights (name -> pieces) around its training ``shards``."""
+        raise NotImplementedError
+
+
+class HybridStrategy(TransitionStrategy):
+    """The paper's zero-redundancy transition: all-gather inside the micro-DP group, local shard kept in place."""
+
+    name = "hybrid"
+
+    def build_groups(self, engine: "HybridEngine", groups: "_Groups") -> None:
+        # the micro-DP group split by axis; micro-TP peers share the training stage, micro-PP
+        # peers share the training tp rank (member order = shard order inside the generation shard)
+        train = engine.train_layout
+        micro = engine.generation_layout.micro_dp_groups()
+        self.micro_tp_group = groups.mine([sorted(g, key=lambda r: train.coords(r).tp_rank)
+                                           for m in micro for g in _split_by(m, lambda r: train.coords(r).pp_rank)])
+        self.micro_pp_group = groups.mine([sorted(g, key=lambda r: train.coords(r).pp_rank)
+                                           for m in micro for g in _split_by(m, lambda r: train.coords(r).tp_rank)])
+
+    def gather(self, engine: "HybridEngine", shards: dict[str, torch.Tensor],
+               stats: "TransitionStats") -> dict[str, list]:
+        """All-gather the other pieces inside the micro-DP group; the local shard stays a piece, in place."""
+        group, peers = self.micro_tp_group
+        weights: dict[str, list[torch.Tensor]] = {}
+        for name, shard in shards.items():
+            if tp_shard_dim(name) is None or len(peers) == 1:
+                weights[name] = [shard]
+                continue
+            pieces = [shard if r == engine.rank else torch.empty_like(shard) for r in peers]
+            dist.all_gather(pieces, shard, group=group)
+            weights[name] = pieces
+            stats.bytes_received += (len(peers) - 1) * _nbytes(shard)
+            stats.bytes_sent += (len(peers) - 1) * _nbytes(shard)
+        group, peers = self.micro_pp_group
+        if len(peers) > 1:
+            num_layers, pp_size = engine.spec.num_layers, engine.train_layout.pp_size
+            for name in engine._gen_stage_names():
+                owner_stage = training_stage_of(name, num_layers=num_layers, pp_size=pp_size)
+                src = next(r for r in peers if engine.train_layout.coords(r).pp_rank == owner_stage)
+                if src == engine.rank:
+                    pieces = weights[name]
+                    stats.bytes_sent += (len(peers) - 1) * sum(_nbytes(p) for p in pieces)
+                else:
+                    pieces = engine._empty_pieces(name, tp_size=engine.train_layout.tp_size,
+                                                  count=engine.generation_layout.tp_ratio, like=_any(shards))
+                    stats.bytes_received += sum(_nbytes(p) for p in pieces)
+                for piece in pieces:
+                    dist.broadcast(piece, src=src, group=group)
+                weights[name] = pieces
+        return weights
+
+
+class _WholeModelGather(TransitionStrategy):
+    """Shared by the baselines: broadcast every training stage's parameters along the training pipeline."""
+
+    def _gather_stage_then_pipeline(self, engine: "HybridEngine", stage_params: dict[str, torch.Tensor],
+                                    stats: "TransitionStats", running: int) -> dict[str, torch.Tensor]:
+        """Broadcast every training stage's full parameters along the training pipeline: the whole model."""
+        group, peers = self.train_pp_group
+        full = dict(stage_params)
+        if len(peers) == 1:
+            stats.peak_param_bytes = max(stats.peak_param_bytes, running)
+            return full
+        like = _any(stage_params)
+        for name, shape in engine.shapes.items():
+            owner = training_stage_of(name, num_layers=engine.spec.num_layers, pp_size=engine.train_layout.pp_size)
+            if owner == engine.coords.pp_rank:
+                stats.bytes_sent += (len(peers) - 1) * _nbytes(full[name])
+            else:
+                full[name] = like.new_empty(shape)
+                stats.bytes_received += _nbytes(full[name])
+                running += _nbytes(full[name])
+            dist.broadcast(full[name], src=peers[owner], group=group)
+        stats.peak_param_bytes = max(stats.peak_param_bytes, running)
+        return full
+
+
+class VanillaStrategy(_WholeModelGather):
+    """The paper's baseline grouping: consecutive generation TP groups; gather the whole model, cut a copy."""
+
+    name = "vanilla"
+    generation_grouping = "vanilla"
+
+    def build_groups(self, engine: "HybridEngine", groups: "_Groups") -> None:
+        self.train_tp_group = groups.mine(engine.train_layout.tp_groups())
+        self.train_pp_group = groups.mine(engine.train_layout.pp_groups())
+
+    def gather(self, engine: "HybridEngine", shards: dict[str, torch.Tensor],
+               stats: "TransitionStats") -> dict[str, list]:
+        """Gather the whole model in the training replica, cut the generation shard out as a copy, free the rest."""
+        group, peers = self.train_tp_group
+        running = storage_bytes(shards.values())
+        stage_params = {}
+        for name, shard in shards.items():
+            dim = tp_shard_dim(name)
+            if dim is None or len(peers) == 1:
+                stage_params[name] = shard
+                continue
+            pieces = [shard if r == engine.rank else torch.empty_like(shard) for r in peers]
+            dist.all_gather(pieces, shard, group=group)
+            stage_params[name] = torch.cat(pieces, dim=dim)
+            stats.bytes_received += (len(peers) - 1) * _nbytes(shard)
+            stats.bytes_sent += (len(peers) - 1) * _nbytes(shard)
+            running += _nbytes(stage_params[name])
+        full = self._gather_stage_then_pipeline(engine, stage_params, stats, running)
+        weights, copies = {}, 0
+        tg, gen_tp = engine.generation_layout.tp_size, engine.gen_coords.gen_tp_rank
+        for name in engine._gen_stage_names():
+            dim = tp_shard_dim(name)
+            if dim is None or tg == 1:
+                weights[name] = [full[name]]
+            else:
+                weights[name] = [full[name].chunk(tg, dim=dim)[gen_tp].clone()]
+                copies += _nbytes(weights[name][0])
+        # the copies are cut while the whole gathered model is still alive
+        stats.peak_param_bytes = max(stats.peak_param_bytes, storage_bytes([*shards.values(), *full.values()])
+                                     + copies)
+        return weights
+
+
+class FullGatherStrategy(_WholeModelGather):
+    """DeepSpeed-Chat style: every rank gathers the whole model from ZeRO-style slices and generates alone."""
+
+    name = "full_gather"
+    whole_model = True
+
+    def build_groups(self, engine: "HybridEngine", groups: "_Groups") -> None:
+        train = engine.train_layout
+        self.stage_group = groups.mine([[r for r in range(train.world_size) if train.coords(r).pp_rank == s]
+                                        for s in range(train.pp_size)])
+        self.train_pp_group = groups.mine(train.pp_groups())
+
+    def gather(self, engine: "HybridEngine", shards: dict[str, torch.Tensor],
+               stats: "TransitionStats") -> dict[str, list]:
+        """ZeRO-style: each of the t*d ranks of a training stage contributes 1/(t*d) of it; then the pipeline."""
+        group, peers = self.stage_group
+        t, d = engine.train_layout.tp_size, engine.train_layout.dp_size
+        # slot of this rank among the stage's t*d contributors: (tp_rank, dp_rank)
+        train = engine.train_layout
+        order = sorted(peers, key=lambda r: (train.coords(r).tp_rank, train.coords(r).dp_rank))
+        running = storage_bytes(shards.values())
+        stage_params = {}
+        for name, shard in shards.items():
+            dim = tp_shard_dim(name)
+            # the unit cut into equal slices: the tp shard over d slices, or a replicated tensor over t*d
+            units, slices_per_unit = (t, d) if dim is not None else (1, t * d)
+            flat = shard.reshape(-1)
+            size = math.ceil(flat.numel() / slices_per_unit)
+            coords = engine.coords
+            index = coords.dp_rank if dim is not None else coords.tp_rank * d + coords.dp_rank
+            mine = flat.new_zeros(size)
+            payload = flat[index * size:(index + 1) * size]
+            mine[:payload.numel()] = payload
+            gathered = [torch.empty_like(mine) for _ in order]
+            dist.all_gather(gathered, mine, group=group)
+            by_rank = dict(zip(peers, gathered))  # all_gather fills slots in group-rank order
+            if dim is not None:
+                tp_shards = []
+                for tp_rank in range(t):
+                    ranks = [r for r in order if engine.train_layout.coords(r).tp_rank == tp_rank]
+                    tp_shards.append(torch.cat([by_rank[r] for r in ranks])[:flat.numel()].view(shard.shape))
+                stage_params[name] = torch.cat(tp_shards, dim=dim)
+            else:
+                stage_params[name] = torch.cat([by_rank[r] for r in order])[:flat.numel()].view(shard.shape)
+            own = payload.numel() * flat.element_size()
+            total = stage_params[name].numel() * flat.element_size()
+            stats.bytes_received += total - own
+            stats.bytes_sent += (len(order) - 1) * own
+            running += total
+        full = self._gather_stage_then_pipeline(engine, stage_params, stats, running)
+        return {name: [full[name]] for name in engine._gen_stage_names()}
+
+
+TRANSITION_STRATEGIES: dict[str, type[TransitionStrategy]] = {
+    cls.name: cls for cls in (HybridStrategy, VanillaStrategy, FullGatherStrategy)}
+"""``HybridEngineConfig.strategy`` -> its class."""
+
+
 class HybridEngine:
     """One actor rank's switch between its training shards and a generation engine over the same weights.
 
@@ -155,48 +368,31 @@ class HybridEngine:
         self.spec = DecoderSpec.from_hf(hf_config)
         self.rank = dist.get_rank()
         self.shapes = parameter_shapes(hf_config)
-        full = config.strategy == "full_gather"
+        self.strategy = TRANSITION_STRATEGIES[config.strategy]()
         self.generation_layout = GenerationLayout(
             train=train_layout, pp_size=config.pp_size, tp_size=config.tp_size,
-            grouping="vanilla" if config.strategy == "vanilla" else "hybrid")
+            grouping=self.strategy.generation_grouping)
         self.spec.check_tp_size(config.tp_size)
         self.coords = train_layout.coords(self.rank)
         self.gen_coords = self.generation_layout.coords(self.rank)
         self.gen_layers = self.generation_layout.stage_layers(self.spec.num_layers, self.gen_coords.gen_pp_rank)
-        self._build_groups(full)
+        groups = _Groups(self.rank)
+        if not self.strategy.whole_model:
+            self.gen_tp_group = groups.mine(self.generation_layout.tp_groups())
+            self.gen_pp_group = groups.mine(self.generation_layout.pp_groups())
+        self.strategy.build_groups(self, groups)
         self.local_shards: dict[str, torch.Tensor] | None = None
         self.engine: GenerationEngine | None = None
 
-    # ----- groups ------------------------------------------------------------------------------------
-    def _build_groups(self, full: bool) -> None:
-        groups, train, gen = _Groups(self.rank), self.train_layout, self.generation_layout
-        if full:
-            self.stage_group = groups.mine([[r for r in range(train.world_size) if train.coords(r).pp_rank == s]
-                                            for s in range(train.pp_size)])
-            self.train_pp_group = groups.mine(train.pp_groups())
-            return
-        self.gen_tp_group = groups.mine(gen.tp_groups())
-        self.gen_pp_group = groups.mine(gen.pp_groups())
-        if self.config.strategy == "vanilla":
-            self.train_tp_group = groups.mine(train.tp_groups())
-            self.train_pp_group = groups.mine(train.pp_groups())
-            return
-        # hybrid: the micro-DP group split by axis; micro-TP peers share the training stage, micro-PP
-        # peers share the training tp rank (member order = shard order inside the generation shard)
-        micro = gen.micro_dp_groups()
-        self.micro_tp_group = groups.mine([sorted(g, key=lambda r: train.coords(r).tp_rank)
-                                           for m in micro for g in _split_by(m, lambda r: train.coords(r).pp_rank)])
-        self.micro_pp_group = groups.mine([sorted(g, key=lambda r: train.coords(r).pp_rank)
-                                           for m in micro for g in _split_by(m, lambda r: train.coords(r).tp_rank)])
-
+    # ----- replicas ----------------------------------------------------------------------------------
     @property
     def replica(self) -> int:
         """The generation replica of this rank: it generates the replica's share of the prompts."""
-        return self.gen_coords.replica if self.config.strategy != "full_gather" else self.rank
+        return self.rank if self.strategy.whole_model else self.gen_coords.replica
 
     @property
     def num_replicas(self) -> int:
-        return self.generation_layout.num_replicas if self.config.strategy != "full_gather" else self.train_layout.world_size
+        return self.train_layout.world_size if self.strategy.whole_model else self.generation_layout.num_replicas
 
     # ----- transitions -------------------------------------------------------------------------------
     def to_generation(self, local_shards: dict[str, torch.Tensor]) -> TransitionStats:
@@ -207,9 +403,7 @@ class HybridEngine:
         self.local_shards = local_shards
         stats = TransitionStats(direction="to_generation", strategy=self.config.strategy)
         stats.peak_param_bytes = storage_bytes(local_shards.values())
-        builder = {"hybrid": self._gather_hybrid, "vanilla": self._gather_vanilla,
-                   "full_gather": self._gather_full}[self.config.strategy]
-        weights = builder(local_shards, stats)
+        weights = self.strategy.gather(self, local_shards, stats)
         self.engine = self._build_engine(weights)
         stats.param_bytes = self.param_bytes()
         stats.peak_param_bytes = max(stats.peak_param_bytes, stats.param_bytes)
@@ -240,14 +434,15 @@ class HybridEngine:
             tensors += [p for pieces in self.engine.stage.weights.values() for p in pieces]
         return storage_bytes(tensors)
 
-    # ----- strategies --------------------------------------------------------------------------------
+    # ----- shared by the strategies -----------------------------------------------------------------
     def _gen_stage_names(self) -> list[str]:
-        last = self.generation_layout.pp_size - 1 if self.config.strategy != "full_gather" else 0
-        gen_pp = self.gen_coords.gen_pp_rank if self.config.strategy != "full_gather" else 0
+        whole = self.strategy.whole_model
+        last = 0 if whole else self.generation_layout.pp_size - 1
+        gen_pp = 0 if whole else self.gen_coords.gen_pp_rank
         names = []
         for name in self.shapes:
             if name.startswith("model.layers."):
-                layers = self.gen_layers if self.config.strategy != "full_gather" else range(self.spec.num_layers)
+                layers = range(self.spec.num_layers) if whole else self.gen_layers
                 if int(name.split(".")[2]) in layers:
                     names.append(name)
             elif name.startswith("model.embed_tokens."):
@@ -257,37 +452,6 @@ class HybridEngine:
                 names.append(name)
         return names
 
-    def _gather_hybrid(self, shards: dict[str, torch.Tensor], stats: TransitionStats) -> dict[str, list]:
-        """All-gather the other pieces inside the micro-DP group; the local shard stays a piece, in place."""
-        group, peers = self.micro_tp_group
-        weights: dict[str, list[torch.Tensor]] = {}
-        for name, shard in shards.items():
-            if tp_shard_dim(name) is None or len(peers) == 1:
-                weights[name] = [shard]
-                continue
-            pieces = [shard if r == self.rank else torch.empty_like(shard) for r in peers]
-            dist.all_gather(pieces, shard, group=group)
-            weights[name] = pieces
-            stats.bytes_received += (len(peers) - 1) * _nbytes(shard)
-            stats.bytes_sent += (len(peers) - 1) * _nbytes(shard)
-        group, peers = self.micro_pp_group
-        if len(peers) > 1:
-            num_layers, pp_size = self.spec.num_layers, self.train_layout.pp_size
-            for name in self._gen_stage_names():
-                owner_stage = training_stage_of(name, num_layers=num_layers, pp_size=pp_size)
-                src = next(r for r in peers if self.train_layout.coords(r).pp_rank == owner_stage)
-                if src == self.rank:
-                    pieces = weights[name]
-                    stats.bytes_sent += (len(peers) - 1) * sum(_nbytes(p) for p in pieces)
-                else:
-                    pieces = self._empty_pieces(name, tp_size=self.train_layout.tp_size,
-                                                count=self.generation_layout.tp_ratio, like=_any(shards))
-                    stats.bytes_received += sum(_nbytes(p) for p in pieces)
-                for piece in pieces:
-                    dist.broadcast(piece, src=src, group=group)
-                weights[name] = pieces
-        return weights
-
     def _empty_pieces(self, name: str, *, tp_size: int, count: int, like: torch.Tensor) -> list[torch.Tensor]:
         shape, dim = list(self.shapes[name]), tp_shard_dim(name)
         if dim is None:
@@ -295,98 +459,8 @@ class HybridEngine:
         shape[dim] //= tp_size
         return [like.new_empty(shape) for _ in range(count)]
 
-    def _gather_stage_then_pipeline(self, stage_params: dict[str, torch.Tensor], stats: TransitionStats,
-                                    running: int) -> dict[str, torch.Tensor]:
-        """Broadcast every training stage's full parameters along the training pipeline: the whole model."""
-        group, peers = self.train_pp_group
-        full = dict(stage_params)
-        if len(peers) == 1:
-            stats.peak_param_bytes = max(stats.peak_param_bytes, running)
-            return full
-        like = _any(stage_params)
-        for name, shape in self.shapes.items():
-            owner = training_stage_of(name, num_layers=self.spec.num_layers, pp_size=self.train_layout.pp_size)
-            if owner == self.coords.pp_rank:
-                stats.bytes_sent += (len(peers) - 1) * _nbytes(full[name])
-            else:
-                full[name] = like.new_empty(shape)
-                stats.bytes_received += _nbytes(full[name])
-                running += _nbytes(full[name])
-            dist.broadcast(full[name], src=peers[owner], group=group)
-        stats.peak_param_bytes = max(stats.peak_param_bytes, running)
-        return full
-
-    def _gather_vanilla(self, shards: dict[str, torch.Tensor], stats: TransitionStats) -> dict[str, list]:
-        """Gather the whole model in the training replica, cut the generation shard out as a copy, free the rest."""
-        group, peers = self.train_tp_group
-        running = storage_bytes(shards.values())
-        stage_params = {}
-        for name, shard in shards.items():
-            dim = tp_shard_dim(name)
-            if dim is None or len(peers) == 1:
-                stage_params[name] = shard
-                continue
-            pieces = [shard if r == self.rank else torch.empty_like(shard) for r in peers]
-            dist.all_gather(pieces, shard, group=group)
-            stage_params[name] = torch.cat(pieces, dim=dim)
-            stats.bytes_received += (len(peers) - 1) * _nbytes(shard)
-            stats.bytes_sent += (len(peers) - 1) * _nbytes(shard)
-            running += _nbytes(stage_params[name])
-        full = self._gather_stage_then_pipeline(stage_params, stats, running)
-        weights, copies = {}, 0
-        tg, gen_tp = self.generation_layout.tp_size, self.gen_coords.gen_tp_rank
-        for name in self._gen_stage_names():
-            dim = tp_shard_dim(name)
-            if dim is None or tg == 1:
-                weights[name] = [full[name]]
-            else:
-                weights[name] = [full[name].chunk(tg, dim=dim)[gen_tp].clone()]
-                copies += _nbytes(weights[name][0])
-        # the copies are cut while the whole gathered model is still alive
-        stats.peak_param_bytes = max(stats.peak_param_bytes, storage_bytes([*shards.values(), *full.values()])
-                                     + copies)
-        return weights
-
-    def _gather_full(self, shards: dict[str, torch.Tensor], stats: TransitionStats) -> dict[str, list]:
-        """ZeRO-style: each of the t*d ranks of a training stage contributes 1/(t*d) of it; then the pipeline."""
-        group, peers = self.stage_group
-        t, d = self.train_layout.tp_size, self.train_layout.dp_size
-        # slot of this rank among the stage's t*d contributors: (tp_rank, dp_rank)
-        order = sorted(peers, key=lambda r: (self.train_layout.coords(r).tp_rank, self.train_layout.coords(r).dp_rank))
-        running = storage_bytes(shards.values())
-        stage_params = {}
-        for name, shard in shards.items():
-            dim = tp_shard_dim(name)
-            # the unit cut into equal slices: the tp shard over d slices, or a replicated tensor over t*d
-            units, slices_per_unit = (t, d) if dim is not None else (1, t * d)
-            flat = shard.reshape(-1)
-            size = math.ceil(flat.numel() / slices_per_unit)
-            coords = self.coords
-            index = coords.dp_rank if dim is not None else coords.tp_rank * d + coords.dp_rank
-            mine = flat.new_zeros(size)
-            payload = flat[index * size:(index + 1) * size]
-            mine[:payload.numel()] = payload
-            gathered = [torch.empty_like(mine) for _ in order]
-            dist.all_gather(gathered, mine, group=group)
-            by_rank = dict(zip(peers, gathered))  # all_gather fills slots in group-rank order
-            if dim is not None:
-                tp_shards = []
-                for tp_rank in range(t):
-                    ranks = [r for r in order if self.train_layout.coords(r).tp_rank == tp_rank]
-                    tp_shards.append(torch.cat([by_rank[r] for r in ranks])[:flat.numel()].view(shard.shape))
-                stage_params[name] = torch.cat(tp_shards, dim=dim)
-            else:
-                stage_params[name] = torch.cat([by_rank[r] for r in order])[:flat.numel()].view(shard.shape)
-            own = payload.numel() * flat.element_size()
-            total = stage_params[name].numel() * flat.element_size()
-            stats.bytes_received += total - own
-            stats.bytes_sent += (len(order) - 1) * own
-            running += total
-        full = self._gather_stage_then_pipeline(stage_params, stats, running)
-        return {name: [full[name]] for name in self._gen_stage_names()}
-
     def _build_engine(self, weights: dict[str, list[torch.Tensor]]) -> GenerationEngine:
-        if self.config.strategy == "full_gather":
+        if self.strategy.whole_model:
             stage = DecoderStage(self.spec, self.hf_config, weights, layers=range(self.spec.num_layers),
                                  has_embedding=True, has_final_norm=True, has_head=True)
             return GenerationEngine(stage)

@@ -14,6 +14,7 @@ from hybridflow.engine.config import OptimConfig
 
 def build_optimizer(module: nn.Module, config: OptimConfig) -> torch.optim.Optimizer:
     """AdamW over the module's trainable parameters (plain tensors or DTensors)."""
+    config.check_schedule()
     params = [p for p in module.parameters() if p.requires_grad]
     return torch.optim.AdamW(params, lr=lr_at(0, config), betas=config.betas, eps=config.eps,
                              weight_decay=config.weight_decay)

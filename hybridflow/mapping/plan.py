@@ -48,6 +48,9 @@ class Plan:
     """Role -> stage -> predicted seconds of that role."""
     alternatives: tuple["Plan", ...] = field(default=(), compare=False)
     """Other placements, fastest first (only on the plan the search returns)."""
+    workload: Any = field(default=None, compare=False)
+    """The ``Workload`` (batch, lengths, epochs) this plan was planned for; None for a plan read from a config.
+    Applying a plan to a run with another workload is refused (``apply_plan``)."""
 
     def __post_init__(self) -> None:
         placed = [role for pool in self.pools for role in pool.roles]
@@ -78,11 +81,14 @@ class Plan:
         return next(pool for pool in self.pools if role in pool.roles)
 
     def without_prediction(self) -> "Plan":
-        return replace(self, stage_seconds=None, pool_stage_seconds=None, role_stage_seconds=None, alternatives=())
+        return replace(self, stage_seconds=None, pool_stage_seconds=None, role_stage_seconds=None, alternatives=(),
+                       workload=None)
 
     # ---- config fragment ---------------------------------------------------------------------
     def to_config_fragment(self) -> dict[str, Any]:
-        """The trainer config keys of this plan: placement.pools/roles, <role>.engine.*, actor.generation.*."""
+        """The trainer config keys of this plan: placement.pools/roles, <role>.engine.*, actor.hybrid_engine.*
+        (what ``hybridflow plan --out`` writes; ``hybridflow train`` applies a plan with typed replacement,
+        ``hybridflow.trainers.auto_mapping.apply_plan``)."""
         fragment: dict[str, Any] = {
             "placement": {
                 "pools": {pool.name: list(pool.devices_per_node) for pool in self.pools},
@@ -93,7 +99,7 @@ class Plan:
             section = fragment.setdefault(role, {})
             section["engine"] = {"layout": strategy.layout, "pp_size": strategy.pp_size, "tp_size": strategy.tp_size}
             if strategy.generates:
-                section["generation"] = {"pp_size": strategy.generation_pp_size,
+                section["hybrid_engine"] = {"pp_size": strategy.generation_pp_size,
                                          "tp_size": strategy.generation_tp_size}
         return fragment
 
@@ -102,7 +108,7 @@ class Plan:
         """The plan a config describes (its placement and layouts; no predicted times).
 
         Roles named in ``placement.roles`` are placed; an engine section missing for a placed role
-        means the engine defaults (fsdp, p = t = 1); a role with a ``generation`` section generates.
+        means the engine defaults (fsdp, p = t = 1); a role with a ``hybrid_engine`` section generates.
         """
         placement = fragment.get("placement")
         if not isinstance(placement, Mapping) or "pools" not in placement or "roles" not in placement:
@@ -122,7 +128,7 @@ class Plan:
         for role in roles_cfg:
             section = fragment.get(role, {}) or {}
             engine = section.get("engine", {}) or {}
-            generation = section.get("generation")
+            generation = section.get("hybrid_engine")
             strategies[role] = RoleStrategy(
                 layout=engine.get("layout", "fsdp"), pp_size=int(engine.get("pp_size", 1)),
                 tp_size=int(engine.get("tp_size", 1)),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from hybridflow.models.families import check_family
@@ -15,7 +15,8 @@ ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """What ``build_model`` builds. Exactly one of ``path`` and ``tiny`` is set."""
+    """Where a role's model comes from and how it is built. Exactly one of ``path``, ``tiny`` and ``builtin`` is
+    set (``build_model`` takes ``path`` or ``tiny``; the trainers resolve ``builtin`` into ``tiny``)."""
 
     path: str | None = None
     """Local Hugging Face model directory (config.json + safetensors). Nothing is fetched from a hub."""
@@ -23,11 +24,18 @@ class ModelConfig:
     tiny: dict[str, Any] | None = None
     """Build a tiny randomly initialised model instead: overrides of ``tiny_config`` (``{}`` for the defaults)."""
 
+    builtin: str | None = None
+    """Name of a built-in tiny model (``arithmetic``: the built-in task's model and tokenizer), randomly
+    initialised from the trainer's seed."""
+
+    tokenizer_path: str | None = None
+    """Tokenizer directory when it differs from ``path`` (default: ``path``, or the built-in's tokenizer)."""
+
     family: str | None = None
     """Decoder family: llama, mistral or qwen2. Detected from config.json for ``path`` (a mismatch is an
     error); for ``tiny`` it picks the architecture (default llama)."""
 
-    head: str = "lm"
+    head: str = field(default="lm", metadata={"derived": "the role (actor/reference: lm, critic: value, reward/cost: score)"})
     """"lm": causal LM (logits over the vocabulary). "value": scalar per token (critic).
     "score": scalar per token read at the last real token (reward/cost model). value and score share
     one module (``*ForTokenClassification`` with one label); they differ in how the engine reads it."""
@@ -42,15 +50,15 @@ class ModelConfig:
     trust_remote_code: bool = False
     """Passed to transformers; the supported families never need remote code."""
 
-    seed: int = 0
+    seed: int = field(default=0, metadata={"derived": "trainer.seed"})
     """Seed of every random initialisation (a tiny model's weights, a new value/score head): the same
     seed gives bit-identical weights on every rank."""
 
     def __post_init__(self) -> None:
-        if (self.path is None) == (self.tiny is None):
-            raise ValueError(
-                f"ModelConfig needs exactly one of path and tiny; got path={self.path!r}, tiny={self.tiny!r}"
-            )
+        given = [name for name in ("path", "tiny", "builtin") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(f"config key path needs exactly one of path, tiny and builtin; got "
+                             f"path={self.path!r}, tiny={self.tiny!r}, builtin={self.builtin!r}")
         if self.path is not None and (not isinstance(self.path, str) or not self.path):
             raise ValueError(f"ModelConfig.path must be a non-empty string, got {self.path!r}")
         if self.tiny is not None:

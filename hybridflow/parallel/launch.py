@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import pickle
 import queue as queue_module
-import socket
 import time
 import traceback
 from typing import Any, Callable
@@ -19,13 +18,6 @@ import torch
 import torch.multiprocessing as mp
 
 from hybridflow.device import init_process_group, require_devices
-
-
-def free_port() -> int:
-    """A TCP port on localhost that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue, timeout_s: float) -> None:
@@ -59,6 +51,8 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     require_devices(world_size, what=f"run_distributed({getattr(fn, '__name__', fn)}, {world_size})")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
+    from hybridflow.controller.ports import free_port  # the parent only; spawned ranks never import Ray
+
     port = free_port()
     procs = [
         ctx.Process(target=_entry, args=(rank, world_size, port, fn, args, queue, timeout_s), daemon=True)

@@ -1,16 +1,17 @@
 """The driver's advantage step: scores + log-probs (+ values) of one RL step -> advantages, returns and KL.
 
 Shape legend: B = samples in the step, T = response tokens.
-This is the only place the estimators differ: PPO (``gae``) uses the critic's values, GRPO/RLOO
-a group baseline over the samples of one prompt, ReMax the greedy response's score, REINFORCE++
-whitened returns. Everything else in the RL loop is shared. Safe-RLHF adds a second GAE on the
+This is the only place the estimators differ, each one entry of ``ESTIMATORS``: PPO (``gae``) uses
+the critic's values, GRPO/RLOO a group baseline over the samples of one prompt, ReMax the greedy
+response's score, REINFORCE++ whitened returns. Everything else in the RL loop is shared. Safe-RLHF adds a second GAE on the
 cost (``cost_advantages``) and mixes the two with the Lagrange multiplier (``safe_rlhf_advantages``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -27,7 +28,6 @@ from hybridflow.algorithms import (
     safe_rlhf_advantages,
     scores_on_last_token,
 )
-from hybridflow.trainers.config import AlgorithmSection
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,115 @@ class AdvantageResult:
     """Safe-RLHF: the cost critic's regression targets; None without a cost."""
 
 
+@dataclass(frozen=True)
+class EstimatorInputs:
+    """What an estimator may read besides the (KL-shaped) token rewards and the mask."""
+
+    values_BT: Tensor | None
+    """The critic's values (``gae``)."""
+    group_ids: Sequence | Tensor
+    """The prompt of each sample (group estimators)."""
+    baseline_scores_B: Tensor | None
+    """The greedy responses' scores (``remax``)."""
+    gamma: float
+    lam: float
+
+
+Estimate = Callable[[Tensor, Tensor, EstimatorInputs], tuple[Tensor, Tensor]]
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """One advantage estimator: its function and what the driver must know about it."""
+
+    estimate: Estimate
+    """(rewards_BT, mask_BT, inputs) -> (advantages_BT, returns_BT)."""
+    needs_critic: bool = False
+    """Whether it reads critic values (the critic role runs only then)."""
+    normalized: bool = False
+    """Whether its advantages are already normalized (then ``whiten_advantages`` is not applied again)."""
+
+
+def _gae(rewards_BT: Tensor, mask_BT: Tensor, inputs: EstimatorInputs) -> tuple[Tensor, Tensor]:
+    if inputs.values_BT is None:
+        raise ValueError("advantage_estimator 'gae' needs critic values; the critic produced none")
+    return gae_advantages(rewards_BT, inputs.values_BT.to(mask_BT.dtype), mask_BT, gamma=inputs.gamma, lam=inputs.lam)
+
+
+def _remax(rewards_BT: Tensor, mask_BT: Tensor, inputs: EstimatorInputs) -> tuple[Tensor, Tensor]:
+    if inputs.baseline_scores_B is None:
+        raise ValueError("advantage_estimator 'remax' needs the greedy responses' scores (baseline_scores_B)")
+    return remax_advantages(rewards_BT, inputs.baseline_scores_B.to(mask_BT.dtype), mask_BT)
+
+
+def _reinforce_plus_plus(rewards_BT: Tensor, mask_BT: Tensor, inputs: EstimatorInputs) -> tuple[Tensor, Tensor]:
+    return reinforce_plus_plus_advantages(rewards_BT, mask_BT, gamma=inputs.gamma)
+
+
+def _outcome(group_advantages) -> Estimate:
+    """An outcome estimator: one (KL-shaped) return per response, the baseline from its prompt's group."""
+
+    def estimate(rewards_BT: Tensor, mask_BT: Tensor, inputs: EstimatorInputs) -> tuple[Tensor, Tensor]:
+        sequence_returns_B = (rewards_BT * mask_BT).sum(dim=-1)
+        return group_advantages(sequence_returns_B, inputs.group_ids, mask_BT), sequence_returns_B[:, None] * mask_BT
+
+    return estimate
+
+
+ESTIMATORS: dict[str, Estimator] = {
+    "gae": Estimator(_gae, needs_critic=True),
+    "grpo": Estimator(_outcome(grpo_advantages), normalized=True),
+    "remax": Estimator(_remax),
+    "rloo": Estimator(_outcome(rloo_advantages)),
+    "reinforce_plus_plus": Estimator(_reinforce_plus_plus, normalized=True),
+}
+"""``algorithm.advantage_estimator`` -> estimator. A new estimator is one entry here (and its name in
+``AlgorithmSection.advantage_estimator``'s Literal, which a test keeps equal to these keys)."""
+
+
+def _require(condition: bool, key: str, value, allowed: str) -> None:
+    if not condition:
+        raise ValueError(f"config key {key} got {value!r}; allowed: {allowed}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AlgorithmSection:
+    """Advantage estimator and KL regularization."""
+
+    advantage_estimator: Literal["gae", "grpo", "remax", "rloo", "reinforce_plus_plus"] = "gae"
+    """``gae`` (PPO, needs a critic) or a critic-free group/baseline estimator."""
+    gamma: float = 1.0
+    """Discount factor."""
+    lam: float = 0.95
+    """GAE lambda."""
+    whiten_advantages: bool = True
+    """Normalize advantages over the step's response tokens."""
+    kl_mode: Literal["reward", "loss", "none"] = "reward"
+    """Where the KL to the reference goes: shaped into the reward, added to the actor loss, or nowhere."""
+    kl_coef: float = 0.05
+    """Initial KL coefficient (beta)."""
+    kl_controller: Literal["fixed", "adaptive"] = "fixed"
+    """Keep beta fixed, or adapt it toward ``kl_target`` (Ziegler et al.)."""
+    kl_target: float = 6.0
+    """Target KL per sequence for the adaptive controller."""
+    kl_horizon: int = 10000
+    """Adaptive controller horizon in samples."""
+
+    def __post_init__(self) -> None:
+        _require(self.advantage_estimator in ESTIMATORS, "advantage_estimator", self.advantage_estimator,
+                 ", ".join(ESTIMATORS))
+        _require(0 <= self.gamma <= 1, "gamma", self.gamma, "a float in [0, 1]")
+        _require(0 <= self.lam <= 1, "lam", self.lam, "a float in [0, 1]")
+        _require(self.kl_coef >= 0, "kl_coef", self.kl_coef, "a float >= 0")
+        _require(self.kl_target > 0, "kl_target", self.kl_target, "a float > 0")
+        _require(self.kl_horizon >= 1, "kl_horizon", self.kl_horizon, "an integer >= 1")
+
+    @property
+    def uses_critic(self) -> bool:
+        """Whether the estimator needs value estimates (only GAE does)."""
+        return ESTIMATORS[self.advantage_estimator].needs_critic
+
+
 def compute_advantages(
     *,
     algorithm: AlgorithmSection,
@@ -64,7 +173,8 @@ def compute_advantages(
     cost_values_BT: Tensor | None = None,
     lagrange_multiplier: float | None = None,
 ) -> AdvantageResult:
-    """Shape the rewards with the KL penalty (when ``kl_mode == 'reward'``) and run the configured estimator.
+    """Shape the rewards with the KL penalty (when ``kl_mode == 'reward'``) and run the configured estimator
+    (``ESTIMATORS[algorithm.advantage_estimator]``).
 
     ``scores_B`` is credited on each response's last token; ``dense_rewards_BT`` (optional, e.g. a
     likelihood reward model's per-token terms) is added token by token. Safe-RLHF: given ``costs_B``,
@@ -84,28 +194,12 @@ def compute_advantages(
             raise ValueError(f"dense_rewards_BT must have the response shape {tuple(mask_BT.shape)}, "
                              f"got {tuple(dense_rewards_BT.shape)}")
         rewards_BT = rewards_BT + dense_rewards_BT.to(mask_BT.dtype) * mask_BT
-    estimator = algorithm.advantage_estimator
-    if estimator == "gae":
-        if values_BT is None:
-            raise ValueError("advantage_estimator 'gae' needs critic values; the critic produced none")
-        advantages_BT, returns_BT = gae_advantages(rewards_BT, values_BT.to(mask_BT.dtype), mask_BT,
-                                                   gamma=algorithm.gamma, lam=algorithm.lam)
-    elif estimator == "remax":
-        if baseline_scores_B is None:
-            raise ValueError("advantage_estimator 'remax' needs the greedy responses' scores (baseline_scores_B)")
-        advantages_BT, returns_BT = remax_advantages(rewards_BT, baseline_scores_B.to(mask_BT.dtype), mask_BT)
-    elif estimator == "reinforce_plus_plus":
-        advantages_BT, returns_BT = reinforce_plus_plus_advantages(rewards_BT, mask_BT, gamma=algorithm.gamma)
-    else:
-        # Outcome estimators: one (KL-shaped) return per response, baseline from its prompt's group.
-        sequence_returns_B = (rewards_BT * mask_BT).sum(dim=-1)
-        if estimator == "grpo":
-            advantages_BT = grpo_advantages(sequence_returns_B, group_ids, mask_BT)
-        else:
-            advantages_BT = rloo_advantages(sequence_returns_B, group_ids, mask_BT)
-        returns_BT = sequence_returns_B[:, None] * mask_BT
-    if algorithm.whiten_advantages and estimator not in ("grpo", "reinforce_plus_plus"):
-        advantages_BT = masked_whiten(advantages_BT, mask_BT)  # grpo and reinforce++ are normalized already
+    estimator = ESTIMATORS[algorithm.advantage_estimator]
+    inputs = EstimatorInputs(values_BT=values_BT, group_ids=group_ids, baseline_scores_B=baseline_scores_B,
+                             gamma=algorithm.gamma, lam=algorithm.lam)
+    advantages_BT, returns_BT = estimator.estimate(rewards_BT, mask_BT, inputs)
+    if algorithm.whiten_advantages and not estimator.normalized:
+        advantages_BT = masked_whiten(advantages_BT, mask_BT)
     cost_advantages_BT = cost_returns_BT = None
     if costs_B is not None:
         if cost_values_BT is None or lagrange_multiplier is None:

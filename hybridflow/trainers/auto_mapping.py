@@ -1,13 +1,15 @@
 """`placement.mapping: auto`: turn the pools' devices into a cluster, ask hybridflow.mapping for the fastest plan.
 
-The plan's config fragment (placement.pools/roles, <role>.engine layout and sizes, actor.generation
-sizes) is merged over the user's config into a new RLConfig; the user's config object is untouched.
+The plan is a typed object (``hybridflow.mapping.Plan``: pools, per-role strategies, the workload it
+was planned for); ``apply_plan`` turns it into a new RLConfig by typed replacement of the placement,
+each role's engine sizes and the actor's generation sizes. The user's config object is untouched.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hybridflow.trainers.config import RLConfig
-from hybridflow.trainers.config_loader import build_dataclass, to_plain
 
 ROLE_KINDS = {"actor": "actor", "critic": "critic", "reference": "inference", "reward": "inference",
               "cost": "inference", "cost_critic": "critic"}
@@ -22,35 +24,53 @@ def _model_of(config: RLConfig, role: str) -> str:
     return source.path
 
 
-def _merge(base: dict, fragment: dict) -> dict:
-    merged = dict(base)
-    for key, value in fragment.items():
-        merged[key] = _merge(base.get(key) or {}, value) if isinstance(value, dict) and key != "pools" \
-            and key != "roles" else value
-    return merged
+def workload_of(config: RLConfig):
+    """The mapping ``Workload`` of a run: its batch vocabulary, lengths, epochs and micro-batch budget."""
+    from hybridflow.mapping import Workload
+
+    return Workload(prompts_per_step=config.batch.prompts_per_step, prompt_length=config.data.max_prompt_tokens,
+                    response_length=config.actor.generation.max_new_tokens,
+                    samples_per_prompt=config.batch.samples_per_prompt,
+                    mini_batch_size=config.batch.mini_batch_size, ppo_epochs=config.actor.loss.ppo_epochs,
+                    micro_batch_tokens=config.actor.engine.micro_batch_tokens)
+
+
+def apply_plan(config: RLConfig, plan) -> RLConfig:
+    """``config`` placed and laid out as ``plan`` says (a manual placement): pools, roles, engine sizes, the
+    actor's generation sizes. Refuses a plan made for another workload."""
+    if plan.workload is not None and plan.workload != workload_of(config):
+        raise ValueError(f"the plan was made for {plan.workload}, not this run's {workload_of(config)}; "
+                         f"plan again for this config")
+    sections = {}
+    for role, strategy in plan.strategies.items():
+        section = config.section_of(role)
+        changes = {"engine": replace(section.engine, layout=strategy.layout, pp_size=strategy.pp_size,
+                                     tp_size=strategy.tp_size)}
+        if role == "actor" and strategy.generates:
+            changes["hybrid_engine"] = replace(section.hybrid_engine, pp_size=strategy.generation_pp_size,
+                                               tp_size=strategy.generation_tp_size)
+        sections[role] = replace(section, **changes)
+    if "cost_critic" in sections:  # its section is cost.critic (RLConfig.section_key)
+        sections["cost"] = replace(sections.get("cost", config.cost), critic=sections.pop("cost_critic"))
+    placement = replace(config.placement, mapping="manual",
+                        pools={pool.name: list(pool.devices_per_node) for pool in plan.pools},
+                        roles={role: pool.name for pool in plan.pools for role in pool.roles})
+    return replace(config, placement=placement, **sections)  # one replace: validated once, as a whole
 
 
 def resolve_auto_mapping(config: RLConfig):
     """(the config with the auto-mapped placement, the Plan); the config itself when mapping is manual."""
     if config.placement.mapping != "auto":
         return config, None
-    from hybridflow.mapping import Cluster, Dataflow, Workload, load_hardware, plan
+    from hybridflow.mapping import Cluster, Dataflow, load_hardware, plan
 
     roles = config.active_roles
     flow = Dataflow(name=config.algorithm.advantage_estimator, roles={role: ROLE_KINDS[role] for role in roles},
                     generation_passes=2 if config.algorithm.advantage_estimator == "remax" else 1)
-    workload = Workload(prompts_per_step=config.batch.prompts_per_step, prompt_length=config.data.max_prompt_tokens,
-                        response_length=config.actor.generation.max_new_tokens,
-                        samples_per_prompt=config.batch.samples_per_prompt,
-                        mini_batch_size=config.batch.mini_batch_size, ppo_epochs=config.actor.ppo_epochs,
-                        micro_batch_tokens=config.actor.engine.micro_batch_tokens)
+    workload = workload_of(config)
     devices_per_node = [count for counts in config.placement.pools.values() for count in counts]
     cluster = Cluster(num_devices=sum(devices_per_node), devices_per_node=max(devices_per_node),
                       hardware=load_hardware(config.placement.hardware))
-    best = plan(flow, {role: _model_of(config, role) for role in roles}, workload, cluster)
-    fragment = best.to_config_fragment()
-    if "cost_critic" in fragment:  # its section is cost.critic (RLConfig.section_key)
-        fragment.setdefault("cost", {})["critic"] = fragment.pop("cost_critic")
-    data = _merge(to_plain(config), fragment)
-    data["placement"]["mapping"] = "manual"  # the resolved config is an explicit placement
-    return build_dataclass(RLConfig, data), best
+    best = replace(plan(flow, {role: _model_of(config, role) for role in roles}, workload, cluster), workload=workload)
+    return apply_plan(config, best), best
+

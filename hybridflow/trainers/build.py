@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 from hybridflow.controller import ResourcePool, WorkerGroup
-from hybridflow.engine.config import EngineConfig, OptimConfig
+from hybridflow.engine.config import EngineConfig
 from hybridflow.engine.generation import GenerationConfig
-from hybridflow.engine.hybrid_engine import HybridEngineConfig
 from hybridflow.models.config import ModelConfig
-from hybridflow.trainers.config import CriticSection, EngineSection, ModelSource, OptimSection, RLConfig
-from hybridflow.workers import (ActorSpec, ActorWorker, CostWorker, CriticWorker, EngineSpec, PolicyLossSpec,
-                                ReferenceWorker, RewardSpec, RewardWorker, TokenizerSource, ValueLossSpec)
+from hybridflow.trainers.config import CriticSection, RLConfig
+from hybridflow.workers import (ActorSpec, ActorWorker, CostWorker, CriticWorker, EngineSpec, ReferenceWorker,
+                                RewardSpec, RewardWorker, TokenizerSource, ValueLossConfig)
 
 # Tensor-name prefix of the cost critic (Safe-RLHF): it returns ``cost_values`` and trains on ``cost_returns``.
 COST_CRITIC_PREFIX = "cost_"
@@ -23,38 +24,52 @@ _BUILTIN_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden
                    "pad_token_id", "bos_token_id", "eos_token_id", "tie_word_embeddings")
 
 
-def model_config_of(source: ModelSource, *, head: str, seed: int) -> ModelConfig:
-    """The ModelConfig a role builds from a config ``model`` section."""
+def model_config_of(source: ModelConfig, *, head: str, seed: int) -> ModelConfig:
+    """The config a role builds: ``source`` with its derived fields (head, seed) set and a ``builtin``
+    resolved into the equivalent ``tiny`` model."""
     if source.builtin is None:
-        return ModelConfig(path=source.path, head=head, seed=seed)
+        return replace(source, head=head, seed=seed)
     if source.builtin not in BUILTIN_MODELS:
         raise ValueError(f"config key model.builtin got {source.builtin!r}; allowed: {', '.join(BUILTIN_MODELS)}")
     from hybridflow.data.builtin import builtin_model_config
 
     hf_config = builtin_model_config()
-    return ModelConfig(tiny={name: getattr(hf_config, name) for name in _BUILTIN_FIELDS}, family="llama",
-                       head=head, seed=seed)
+    return replace(source, builtin=None, tiny={name: getattr(hf_config, name) for name in _BUILTIN_FIELDS},
+                   family="llama", head=head, seed=seed)
 
 
-def tokenizer_of(source: ModelSource) -> TokenizerSource:
+def tokenizer_of(source: ModelConfig) -> TokenizerSource:
     """Where a model section's tokenizer lives."""
     if source.tokenizer_path is not None:
         return TokenizerSource(path=source.tokenizer_path)
     if source.builtin is not None:
         return TokenizerSource(builtin=source.builtin)
+    if source.path is None:
+        raise ValueError("config key model.tokenizer_path is required for a tiny model (it has no directory)")
     return TokenizerSource(path=source.path)
 
 
-def engine_config_of(engine: EngineSection, optim: OptimSection | None, *, seed: int,
-                     optimizer_steps: int) -> EngineConfig:
-    """The engine's own config from a role's ``engine`` (and ``optim``) sections."""
-    optim_config = OptimConfig()
-    if optim is not None:
-        optim_config = OptimConfig(lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay,
-                                   grad_clip=optim.grad_clip or None, lr_schedule=optim.schedule,
-                                   warmup_steps=min(optim.warmup_steps, optimizer_steps), total_steps=optimizer_steps)
-    return EngineConfig(layout=engine.layout, pp_size=engine.pp_size, tp_size=engine.tp_size,
-                        micro_batch_tokens=engine.micro_batch_tokens, seed=seed, optim=optim_config)
+def engine_config_of(engine: EngineConfig, *, seed: int, optimizer_steps: int) -> EngineConfig:
+    """A role's engine config with its derived fields set: the run's seed and optimizer step count."""
+    return replace(engine, seed=seed, optim=replace(engine.optim, total_steps=optimizer_steps))
+
+
+def model_generation_defaults(source: ModelConfig) -> dict:
+    """The model directory's ``generation_config.json`` as a dict ({} when there is none)."""
+    if source.path is None:
+        return {}
+    path = Path(source.path) / "generation_config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def generation_config_of(config: RLConfig, tokenizer) -> GenerationConfig:
+    """The actor's sampling config with its derived fields: tokenizer ids, seed, samples per prompt, the model's
+    generation defaults (``use_model_defaults``) and ``stop`` strings encoded."""
+    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    generation = replace(config.actor.generation, eos_token_ids=(tokenizer.eos_token_id,), pad_token_id=pad_token_id,
+                         seed=config.trainer.seed, samples_per_prompt=config.batch.samples_per_prompt)
+    return generation.with_model_defaults(model_generation_defaults(config.actor.model),
+                                          encode=lambda text: tokenizer.encode(text, add_special_tokens=False))
 
 
 @dataclass(frozen=True)
@@ -63,41 +78,32 @@ class RoleSpecs:
 
     actor: ActorSpec
     reference: EngineSpec | None
-    critic: tuple[EngineSpec, ValueLossSpec] | None
+    critic: tuple[EngineSpec, ValueLossConfig] | None
     reward: RewardSpec | None
     actor_tokenizer: TokenizerSource
     cost: RewardSpec | None = None
-    cost_critic: tuple[EngineSpec, ValueLossSpec] | None = None
+    cost_critic: tuple[EngineSpec, ValueLossConfig] | None = None
 
 
 def role_specs(config: RLConfig) -> RoleSpecs:
     """Specs for every active role (pure: nothing starts)."""
     seed, derived, roles = config.trainer.seed, config.derived(), config.active_roles
     actor_tokenizer = tokenizer_of(config.actor.model)
-    tokenizer = actor_tokenizer.load()
-    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     steps = config.trainer.total_steps * derived.mini_batches_per_epoch
-    generation = config.actor.generation
+    actor_loss = config.actor.loss
     actor = ActorSpec(
         engine=EngineSpec(model=model_config_of(config.actor.model, head="lm", seed=seed),
-                          engine=engine_config_of(config.actor.engine, config.actor.optim, seed=seed,
-                                                  optimizer_steps=steps * config.actor.ppo_epochs)),
-        hybrid=HybridEngineConfig(pp_size=generation.pp_size, tp_size=generation.tp_size,
-                                  strategy=generation.grouping),
-        generation=GenerationConfig(max_new_tokens=generation.max_new_tokens,
-                                    temperature=generation.temperature if generation.temperature > 0 else 1.0,
-                                    greedy=generation.temperature == 0, top_k=generation.top_k,
-                                    top_p=generation.top_p, eos_token_ids=(tokenizer.eos_token_id,),
-                                    pad_token_id=pad_token_id, seed=seed),
-        loss=PolicyLossSpec(ppo_epochs=config.actor.ppo_epochs, mini_batch_size=config.batch.mini_batch_size,
-                            clip_ratio=config.actor.clip_ratio, entropy_coef=config.actor.entropy_coef,
-                            kl_loss_coef=config.algorithm.kl_coef if config.algorithm.kl_mode == "loss" else 0.0,
-                            ptx_coef=config.actor.ptx_coef))
+                          engine=engine_config_of(config.actor.engine, seed=seed,
+                                                  optimizer_steps=steps * actor_loss.ppo_epochs)),
+        hybrid_engine=config.actor.hybrid_engine,
+        generation=generation_config_of(config, actor_tokenizer.load()),
+        loss=replace(actor_loss, mini_batch_size=config.batch.mini_batch_size,
+                     kl_loss_coef=config.algorithm.kl_coef if config.algorithm.kl_mode == "loss" else 0.0))
     reference = critic = reward = None
     if "reference" in roles:
         source = config.reference.model or config.actor.model
         reference = EngineSpec(model=model_config_of(source, head="lm", seed=seed),
-                               engine=engine_config_of(config.reference.engine, None, seed=seed, optimizer_steps=1))
+                               engine=engine_config_of(config.reference.engine, seed=seed, optimizer_steps=1))
     if "critic" in roles:
         critic = _critic_specs(config, config.critic, optimizer_steps=steps)
     if "reward" in roles:
@@ -114,23 +120,22 @@ def role_specs(config: RLConfig) -> RoleSpecs:
 
 
 def _critic_specs(config: RLConfig, section: CriticSection, *,
-                  optimizer_steps: int) -> tuple[EngineSpec, ValueLossSpec]:
+                  optimizer_steps: int) -> tuple[EngineSpec, ValueLossConfig]:
     """A value model (the critic, or Safe-RLHF's cost critic): its backbone defaults to the actor's model."""
     source = section.model or config.actor.model
     seed = config.trainer.seed
     return (EngineSpec(model=model_config_of(source, head="value", seed=seed),
-                       engine=engine_config_of(section.engine, section.optim, seed=seed,
-                                               optimizer_steps=optimizer_steps * section.ppo_epochs)),
-            ValueLossSpec(ppo_epochs=section.ppo_epochs, mini_batch_size=config.batch.mini_batch_size,
-                          value_clip=section.value_clip))
+                       engine=engine_config_of(section.engine, seed=seed,
+                                               optimizer_steps=optimizer_steps * section.loss.ppo_epochs)),
+            replace(section.loss, mini_batch_size=config.batch.mini_batch_size))
 
 
-def _scorer_spec(source: ModelSource, engine: EngineSection, *, head: str, seed: int,
+def _scorer_spec(source: ModelConfig, engine: EngineConfig, *, head: str, seed: int,
                  actor_tokenizer: TokenizerSource) -> RewardSpec:
     """A reward or cost model; it re-tokenizes the actor's text only when its tokenizer encodes differently."""
     tokenizer = tokenizer_of(source)
     return RewardSpec(engine=EngineSpec(model=model_config_of(source, head=head, seed=seed),
-                                        engine=engine_config_of(engine, None, seed=seed, optimizer_steps=1)),
+                                        engine=engine_config_of(engine, seed=seed, optimizer_steps=1)),
                       actor_tokenizer=actor_tokenizer,
                       tokenizer=None if tokenizer.encodes_like(actor_tokenizer) else tokenizer)
 

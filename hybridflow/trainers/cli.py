@@ -1,22 +1,24 @@
-"""Command-line jobs: `hybridflow train|sft|rm CONFIG.yaml [key=value ...]`."""
+"""Command-line jobs: `hybridflow train|sft|rm CONFIG.yaml [key=value ...] [--local] [--print-config]`."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
-USAGE_EPILOG = ("Overrides are dotted keys parsed as YAML, e.g. actor.optim.lr=1e-5 batch.prompts_per_step=64 "
-                "placement.pools='{train: [8]}'. docs/config.md lists every key.")
+USAGE_EPILOG = ("Overrides are dotted keys parsed as YAML, anywhere on the line, e.g. actor.engine.optim.lr=1e-5 "
+                "batch.prompts_per_step=64 placement.pools='{train: [8]}'. docs/config.md lists every key.")
 
 
-def _parse(prog: str, description: str, argv: list[str]) -> argparse.Namespace:
+def parse_job_args(prog: str, description: str, argv: list[str]) -> argparse.Namespace:
+    """The config file, the ``key=value`` overrides (in any position, before or after flags) and the flags."""
     parser = argparse.ArgumentParser(prog=prog, description=description, epilog=USAGE_EPILOG)
     parser.add_argument("config", nargs="?", help="YAML config file (optional when every key is given as an override)")
     parser.add_argument("overrides", nargs="*", help="key.path=value overrides")
     parser.add_argument("--local", action="store_true", help="run every worker inside this process (no Ray; debugging)")
-    parser.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
-    args = parser.parse_args(argv)
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved config as YAML (loadable as a config file) and exit")
+    # intermixed: `train cfg.yaml --local a=1` puts a=1 after a flag, which plain parse_args rejects
+    args = parser.parse_intermixed_args(argv)
     if args.config is not None and "=" in args.config:  # no file, only overrides
         args.overrides.insert(0, args.config)
         args.config = None
@@ -28,18 +30,29 @@ def _fail(prog: str, error: Exception) -> int:
     return 2
 
 
+def _importable_working_directory() -> None:
+    """``reward.function=my_module:fn`` should find ``my_module.py`` where the user runs the command, as
+    ``python -m`` does; the console script's sys.path lacks the working directory."""
+    if "" not in sys.path and "." not in sys.path:
+        sys.path.insert(0, "")
+
+
 def train_main(argv: list[str]) -> int:
     """`hybridflow train`: RL training (PPO, GRPO, RLOO, ReMax, REINFORCE++) from an RLConfig."""
-    from hybridflow.trainers.config import load_rl_config
-    from hybridflow.trainers.config_loader import to_plain
+    import json
 
-    args = _parse("hybridflow train", "RL training from a YAML config.", argv)
+    from hybridflow.trainers.config import load_rl_config
+    from hybridflow.trainers.config_loader import dump_yaml, to_plain
+
+    args = parse_job_args("hybridflow train", "RL training from a YAML config.", argv)
+    _importable_working_directory()
     try:
         config = load_rl_config(args.config, args.overrides)
     except ValueError as error:
         return _fail("hybridflow train", error)
     if args.print_config:
-        print(json.dumps({**to_plain(config), "derived": to_plain(config.derived())}, indent=2))
+        derived = "\n".join(f"#   {line}" for line in json.dumps(to_plain(config.derived())).splitlines())
+        print(dump_yaml(config) + "# derived sizes (not config keys):\n" + derived)
         return 0
     from hybridflow.trainers.ppo import RLTrainer
 
@@ -58,21 +71,26 @@ def train_main(argv: list[str]) -> int:
 
 
 def _supervised_main(kind: str, argv: list[str]) -> int:
-    from hybridflow.trainers.config_loader import to_plain
+    import json
+
+    from hybridflow.trainers.config_loader import dump_yaml
     from hybridflow.trainers.supervised import RMConfig, SFTConfig, load_supervised_config, run_supervised
 
     prog = f"hybridflow {kind}"
     description = ("Supervised fine-tuning (loss on response tokens)." if kind == "sft"
                    else "Reward-model training (Bradley-Terry on chosen/rejected pairs).")
-    args = _parse(prog, description, argv)
+    args = parse_job_args(prog, description, argv)
     try:
         config = load_supervised_config(SFTConfig if kind == "sft" else RMConfig, args.config, args.overrides)
     except ValueError as error:
         return _fail(prog, error)
     if args.print_config:
-        print(json.dumps(to_plain(config), indent=2))
+        print(dump_yaml(config), end="")
         return 0
-    result = run_supervised(config, mode="local" if args.local else None)
+    try:
+        result = run_supervised(config, mode="local" if args.local else None)
+    except ValueError as error:
+        return _fail(prog, error)
     print(f"{kind} finished: {json.dumps(result['final'])}; model in {result['model_dir']}")
     return 0
 

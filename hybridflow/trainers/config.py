@@ -17,8 +17,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from hybridflow.data.config import PromptFiles
+from hybridflow.engine.config import EngineConfig, OptimConfig
+from hybridflow.engine.generation import GenerationConfig
+from hybridflow.engine.hybrid_engine import HybridEngineConfig
+from hybridflow.models.config import ModelConfig
+from hybridflow.trainers.advantage import AlgorithmSection
 from hybridflow.trainers.config_loader import apply_overrides, build_dataclass, load_yaml
+from hybridflow.workers.spec import PolicyLossConfig, ValueLossConfig
 
+ACTOR_LR = 1e-6
+CRITIC_LR = 1e-5
 ROLES = ("actor", "reference", "critic", "reward", "cost", "cost_critic")
 # "package.module:function", "path/to/file.py:function" or a built-in short name (no colon)
 _FUNCTION_SPEC = re.compile(r"^([^:\s]+:[A-Za-z_][\w.]*|[A-Za-z_]\w*)$")
@@ -30,171 +39,61 @@ def require(condition: bool, key: str, value: Any, allowed: str) -> None:
         raise ValueError(f"config key {key} got {value!r}; allowed: {allowed}")
 
 
-@dataclass(frozen=True, kw_only=True)
-class ModelSource:
-    """Where a role's model comes from: a local Hugging Face directory or a built-in tiny model."""
-
-    path: str | None = None
-    """Local Hugging Face model directory (config.json + safetensors); no hub downloads."""
-    builtin: str | None = None
-    """Name of a built-in tiny model config (e.g. ``arithmetic``), randomly initialized from ``seed``."""
-    tokenizer_path: str | None = None
-    """Tokenizer directory when it differs from ``path`` (default: ``path``, or the built-in's tokenizer)."""
-
-    def __post_init__(self) -> None:
-        if (self.path is None) == (self.builtin is None):
-            raise ValueError(f"config key path needs exactly one of path or builtin; got path={self.path!r}, "
-                             f"builtin={self.builtin!r}")
-
-
-@dataclass(frozen=True, kw_only=True)
-class EngineSection:
-    """How one role's model is laid out and micro-batched on its pool."""
-
-    layout: Literal["fsdp", "3d"] = "fsdp"
-    """``fsdp``: parameters sharded over all ranks; ``3d``: tensor x pipeline x data parallel."""
-    pp_size: int = 1
-    """Pipeline-parallel degree (``3d`` only; must be 1 under ``fsdp``)."""
-    tp_size: int = 1
-    """Tensor-parallel degree (``3d`` only; must be 1 under ``fsdp``)."""
-    micro_batch_tokens: int = 4096
-    """Per rank: the most (unpadded) tokens one forward/backward may hold."""
-
-    def __post_init__(self) -> None:
-        require(self.pp_size >= 1, "pp_size", self.pp_size, "an integer >= 1")
-        require(self.tp_size >= 1, "tp_size", self.tp_size, "an integer >= 1")
-        require(self.micro_batch_tokens >= 1, "micro_batch_tokens", self.micro_batch_tokens, "an integer >= 1")
-        if self.layout == "fsdp":
-            require(self.pp_size == 1 and self.tp_size == 1, "layout", self.layout,
-                     f"'3d' when pp_size={self.pp_size} and tp_size={self.tp_size} (fsdp needs both 1)")
-
-
-@dataclass(frozen=True, kw_only=True)
-class OptimSection:
-    """AdamW with linear warm-up then a constant or cosine schedule."""
-
-    lr: float = 1e-6
-    """Peak learning rate."""
-    weight_decay: float = 0.0
-    """Decoupled weight decay."""
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    """Adam betas (beta1, beta2)."""
-    grad_clip: float = 1.0
-    """Global gradient-norm clip; 0 disables it."""
-    warmup_steps: int = 0
-    """Optimizer steps of linear warm-up from 0 to ``lr``."""
-    schedule: Literal["constant", "cosine"] = "constant"
-    """Learning-rate shape after warm-up."""
-
-    def __post_init__(self) -> None:
-        require(self.lr > 0, "lr", self.lr, "a float > 0")
-        require(self.weight_decay >= 0, "weight_decay", self.weight_decay, "a float >= 0")
-        require(len(self.betas) == 2 and all(0 <= beta < 1 for beta in self.betas), "betas", self.betas,
-                 "two floats in [0, 1)")
-        require(self.grad_clip >= 0, "grad_clip", self.grad_clip, "a float >= 0")
-        require(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "an integer >= 0")
-
-
-@dataclass(frozen=True, kw_only=True)
-class GenerationSection:
-    """Sampling settings and the actor's generation layout (the 3D-HybridEngine's pg, tg)."""
-
-    pp_size: int = 1
-    """Generation pipeline degree pg; must divide the actor's training pp_size."""
-    tp_size: int = 1
-    """Generation tensor degree tg; must divide the actor's training tp_size."""
-    grouping: Literal["hybrid", "vanilla", "full_gather"] = "hybrid"
-    """Generation rank grouping: the paper's zero-redundancy ``hybrid``, or a baseline for measurement:
-    ``vanilla`` (consecutive generation TP groups) or ``full_gather`` (every rank gathers the whole
-    model, as DeepSpeed-Chat does; needs pp_size = tp_size = 1)."""
-    max_new_tokens: int = 64
-    """Most response tokens per sample (responses are padded to this length)."""
-    temperature: float = 1.0
-    """Sampling temperature; 0 means greedy."""
-    top_p: float = 1.0
-    """Nucleus sampling mass in (0, 1]."""
-    top_k: int = 0
-    """Keep the k most likely tokens; 0 keeps all."""
-
-    def __post_init__(self) -> None:
-        require(self.pp_size >= 1, "pp_size", self.pp_size, "an integer >= 1")
-        require(self.tp_size >= 1, "tp_size", self.tp_size, "an integer >= 1")
-        if self.grouping == "full_gather":
-            require(self.pp_size == 1 and self.tp_size == 1, "tp_size",
-                    f"{self.tp_size} (pp_size {self.pp_size}) with grouping full_gather", "pp_size = tp_size = 1")
-        require(self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens, "an integer >= 1")
-        require(self.temperature >= 0, "temperature", self.temperature, "a float >= 0")
-        require(0 < self.top_p <= 1, "top_p", self.top_p, "a float in (0, 1]")
-        require(self.top_k >= 0, "top_k", self.top_k, "an integer >= 0")
+def default_engine(lr: float) -> EngineConfig:
+    """A role's default engine: ``EngineConfig()`` with its own default learning rate."""
+    return EngineConfig(optim=OptimConfig(lr=lr))
 
 
 @dataclass(frozen=True, kw_only=True)
 class ActorSection:
-    """The policy: its model, training engine, optimizer, PPO loss knobs and generation."""
+    """The policy: its model, training engine (with optimizer), PPO loss, sampling and generation layout."""
 
-    model: ModelSource
+    model: ModelConfig
     """Initial policy weights (usually the SFT model)."""
-    engine: EngineSection = field(default_factory=EngineSection)
-    """Training layout and micro-batch budget."""
-    optim: OptimSection = field(default_factory=OptimSection)
-    """Optimizer and schedule."""
-    generation: GenerationSection = field(default_factory=GenerationSection)
-    """Sampling and generation layout."""
-    ppo_epochs: int = 1
-    """Passes over each step's samples."""
-    clip_ratio: float = 0.2
-    """PPO ratio clip epsilon."""
-    entropy_coef: float = 0.0
-    """Weight of the entropy bonus in the policy loss."""
-    ptx_coef: float = 0.0
-    """Weight of the pretraining (ptx) next-token loss; needs ``data.ptx_path``."""
+    engine: EngineConfig = field(default_factory=lambda: default_engine(ACTOR_LR))
+    """Training layout, micro-batch budget, precision and optimizer (default lr 1e-6)."""
+    loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    """PPO update knobs."""
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    """Sampling."""
+    hybrid_engine: HybridEngineConfig = field(default_factory=HybridEngineConfig)
+    """Generation layout (the 3D-HybridEngine's pg, tg) and the transition strategy."""
 
     def __post_init__(self) -> None:
-        require(self.ppo_epochs >= 1, "ppo_epochs", self.ppo_epochs, "an integer >= 1")
-        require(self.clip_ratio > 0, "clip_ratio", self.clip_ratio, "a float > 0")
-        require(self.entropy_coef >= 0, "entropy_coef", self.entropy_coef, "a float >= 0")
-        require(self.ptx_coef >= 0, "ptx_coef", self.ptx_coef, "a float >= 0")
-        for name, size in (("pp_size", self.generation.pp_size), ("tp_size", self.generation.tp_size)):
-            train_size = getattr(self.engine, name)
-            require(train_size % size == 0, f"generation.{name}", size,
-                     f"a divisor of actor.engine.{name}={train_size}")
+        for name in ("pp_size", "tp_size"):
+            size, train_size = getattr(self.hybrid_engine, name), getattr(self.engine, name)
+            require(train_size % size == 0, f"hybrid_engine.{name}", size,
+                    f"a divisor of actor.engine.{name}={train_size}")
 
 
 @dataclass(frozen=True, kw_only=True)
 class ReferenceSection:
     """The frozen reference policy for the KL penalty (defaults to the actor's initial model)."""
 
-    model: ModelSource | None = None
+    model: ModelConfig | None = None
     """Reference weights; null means the actor's ``model``."""
-    engine: EngineSection = field(default_factory=EngineSection)
-    """Inference layout and micro-batch budget."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """Inference layout, micro-batch budget and precision (its ``optim`` is unused)."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class CriticSection:
-    """The value model (only for estimators that need one, i.e. ``gae``)."""
+    """A value model (the critic for ``gae``, or Safe-RLHF's cost critic)."""
 
-    model: ModelSource | None = None
+    model: ModelConfig | None = None
     """Backbone for the value head; null means the actor's ``model``."""
-    engine: EngineSection = field(default_factory=EngineSection)
-    """Training layout and micro-batch budget."""
-    optim: OptimSection = field(default_factory=lambda: OptimSection(lr=1e-5))
-    """Optimizer and schedule."""
-    ppo_epochs: int = 1
-    """Passes over each step's samples."""
-    value_clip: float = 0.2
-    """Clip of new values around the old ones in the value loss; 0 disables clipping."""
-
-    def __post_init__(self) -> None:
-        require(self.ppo_epochs >= 1, "ppo_epochs", self.ppo_epochs, "an integer >= 1")
-        require(self.value_clip >= 0, "value_clip", self.value_clip, "a float >= 0")
+    engine: EngineConfig = field(default_factory=lambda: default_engine(CRITIC_LR))
+    """Training layout, micro-batch budget, precision and optimizer (default lr 1e-5: a fresh value head
+    learns faster than the policy may move)."""
+    loss: ValueLossConfig = field(default_factory=ValueLossConfig)
+    """Value-loss knobs."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class RewardSection:
     """The reward: a reward model, a rule-based function, or a weighted sum of both."""
 
-    model: ModelSource | None = None
+    model: ModelConfig | None = None
     """Reward model (a backbone with a score head, or a causal LM for ``model_type: likelihood``); null for
     rule-based only."""
     model_type: Literal["score_head", "likelihood"] = "score_head"
@@ -204,17 +103,18 @@ class RewardSection:
     model_weight: float = 1.0
     """Weight of the reward model's score in the total reward."""
     function: str | None = None
-    """Rule-based reward ``module:function`` (prompt, response, row fields -> float)."""
+    """Rule-based reward ``module:function`` (prompt, response, row fields -> float); ``module`` may live in
+    the working directory; ``file.py:function`` and built-in names (math, code, arithmetic) work too."""
     function_weight: float = 1.0
     """Weight of the function's reward in the total reward."""
-    engine: EngineSection = field(default_factory=EngineSection)
-    """Inference layout and micro-batch budget of the reward model."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """Inference layout, micro-batch budget and precision of the reward model (its ``optim`` is unused)."""
 
     def __post_init__(self) -> None:
         require(self.model is not None or self.function is not None, "model", None,
                  "a reward model, a reward function, or both (reward.model / reward.function)")
         require(self.model_type in ("score_head", "likelihood"), "model_type", self.model_type,
-                 "'score_head' or 'likelihood'")
+                "'score_head' or 'likelihood'")
         if self.function is not None:
             require(bool(_FUNCTION_SPEC.match(self.function)), "function", self.function,
                      "'package.module:function', 'file.py:function' or a built-in name (math, code, arithmetic)")
@@ -224,10 +124,10 @@ class RewardSection:
 class CostSection:
     """Safe-RLHF (Dai et al. 2024): a cost model, its critic, and the Lagrange multiplier of E[cost] <= limit."""
 
-    model: ModelSource
+    model: ModelConfig
     """The cost model: a backbone with a score head (what ``hybridflow rm`` exports), read at the last token."""
-    engine: EngineSection = field(default_factory=EngineSection)
-    """Inference layout and micro-batch budget of the cost model."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """Inference layout, micro-batch budget and precision of the cost model (its ``optim`` is unused)."""
     critic: CriticSection = field(default_factory=CriticSection)
     """The cost critic (a second value model, regressing the cost returns); its ``model`` null means the actor's."""
     limit: float = 0.0
@@ -252,62 +152,15 @@ class CostSection:
 
 
 @dataclass(frozen=True, kw_only=True)
-class AlgorithmSection:
-    """Advantage estimator and KL regularization."""
+class DataSection(PromptFiles):
+    """Prompt datasets (the shared prompt-file keys plus the RL-only ones)."""
 
-    advantage_estimator: Literal["gae", "grpo", "remax", "rloo", "reinforce_plus_plus"] = "gae"
-    """``gae`` (PPO, needs a critic) or a critic-free group/baseline estimator."""
-    gamma: float = 1.0
-    """Discount factor."""
-    lam: float = 0.95
-    """GAE lambda."""
-    whiten_advantages: bool = True
-    """Normalize advantages over the step's response tokens."""
-    kl_mode: Literal["reward", "loss", "none"] = "reward"
-    """Where the KL to the reference goes: shaped into the reward, added to the actor loss, or nowhere."""
-    kl_coef: float = 0.05
-    """Initial KL coefficient (beta)."""
-    kl_controller: Literal["fixed", "adaptive"] = "fixed"
-    """Keep beta fixed, or adapt it toward ``kl_target`` (Ziegler et al.)."""
-    kl_target: float = 6.0
-    """Target KL per sequence for the adaptive controller."""
-    kl_horizon: int = 10000
-    """Adaptive controller horizon in samples."""
-
-    def __post_init__(self) -> None:
-        require(0 <= self.gamma <= 1, "gamma", self.gamma, "a float in [0, 1]")
-        require(0 <= self.lam <= 1, "lam", self.lam, "a float in [0, 1]")
-        require(self.kl_coef >= 0, "kl_coef", self.kl_coef, "a float >= 0")
-        require(self.kl_target > 0, "kl_target", self.kl_target, "a float > 0")
-        require(self.kl_horizon >= 1, "kl_horizon", self.kl_horizon, "an integer >= 1")
-
-    @property
-    def uses_critic(self) -> bool:
-        """Whether the estimator needs value estimates (only GAE does)."""
-        return self.advantage_estimator == "gae"
-
-
-@dataclass(frozen=True, kw_only=True)
-class DataSection:
-    """Prompt datasets."""
-
-    train_path: str
-    """jsonl or parquet file of training prompts (a ``prompt`` field or chat ``messages``)."""
-    val_path: str | None = None
-    """Held-out prompts for validation; null disables validation."""
-    prompt_key: str = "prompt"
-    """Field holding the prompt text (``messages`` rows use the chat template instead)."""
-    max_prompt_tokens: int = 256
-    """Longer prompts are dropped with a counted warning (never truncated)."""
     ptx_path: str | None = None
-    """jsonl/parquet of prompt/response rows for the ptx next-token loss (``actor.ptx_coef`` > 0)."""
+    """jsonl/parquet of prompt/response rows for the ptx next-token loss (``actor.loss.ptx_coef`` > 0)."""
     max_ptx_response_tokens: int = 256
     """ptx rows with longer responses are dropped (counted in a warning)."""
     shuffle: bool = True
     """Shuffle the prompts every epoch (seeded by ``trainer.seed``)."""
-
-    def __post_init__(self) -> None:
-        require(self.max_prompt_tokens >= 1, "max_prompt_tokens", self.max_prompt_tokens, "an integer >= 1")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -380,6 +233,10 @@ class TrainerSection:
     """Continue from the latest complete checkpoint in ``output_dir`` when there is one."""
     progress_bar: bool = True
     """Show a tqdm progress bar."""
+    tensorboard: bool = True
+    """Write TensorBoard scalars under ``output_dir/tensorboard``."""
+    wandb_project: str | None = None
+    """Also log to Weights & Biases under this project (needs ``pip install wandb``); null: off."""
 
     def __post_init__(self) -> None:
         require(self.total_steps >= 1, "total_steps", self.total_steps, "an integer >= 1")
@@ -430,8 +287,8 @@ class RLConfig:
     """Safe-RLHF's cost model, cost critic and Lagrange multiplier; null for plain (unconstrained) RL."""
 
     def __post_init__(self) -> None:
-        if self.actor.ptx_coef > 0:
-            require(self.data.ptx_path is not None, "actor.ptx_coef", self.actor.ptx_coef,
+        if self.actor.loss.ptx_coef > 0:
+            require(self.data.ptx_path is not None, "actor.loss.ptx_coef", self.actor.loss.ptx_coef,
                      "0 unless data.ptx_path is set")
         if self.cost is not None:
             # Safe-RLHF's cost advantages come from the cost critic's GAE, so the reward side must be GAE too.
@@ -466,7 +323,7 @@ class RLConfig:
             section = getattr(section, name)
         return section
 
-    def engine_of(self, role: str) -> EngineSection:
+    def engine_of(self, role: str) -> EngineConfig:
         """The engine section of a role."""
         return self.section_of(role).engine
 
@@ -487,8 +344,8 @@ class RLConfig:
             if role in dp_sizes:
                 require(self.batch.mini_batch_size % dp_sizes[role] == 0, "batch.mini_batch_size",
                          self.batch.mini_batch_size, f"a multiple of {role}'s data-parallel size {dp_sizes[role]}")
-        generation = self.actor.generation
-        replicas = self.placement.pool_size(self.placement.pool_of("actor")) // (generation.pp_size * generation.tp_size)
+        hybrid = self.actor.hybrid_engine
+        replicas = self.placement.pool_size(self.placement.pool_of("actor")) // (hybrid.pp_size * hybrid.tp_size)
         require(self.batch.prompts_per_step % replicas == 0, "batch.prompts_per_step", self.batch.prompts_per_step,
                  f"a multiple of the {replicas} actor generation replicas (prompts are split over them)")
         return DerivedSizes(samples_per_step=samples, mini_batches_per_epoch=samples // self.batch.mini_batch_size,

@@ -1,15 +1,24 @@
 """Typed construction of config dataclasses from YAML and dotted `key=value` overrides.
 
 A config file is plain YAML; every key must name a field of the target dataclass (nested sections
-are nested dataclasses). Values are checked against the field's annotation before the dataclass is
-built, so a typo or a wrong type fails with the dotted key, the given value and what is allowed,
-before any worker starts. Each dataclass then validates its own values in ``__post_init__``.
+are nested dataclasses: the components' own configs, e.g. ``EngineConfig``). Values are checked
+against the field's annotation before the dataclass is built, so a typo or a wrong type fails with
+the dotted key, the given value and what is allowed, before any worker starts. Each dataclass then
+validates its own values in ``__post_init__``.
+
+A field whose metadata has ``derived`` (e.g. an engine's ``seed``, a model's ``head``) is filled by
+the trainer from other keys; YAML may not set it, ``to_plain`` leaves it out and
+the generated reference (``config_reference``) lists it as derived.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import functools
+import inspect
 import re
+import textwrap
 import types
 import typing
 from pathlib import Path
@@ -67,9 +76,14 @@ def build_dataclass(cls: type[ConfigT], data: dict[str, Any] | None, *, path: st
         raise ValueError(f"{path or 'config'} must be a mapping of keys to values, got {data!r}")
     fields = {field.name: field for field in dataclasses.fields(cls) if field.init}
     unknown = sorted(set(data) - set(fields))
+    derived = sorted(name for name in data if name in fields and "derived" in fields[name].metadata)
+    if derived:
+        raise ValueError(f"config key {_join(path, derived[0])} is set by the trainer (from "
+                         f"{fields[derived[0]].metadata['derived']}); remove it from the config")
     if unknown:
         where = f"{path}." if path else ""
-        raise ValueError(f"unknown config key {where}{unknown[0]}; allowed keys here: {', '.join(sorted(fields))}")
+        knobs = sorted(name for name, field in fields.items() if "derived" not in field.metadata)
+        raise ValueError(f"unknown config key {where}{unknown[0]}; allowed keys here: {', '.join(knobs)}")
     hints = typing.get_type_hints(cls)
     kwargs = {name: _coerce(hints[name], value, _join(path, name)) for name, value in data.items()}
     missing = sorted(name for name, field in fields.items() if name not in kwargs
@@ -88,18 +102,103 @@ def build_dataclass(cls: type[ConfigT], data: dict[str, Any] | None, *, path: st
         if path and message.startswith("config key "):
             message = f"config key {path}." + message[len("config key "):]
             raise ValueError(message) from None
+        if path and not message.startswith("config key "):
+            # a component's own check (e.g. EngineConfig's) names its field; add where the section sits
+            raise ValueError(f"config key {path}: {message}") from None
         raise
 
 
-def to_plain(config: Any) -> Any:
-    """A config dataclass as nested dicts/lists (for logging, checkpoints and YAML dumps)."""
+def to_plain(config: Any, *, with_derived: bool = False) -> Any:
+    """A config dataclass as nested dicts/lists (for logging, checkpoints and YAML dumps).
+
+    Derived fields are left out unless ``with_derived``: the result loads back as an equal config.
+    """
     if dataclasses.is_dataclass(config):
-        return {field.name: to_plain(getattr(config, field.name)) for field in dataclasses.fields(config)}
+        return {field.name: to_plain(getattr(config, field.name), with_derived=with_derived)
+                for field in dataclasses.fields(config) if with_derived or "derived" not in field.metadata}
     if isinstance(config, dict):
-        return {key: to_plain(value) for key, value in config.items()}
+        return {key: to_plain(value, with_derived=with_derived) for key, value in config.items()}
     if isinstance(config, (list, tuple)):
-        return [to_plain(value) for value in config]
+        return [to_plain(value, with_derived=with_derived) for value in config]
     return config
+
+
+def dump_yaml(config: Any) -> str:
+    """The config's knobs as YAML (derived fields left out): loading it back gives an equal config."""
+    return yaml.safe_dump(to_plain(config), sort_keys=False, default_flow_style=None, width=100)
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """Each field's docstring (the string literal under it in the class body), base classes included."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError):
+            continue
+        body = tree.body[0].body
+        for statement, following in zip(body, body[1:]):
+            if (isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name)
+                    and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
+                    and isinstance(following.value.value, str)):
+                docs[statement.target.id] = " ".join(following.value.value.split())
+    return docs
+
+
+def config_reference(cls: type, *, prefix: str = "", instance: Any = None) -> list[dict[str, str]]:
+    """One row per leaf field of ``cls`` (nested sections flattened to dotted keys): key, type, default, doc.
+
+    Defaults come from ``instance`` when given (a section whose default differs from its class's, such as
+    the critic's learning rate), else from the class; a required field's default reads ``required``.
+    """
+    rows = []
+    hints = typing.get_type_hints(cls)
+    docs = field_docs(cls)
+    for field in dataclasses.fields(cls):
+        if not field.init:
+            continue
+        key = _join(prefix, field.name)
+        annotation = hints[field.name]
+        section = _section_type(annotation)
+        default = _default_of(field, instance)
+        if section is not None and "derived" not in field.metadata:
+            rows.append({"key": key, "type": "section" + (" or null" if section is not annotation else ""),
+                         "default": "required" if default is dataclasses.MISSING else
+                         ("null" if default is None else "(below)"), "doc": docs.get(field.name, "")})
+            rows.extend(config_reference(section, prefix=key, instance=default if dataclasses.is_dataclass(default)
+                                         else None))
+            continue
+        doc = docs.get(field.name, "")
+        if "derived" in field.metadata:
+            doc = f"*Derived, set by the trainer from {field.metadata['derived']}.* {doc}"
+        shown = "required" if default is dataclasses.MISSING else yaml.safe_dump(to_plain(default),
+                                                                                   default_flow_style=True).strip()
+        shown = shown.removesuffix("\n...").strip()
+        rows.append({"key": key, "type": _describe(annotation), "default": shown, "doc": doc})
+    return rows
+
+
+def _section_type(annotation: Any):
+    if dataclasses.is_dataclass(annotation):
+        return annotation
+    if typing.get_origin(annotation) in (Union, types.UnionType):
+        sections = [arg for arg in typing.get_args(annotation) if dataclasses.is_dataclass(arg)]
+        if len(sections) == 1:
+            return sections[0]
+    return None
+
+
+def _default_of(field: dataclasses.Field, instance: Any) -> Any:
+    if instance is not None:
+        return getattr(instance, field.name)
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return dataclasses.MISSING
 
 
 def _join(path: str, name: str) -> str:

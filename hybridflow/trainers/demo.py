@@ -193,8 +193,8 @@ def policy_preference_rows(model_dir: str, prompt_file: Path, *, samples_per_pro
 
 
 def _supervised_overrides(config: DemoConfig, *, steps: int, batch_size: int, lr: float) -> list[str]:
-    return [f"batch_size={batch_size}", "epochs=1", f"max_steps={steps}", f"optim.lr={lr}",
-            f"optim.warmup_steps={max(1, steps // 10)}", "optim.schedule=cosine", f"seed={config.seed}"]
+    return [f"batch_size={batch_size}", "epochs=1", f"max_steps={steps}", f"engine.optim.lr={lr}",
+            f"engine.optim.warmup_steps={max(1, steps // 10)}", "engine.optim.lr_schedule=cosine", f"seed={config.seed}"]
 
 
 def train_sft(config: DemoConfig, data_file: Path, output_dir: Path, *, steps: int, lr: float, init_dir: str | None,
@@ -253,9 +253,9 @@ def build_ppo_trainer(config: DemoConfig, files: dict[str, Path], root: Path, *,
 
     rl_config = load_rl_config(None, [
         f"data.train_path={files['prompts']}", f"data.val_path={files['prompts_eval']}",
-        f"actor.model.path={policy_dir}", f"actor.optim.lr={config.actor_lr}",
+        f"actor.model.path={policy_dir}", f"actor.engine.optim.lr={config.actor_lr}",
         f"actor.generation.max_new_tokens={MAX_RESPONSE_TOKENS}",
-        f"critic.optim.lr={config.critic_lr}", f"reward.model.path={reward_dir}", f"reward.model_type={config.rm_type}",
+        f"critic.engine.optim.lr={config.critic_lr}", f"reward.model.path={reward_dir}", f"reward.model_type={config.rm_type}",
         f"algorithm.kl_coef={config.kl_coef}", f"batch.prompts_per_step={config.prompts_per_step}",
         f"batch.samples_per_prompt={config.samples_per_prompt}", f"batch.mini_batch_size={config.mini_batch_size}",
         f"trainer.total_steps={config.ppo_steps}", f"trainer.val_every={config.val_every}",

@@ -10,14 +10,14 @@ cost advantages with the Lagrange multiplier, and updates the multiplier after e
 
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from hybridflow.algorithms import AdaptiveKLController, FixedKLController, lagrange_multiplier_update
+from hybridflow.algorithms import AdaptiveKLController, FixedKLController
+from hybridflow.algorithms.lagrangian import LagrangeController
 from hybridflow.data import BatchLoader, PromptDataset, SFTDataset
 from hybridflow.protocol import DataProto
 from hybridflow.rewards import RuleReward
@@ -26,6 +26,7 @@ from hybridflow.trainers.auto_mapping import resolve_auto_mapping
 from hybridflow.trainers.build import build_worker_groups, role_specs
 from hybridflow.trainers.checkpoint import RunCheckpointer
 from hybridflow.trainers.config import RLConfig
+from hybridflow.trainers.config_loader import to_plain
 from hybridflow.trainers.metrics import MetricsLogger
 from hybridflow.trainers.scoring import RewardScorer
 
@@ -45,7 +46,7 @@ class RLTrainer:
         self.train_data = self._dataset(config.data.train_path)
         self.val_data = self._dataset(config.data.val_path) if config.data.val_path else None
         self.ptx_loader = None
-        if config.actor.ptx_coef > 0:
+        if config.actor.loss.ptx_coef > 0:
             ptx_data = SFTDataset(config.data.ptx_path, self.tokenizer, max_prompt_tokens=config.data.max_prompt_tokens,
                                   max_response_tokens=config.data.max_ptx_response_tokens,
                                   prompt_key=config.data.prompt_key)
@@ -71,11 +72,15 @@ class RLTrainer:
         self.reward_model = self.groups.get("reward")
         self.cost_model = self.groups.get("cost")
         self.cost_critic = self.groups.get("cost_critic")
-        # Safe-RLHF's Lagrange multiplier lambda, kept as its log so it stays positive.
-        self.log_lambda = math.log(config.cost.lambda_init) if config.cost is not None else None
+        # Safe-RLHF's Lagrange multiplier lambda, a controller like the KL coefficient's.
+        self.lagrange = (LagrangeController(init_lambda=config.cost.lambda_init, cost_limit=config.cost.limit,
+                                            lr=config.cost.lambda_lr, max_lambda=config.cost.lambda_max)
+                         if config.cost is not None else None)
         self.step = 0
         self.step = self._resume() if config.trainer.resume else 0
-        self.logger = MetricsLogger(self.output_dir, resume_step=self.step, tensorboard=tensorboard)
+        self.logger = MetricsLogger(self.output_dir, resume_step=self.step,
+                                    tensorboard=tensorboard and config.trainer.tensorboard,
+                                    wandb_project=config.trainer.wandb_project, run_config=to_plain(config))
 
     def _dataset(self, path: str) -> PromptDataset:
         return PromptDataset(path, self.tokenizer, max_prompt_tokens=self.config.data.max_prompt_tokens,
@@ -114,7 +119,7 @@ class RLTrainer:
         """One RL iteration on a batch of prompts; returns its metrics."""
         timing: dict[str, float] = {}
         seed = self.config.trainer.seed * 1_000_003 + self.step
-        prompts.meta_info.update(seed=seed, num_samples_per_prompt=self.config.batch.samples_per_prompt)
+        prompts.meta_info.update(seed=seed, samples_per_prompt=self.config.batch.samples_per_prompt)
         prompts["uid"] = np.arange(len(prompts))  # samples of one prompt form a group (GRPO, RLOO)
         with _timer(timing, "generate"):
             batch = self.actor.generate_sequences(prompts)
@@ -123,12 +128,12 @@ class RLTrainer:
         sequence_scores_B, dense_rewards_BT, reward_metrics = self.scorer.token_rewards(batch)
         baseline_B = self._greedy_baseline(prompts) if self.config.algorithm.advantage_estimator == "remax" else None
         result = compute_advantages(
-            algorithm=self.config.algorithm, scores_B=sequence_scores_B, response_mask_BT=batch.batch["response_mask"],
-            old_logprobs_BT=batch.batch["old_logprobs"], ref_logprobs_BT=batch.get("ref_logprobs"),
-            values_BT=batch.get("values"), group_ids=batch.non_tensor_batch["uid"], baseline_scores_B=baseline_B,
+            algorithm=self.config.algorithm, scores_B=sequence_scores_B, response_mask_BT=batch["response_mask"],
+            old_logprobs_BT=batch["old_logprobs"], ref_logprobs_BT=batch.get("ref_logprobs"),
+            values_BT=batch.get("values"), group_ids=batch["uid"], baseline_scores_B=baseline_B,
             kl_coef=self.kl_controller.value, dense_rewards_BT=dense_rewards_BT, costs_B=batch.get("costs"),
             cost_values_BT=batch.get("cost_values"),
-            lagrange_multiplier=math.exp(self.log_lambda) if self.log_lambda is not None else None)
+            lagrange_multiplier=self.lagrange.value if self.lagrange is not None else None)
         batch["advantages"], batch["returns"] = result.advantages_BT, result.returns_BT
         if result.cost_returns_BT is not None:
             batch["cost_returns"] = result.cost_returns_BT
@@ -142,7 +147,7 @@ class RLTrainer:
                 metrics.update(_first(self.actor.update_actor_ptx(self.ptx_loader.next_batch())))
             for critic_update in critic_updates:
                 metrics.update(_first(critic_update.get()))
-        mask_BT = batch.batch["response_mask"]
+        mask_BT = batch["response_mask"]
         current_kl = sequence_kl(result.kl_BT, mask_BT)
         self.kl_controller.update(current_kl, self.derived.samples_per_step)
         lengths_B = mask_BT.sum(-1).float()
@@ -156,22 +161,16 @@ class RLTrainer:
             **{f"time/{name}_s": seconds for name, seconds in timing.items()},
         })
         if "values" in batch:
-            metrics["critic/values_before_mean"] = token_mean(batch.batch["values"], mask_BT)
-        if self.log_lambda is not None:
-            metrics.update(self._update_lagrange_multiplier(batch.batch["costs"].float()))
+            metrics["critic/values_before_mean"] = token_mean(batch["values"], mask_BT)
+        if self.lagrange is not None:
+            costs_B = batch["costs"].float()
+            self.lagrange.update(float(costs_B.mean()), self.derived.samples_per_step)
+            metrics.update({"cost/mean": float(costs_B.mean()), "cost/max": float(costs_B.max()),
+                            "cost/min": float(costs_B.min()), "lagrange/lambda": self.lagrange.value})
             metrics.update({"cost_advantage/mean": token_mean(result.cost_advantages_BT, mask_BT),
                             "cost_return/mean": token_mean(result.cost_returns_BT, mask_BT),
-                            "cost_critic/values_before_mean": token_mean(batch.batch["cost_values"], mask_BT)})
+                            "cost_critic/values_before_mean": token_mean(batch["cost_values"], mask_BT)})
         return metrics
-
-    def _update_lagrange_multiplier(self, costs_B: torch.Tensor) -> dict[str, float]:
-        """Safe-RLHF's dual step on the step's mean cost; the new lambda weighs the next step's cost advantages."""
-        cost = self.config.cost
-        mean_cost = float(costs_B.mean())
-        self.log_lambda = lagrange_multiplier_update(self.log_lambda, mean_cost, cost_limit=cost.limit,
-                                                     lr=cost.lambda_lr, max_lambda=cost.lambda_max)
-        return {"cost/mean": mean_cost, "cost/max": float(costs_B.max()), "cost/min": float(costs_B.min()),
-                "lagrange/lambda": math.exp(self.log_lambda)}
 
     def _score(self, batch: DataProto) -> DataProto:
         """Old log-probs, reference log-probs, values and reward-model scores (and Safe-RLHF's costs and cost
@@ -193,7 +192,7 @@ class RLTrainer:
     def _greedy_baseline(self, prompts: DataProto) -> torch.Tensor:
         """ReMax: the score of the greedy response to each prompt, repeated over its samples -> baseline_B."""
         greedy = DataProto.from_dict(tensors=dict(prompts.batch.items()), non_tensors=dict(prompts.non_tensor_batch),
-                                     meta_info={**prompts.meta_info, "greedy": True, "num_samples_per_prompt": 1})
+                                     meta_info={**prompts.meta_info, "greedy": True, "samples_per_prompt": 1})
         batch = self.actor.generate_sequences(greedy)
         if self.reward_model is not None:
             batch = batch.union(self.reward_model.compute_reward(batch))
@@ -206,16 +205,16 @@ class RLTrainer:
         assert self.val_data is not None
         scores, rule_scores, lengths, costs = [], [], [], []
         for prompts in self.val_data.batches_in_order(self.config.batch.prompts_per_step):
-            prompts.meta_info.update(greedy=True, num_samples_per_prompt=1)
+            prompts.meta_info.update(greedy=True, samples_per_prompt=1)
             batch = self.actor.generate_sequences(prompts)
             if self.reward_model is not None:
                 batch = batch.union(self.reward_model.compute_reward(batch))
             scores.append(self.scorer.score(batch)[0])
             if self.cost_model is not None:
-                costs.append(self.cost_model.compute_cost(batch).batch["costs"].float())
+                costs.append(self.cost_model.compute_cost(batch)["costs"].float())
             if self.val_rule is not None:
                 rule_scores.append(self.scorer.rule_scores(batch, self.val_rule))
-            lengths.append(batch.batch["response_mask"].sum(-1).float())
+            lengths.append(batch["response_mask"].sum(-1).float())
         metrics = {"val/score_mean": float(torch.cat(scores).mean()),
                    "val/response_length_mean": float(torch.cat(lengths).mean())}
         if rule_scores:
@@ -235,7 +234,7 @@ class RLTrainer:
 
         state = {"loader": self.loader.state_dict(), "kl_controller": self.kl_controller.state_dict(),
                  "ptx_loader": self.ptx_loader.state_dict() if self.ptx_loader is not None else None,
-                 "log_lambda": self.log_lambda}
+                 "lagrange": self.lagrange.state_dict() if self.lagrange is not None else None}
         return self.checkpointer.save(self.step, state, save_roles)
 
     def _resume(self) -> int:
@@ -250,8 +249,8 @@ class RLTrainer:
         self.kl_controller.load_state_dict(state["kl_controller"])
         if self.ptx_loader is not None and state.get("ptx_loader") is not None:
             self.ptx_loader.load_state_dict(state["ptx_loader"])
-        if self.log_lambda is not None and state.get("log_lambda") is not None:
-            self.log_lambda = float(state["log_lambda"])
+        if self.lagrange is not None and state.get("lagrange") is not None:
+            self.lagrange.load_state_dict(state["lagrange"])
         return int(state["step"])
 
     def shutdown(self) -> None:

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from hybridflow.protocol import DataProto
 from hybridflow.rewards import RuleReward
-from hybridflow.workers.reward import decode_responses
+from hybridflow.data import decode_responses
 
 
 class RewardScorer:
@@ -28,8 +28,8 @@ class RewardScorer:
         """A rule function (default: the reward's) on every sample -> scores_B; RewardError naming the sample."""
         rule = rule or self.rule
         assert rule is not None
-        prompts = [str(prompt) for prompt in data.non_tensor_batch["raw_prompt"]]
-        extra = list(data.non_tensor_batch["extra_fields"]) if "extra_fields" in data.non_tensor_batch else None
+        prompts = [str(prompt) for prompt in data["raw_prompt"]]
+        extra = list(data["extra_fields"]) if "extra_fields" in data else None
         return rule.score_batch(prompts, decode_responses(self.tokenizer, data), extra)
 
     def token_rewards(self, data: DataProto) -> tuple[Tensor, Tensor | None, dict[str, float]]:
@@ -47,10 +47,10 @@ class RewardScorer:
             sequence_B += self.function_weight * rule_B
             metrics["reward/function_mean"] = float(rule_B.mean())
         if self.uses_model:
-            model_B = data.batch["rm_scores"].float()
+            model_B = data["rm_scores"].float()
             metrics["reward/model_mean"] = float(model_B.mean())
             if "rm_token_scores" in data.batch:
-                dense_BT = self.model_weight * data.batch["rm_token_scores"].float()
+                dense_BT = self.model_weight * data["rm_token_scores"].float()
             else:
                 sequence_B += self.model_weight * model_B
         total_B = sequence_B if dense_BT is None else sequence_B + dense_BT.sum(dim=-1)

@@ -15,8 +15,11 @@ import torch
 
 from hybridflow.controller import ResourcePool, WorkerGroup
 from hybridflow.data import BatchLoader, PreferenceDataset, SFTDataset
+from hybridflow.data.config import PromptFiles
+from hybridflow.engine.config import EngineConfig
+from hybridflow.models.config import ModelConfig
 from hybridflow.trainers.build import engine_config_of, model_config_of, tokenizer_of
-from hybridflow.trainers.config import EngineSection, ModelSource, OptimSection, require
+from hybridflow.trainers.config import default_engine, require
 from hybridflow.trainers.config_loader import apply_overrides, build_dataclass, load_yaml
 from hybridflow.trainers.metrics import MetricsLogger
 from hybridflow.workers import EngineSpec
@@ -24,22 +27,14 @@ from hybridflow.workers.supervised import PreferenceWorker, SFTWorker
 
 
 @dataclass(frozen=True, kw_only=True)
-class SupervisedData:
-    """Pair datasets (jsonl or parquet)."""
+class SupervisedData(PromptFiles):
+    """Pair datasets (jsonl or parquet): the shared prompt-file keys plus the response length limit."""
 
-    train_path: str
-    """Training rows."""
-    val_path: str | None = None
-    """Held-out rows; null disables evaluation."""
-    prompt_key: str = "prompt"
-    """Field with the prompt text (chat ``messages`` rows use the template)."""
-    max_prompt_tokens: int = 256
-    """Rows with longer prompts are dropped (counted in a warning)."""
     max_response_tokens: int = 256
     """Rows with longer responses (EOS included) are dropped (counted in a warning)."""
 
     def __post_init__(self) -> None:
-        require(self.max_prompt_tokens >= 1, "max_prompt_tokens", self.max_prompt_tokens, "an integer >= 1")
+        super().__post_init__()
         require(self.max_response_tokens >= 1, "max_response_tokens", self.max_response_tokens, "an integer >= 1")
 
 
@@ -65,12 +60,10 @@ class PreferenceData(SupervisedData):
 class SupervisedRun:
     """Loop, devices and outputs shared by SFT and reward-model training."""
 
-    model: ModelSource
+    model: ModelConfig
     """Initial weights (a local HF directory or a built-in tiny model)."""
-    engine: EngineSection = field(default_factory=EngineSection)
-    """Layout and micro-batch budget."""
-    optim: OptimSection = field(default_factory=lambda: OptimSection(lr=1e-4))
-    """Optimizer and schedule."""
+    engine: EngineConfig = field(default_factory=lambda: default_engine(1e-4))
+    """Layout, micro-batch budget, precision and optimizer (default lr 1e-4)."""
     batch_size: int = 16
     """Rows (SFT) or pairs (RM) per optimizer step, global."""
     epochs: int = 1
@@ -151,9 +144,9 @@ def _evaluate(config: SupervisedRun, group: WorkerGroup, dataset) -> dict[str, f
     parts = [group.evaluate(dataset.batch(range(start, min(start + config.batch_size, len(dataset)))))
              for start in range(0, len(dataset), config.batch_size)]
     if isinstance(config, SFTConfig):
-        nll = sum(float(p.batch["nll_sum"].sum()) for p in parts) / sum(float(p.batch["num_tokens"].sum()) for p in parts)
+        nll = sum(float(p["nll_sum"].sum()) for p in parts) / sum(float(p["num_tokens"].sum()) for p in parts)
         return {"val/nll": nll}
-    margins = torch.cat([p.batch["chosen_scores"] - p.batch["rejected_scores"] for p in parts])
+    margins = torch.cat([p["chosen_scores"] - p["rejected_scores"] for p in parts])
     return {"val/accuracy": float((margins > 0).float().mean()), "val/margin": float(margins.mean())}
 
 
@@ -171,7 +164,7 @@ def run_supervised(config: SFTConfig | RMConfig, *, mode: str | None = None, ten
         total_steps = min(total_steps, config.max_steps)
     head = "lm" if is_sft or config.reward_type == "likelihood" else "score"
     spec = EngineSpec(model=model_config_of(config.model, head=head, seed=config.seed),
-                      engine=engine_config_of(config.engine, config.optim, seed=config.seed, optimizer_steps=total_steps))
+                      engine=engine_config_of(config.engine, seed=config.seed, optimizer_steps=total_steps))
     pool = ResourcePool(list(config.devices), mode=mode)
     if is_sft:
         group = WorkerGroup(pool, SFTWorker, spec, name="sft")

@@ -5,10 +5,10 @@ from hybridflow.workers.base import ModelWorker
 from hybridflow.workers.critic import CriticWorker
 from hybridflow.workers.reference import ReferenceWorker
 from hybridflow.workers.reward import CostWorker, RewardWorker
-from hybridflow.workers.spec import (ActorSpec, EngineSpec, PolicyLossSpec, RewardSpec, TokenizerSource,
-                                     ValueLossSpec)
+from hybridflow.workers.spec import (ActorSpec, EngineSpec, PolicyLossConfig, RewardSpec, TokenizerSource,
+                                     ValueLossConfig)
 
 __all__ = [
-    "ActorSpec", "ActorWorker", "CostWorker", "CriticWorker", "EngineSpec", "ModelWorker", "PolicyLossSpec",
-    "ReferenceWorker", "RewardSpec", "RewardWorker", "TokenizerSource", "ValueLossSpec",
+    "ActorSpec", "ActorWorker", "CostWorker", "CriticWorker", "EngineSpec", "ModelWorker", "PolicyLossConfig",
+    "ReferenceWorker", "RewardSpec", "RewardWorker", "TokenizerSource", "ValueLossConfig",
 ]

@@ -8,22 +8,20 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 
 from hybridflow.algorithms import aggregate_loss, kl_estimate, masked_mean, ppo_policy_loss
 from hybridflow.controller import register
-from hybridflow.engine.hybrid_engine import HybridEngine
+from hybridflow.engine.hybrid_engine import HybridEngine, training_shards
 from hybridflow.protocol import DataProto
 from hybridflow.workers.base import SEQUENCE_KEYS, ModelWorker, tensors_of
-from hybridflow.workers.spec import ActorSpec, PolicyLossSpec
+from hybridflow.workers.spec import ActorSpec, PolicyLossConfig
 
 UPDATE_KEYS = SEQUENCE_KEYS + ("old_logprobs", "advantages", "ref_logprobs")
-GENERATION_OVERRIDES = ("greedy", "num_samples_per_prompt", "seed", "max_new_tokens")
+GENERATION_OVERRIDES = ("greedy", "samples_per_prompt", "seed", "max_new_tokens")
 
 
-def policy_loss_fn(spec: PolicyLossSpec):
+def policy_loss_fn(spec: PolicyLossConfig):
     """The per-micro-batch PPO loss the training engine calls: clipped surrogate - entropy bonus + KL loss."""
 
     def loss_fn(outputs: dict[str, Tensor], batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
@@ -65,39 +63,28 @@ class ActorWorker(ModelWorker):
     def __init__(self, spec: ActorSpec) -> None:
         super().__init__(spec.engine)
         self.actor_spec = spec
-        self.hybrid = HybridEngine(self.engine.hf_config, self.engine.layout, spec.hybrid)
+        self.hybrid = HybridEngine(self.engine.hf_config, self.engine.layout, spec.hybrid_engine)
         self.set_parallel_layout(self.engine.layout, generation=self.hybrid.generation_layout)
         self.last_transition: dict[str, float] = {}
-
-    def _training_shards(self) -> dict[str, Tensor]:
-        """This rank's parameters as the hybrid engine expects them (3d: live local shards).
-
-        Under fsdp each rank holds 1/d of every parameter; it gathers the whole model (the
-        DeepSpeed-Chat style transition) and generates with tg = pg = 1.
-        """
-        if self.engine.config.layout == "3d":
-            return self.engine.local_shards()
-        return {name: (param.full_tensor() if isinstance(param, DTensor) else param).detach()
-                for name, param in self.engine.model.named_parameters()}
 
     @register("3D_ALL_MICRO_DP")
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Responses for this replica's prompts: rows become prompts x samples per prompt (prompt-major).
 
-        ``prompts.meta_info`` may override ``greedy``, ``num_samples_per_prompt``, ``seed`` and
+        ``prompts.meta_info`` may override ``greedy``, ``samples_per_prompt``, ``seed`` and
         ``max_new_tokens`` of the spec's sampling defaults.
         """
         overrides = {key: prompts.meta_info[key] for key in GENERATION_OVERRIDES if key in prompts.meta_info}
         config = dataclasses.replace(self.actor_spec.generation, **overrides)
         # replicas draw different noise for their different prompts; ranks of one replica the same
         config = dataclasses.replace(config, seed=config.seed * 1_000_003 + self.hybrid.replica)
-        to_generation = self.hybrid.to_generation(self._training_shards())
+        to_generation = self.hybrid.to_generation(training_shards(self.engine))
         try:
-            output = self.hybrid.generate(prompts.batch["input_ids"], prompts.batch["attention_mask"], config)
+            output = self.hybrid.generate(prompts["input_ids"], prompts["attention_mask"], config)
         finally:
             to_training = self.hybrid.to_training()
         self.last_transition = {"to_generation_s": to_generation.seconds, "to_training_s": to_training.seconds}
-        samples = config.num_samples_per_prompt
+        samples = config.samples_per_prompt
         non_tensors = {key: np.repeat(values, samples) for key, values in prompts.non_tensor_batch.items()}
         return DataProto.from_dict(tensors={k: v.cpu() for k, v in output.items()}, non_tensors=non_tensors,
                                    meta_info=dict(prompts.meta_info))
@@ -129,6 +116,6 @@ class ActorWorker(ModelWorker):
     def compute_loss(self, data: DataProto) -> DataProto:
         """Per-sample mean next-token loss of the responses (``nll`` [B]); no update (validation, ptx monitoring)."""
         logprobs_BT = self._forward(data, ("logprobs",))["logprobs"]
-        mask_BT = data.batch["response_mask"].to(logprobs_BT.dtype)
+        mask_BT = data["response_mask"].to(logprobs_BT.dtype)
         nll_B = -(logprobs_BT * mask_BT).sum(-1) / mask_BT.sum(-1).clamp(min=1)
         return DataProto.from_dict(tensors={"nll": nll_B})

@@ -6,7 +6,6 @@ import torch
 
 from hybridflow.controller import Worker, register
 from hybridflow.engine.training import TrainingEngine
-from hybridflow.models import build_model
 from hybridflow.protocol import DataProto
 from hybridflow.workers.spec import EngineSpec
 
@@ -17,7 +16,7 @@ SEQUENCE_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "re
 def tensors_of(data: DataProto, keys: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
     """The DataProto's tensors as a plain dict (all of them, or ``keys``)."""
     names = list(data.batch.keys()) if keys is None else [key for key in keys if key in data.batch.keys()]
-    return {name: data.batch[name] for name in names}
+    return {name: data[name] for name in names}
 
 
 class ModelWorker(Worker):
@@ -25,7 +24,10 @@ class ModelWorker(Worker):
 
     def __init__(self, spec: EngineSpec) -> None:
         self.spec = spec
-        self.engine = TrainingEngine(spec.engine, lambda: build_model(spec.model), head=spec.model.head)
+        if spec.engine.num_threads:
+            torch.set_num_threads(spec.engine.num_threads)
+        # a checkpoint is read shard by shard onto meta-initialised stages: no rank holds the whole model
+        self.engine = TrainingEngine.from_model_config(spec.engine, spec.model)
         self.set_parallel_layout(self.engine.layout)
 
     @register("ONE_TO_ALL")

@@ -14,10 +14,10 @@ from hybridflow.algorithms import aggregate_loss, masked_mean, value_loss
 from hybridflow.controller import register
 from hybridflow.protocol import DataProto
 from hybridflow.workers.base import SEQUENCE_KEYS, ModelWorker
-from hybridflow.workers.spec import EngineSpec, ValueLossSpec
+from hybridflow.workers.spec import EngineSpec, ValueLossConfig
 
 
-def value_loss_fn(spec: ValueLossSpec, *, prefix: str = ""):
+def value_loss_fn(spec: ValueLossConfig, *, prefix: str = ""):
     """The per-micro-batch clipped value loss the training engine calls (old values and returns read from
     ``{prefix}values`` and ``{prefix}returns``)."""
     clip_range = spec.value_clip if spec.value_clip > 0 else None
@@ -37,7 +37,7 @@ def value_loss_fn(spec: ValueLossSpec, *, prefix: str = ""):
 class CriticWorker(ModelWorker):
     """A backbone with a value head, trained to regress the returns."""
 
-    def __init__(self, spec: EngineSpec, loss: ValueLossSpec, *, prefix: str = "") -> None:
+    def __init__(self, spec: EngineSpec, loss: ValueLossConfig, *, prefix: str = "") -> None:
         super().__init__(spec)
         self.loss = loss
         self.prefix = prefix

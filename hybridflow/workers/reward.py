@@ -15,17 +15,10 @@ Shape legend: B = samples on this rank, P = prompt tokens, T = response tokens.
 from __future__ import annotations
 
 from hybridflow.controller import register
-from hybridflow.data import PromptEncoder, prompt_response_tensors
+from hybridflow.data import PromptEncoder, decode_responses, prompt_response_tensors
 from hybridflow.protocol import DataProto
 from hybridflow.workers.base import SEQUENCE_KEYS, ModelWorker, tensors_of
 from hybridflow.workers.spec import RewardSpec
-
-
-def decode_responses(tokenizer, data: DataProto) -> list[str]:
-    """The text of each response (its real tokens, special tokens such as EOS removed)."""
-    responses_BT, mask_BT = data.batch["responses"], data.batch["response_mask"].bool()
-    return [tokenizer.decode(responses_BT[row][mask_BT[row]].tolist(), skip_special_tokens=True)
-            for row in range(len(data))]
 
 
 class RewardWorker(ModelWorker):
@@ -47,7 +40,7 @@ class RewardWorker(ModelWorker):
             raise ValueError("re-tokenizing for the reward model needs the rows' 'raw_prompt' texts; "
                              f"the batch has {sorted(data.non_tensor_batch)}")
         texts = [self.encoder.prompt_text({"prompt": str(prompt)}, row_index=row, source_name="batch")[0]
-                 for row, prompt in enumerate(data.non_tensor_batch["raw_prompt"])]
+                 for row, prompt in enumerate(data["raw_prompt"])]
         prompt_ids = [ids[-self.reward_spec.max_prompt_tokens:] for ids in self.encoder.encode_prompts(texts)]
         response_ids = self.encoder.encode_responses(decode_responses(self.actor_tokenizer, data))
         tokenizer = self.encoder.tokenizer

@@ -59,33 +59,52 @@ class EngineSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
-class PolicyLossSpec:
-    """The actor's PPO update."""
+class PolicyLossConfig:
+    """The actor's PPO update (the RL config's ``actor.loss``)."""
 
     ppo_epochs: int = 1
     """Passes over each step's samples."""
-    mini_batch_size: int = 8
-    """Samples per optimizer update (global; each data-parallel rank takes its share)."""
     clip_ratio: float = 0.2
     """PPO ratio clip epsilon."""
     entropy_coef: float = 0.0
-    """Entropy bonus weight."""
-    kl_loss_coef: float = 0.0
-    """Weight of the low-variance KL to the reference added to the loss (``kl_mode: loss``)."""
+    """Weight of the entropy bonus in the policy loss."""
     ptx_coef: float = 0.0
-    """Weight of the pretraining next-token loss step (``update_actor_ptx``)."""
+    """Weight of the pretraining (ptx) next-token loss step (``update_actor_ptx``); needs ``data.ptx_path``."""
+    mini_batch_size: int = field(default=8, metadata={"derived": "batch.mini_batch_size"})
+    """Samples per optimizer update (global; each data-parallel rank takes its share)."""
+    kl_loss_coef: float = field(default=0.0, metadata={"derived": "algorithm.kl_coef when algorithm.kl_mode is loss"})
+    """Weight of the low-variance KL to the reference added to the loss (``kl_mode: loss``)."""
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.ppo_epochs, int) and self.ppo_epochs >= 1, "ppo_epochs", self.ppo_epochs,
+                 "an integer >= 1")
+        _require(self.clip_ratio > 0, "clip_ratio", self.clip_ratio, "a float > 0")
+        _require(self.entropy_coef >= 0, "entropy_coef", self.entropy_coef, "a float >= 0")
+        _require(self.ptx_coef >= 0, "ptx_coef", self.ptx_coef, "a float >= 0")
+        _require(self.mini_batch_size >= 1, "mini_batch_size", self.mini_batch_size, "an integer >= 1")
 
 
 @dataclass(frozen=True, kw_only=True)
-class ValueLossSpec:
-    """The critic's update."""
+class ValueLossConfig:
+    """A critic's update (the RL config's ``critic.loss`` and ``cost.critic.loss``)."""
 
     ppo_epochs: int = 1
     """Passes over each step's samples."""
-    mini_batch_size: int = 8
-    """Samples per optimizer update (global)."""
     value_clip: float = 0.2
-    """Clip range of new values around old ones; 0 disables clipping."""
+    """Clip of new values around the old ones in the value loss; 0 disables clipping."""
+    mini_batch_size: int = field(default=8, metadata={"derived": "batch.mini_batch_size"})
+    """Samples per optimizer update (global)."""
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.ppo_epochs, int) and self.ppo_epochs >= 1, "ppo_epochs", self.ppo_epochs,
+                 "an integer >= 1")
+        _require(self.value_clip >= 0, "value_clip", self.value_clip, "a float >= 0")
+        _require(self.mini_batch_size >= 1, "mini_batch_size", self.mini_batch_size, "an integer >= 1")
+
+
+def _require(condition: bool, key: str, value, allowed: str) -> None:
+    if not condition:
+        raise ValueError(f"config key {key} got {value!r}; allowed: {allowed}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,11 +113,11 @@ class ActorSpec:
 
     engine: EngineSpec
     """The policy model and its training engine."""
-    hybrid: HybridEngineConfig = field(default_factory=HybridEngineConfig)
+    hybrid_engine: HybridEngineConfig = field(default_factory=HybridEngineConfig)
     """Generation layout (pg, tg) and resharding strategy."""
     generation: GenerationConfig = field(default_factory=GenerationConfig)
-    """Sampling defaults; a call may override ``greedy``, ``num_samples_per_prompt`` and ``seed``."""
-    loss: PolicyLossSpec = field(default_factory=PolicyLossSpec)
+    """Sampling defaults; a call may override ``greedy``, ``samples_per_prompt``, ``seed`` and ``max_new_tokens``."""
+    loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     """PPO update knobs."""
 
 

@@ -12,9 +12,9 @@ Shape legend: B = pairs (or rows) on this rank, S = sequence tokens, T = respons
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from hybridflow.algorithms.preference import bradley_terry_loss, likelihood_scores
 from hybridflow.controller import register
 from hybridflow.protocol import DataProto
 from hybridflow.workers.actor import next_token_loss_fn
@@ -35,7 +35,7 @@ class SFTWorker(ModelWorker):
     def evaluate(self, data: DataProto) -> DataProto:
         """Per-row response-token NLL sum and token count (``nll_sum`` [B], ``num_tokens`` [B]); no update."""
         logprobs_BT = self.engine.forward(tensors_of(data, SEQUENCE_KEYS), outputs=("logprobs",))["logprobs"]
-        mask_BT = data.batch["response_mask"].to(logprobs_BT.dtype)
+        mask_BT = data["response_mask"].to(logprobs_BT.dtype)
         return DataProto.from_dict(tensors={"nll_sum": -(logprobs_BT * mask_BT).sum(-1), "num_tokens": mask_BT.sum(-1)})
 
 
@@ -43,7 +43,7 @@ def interleave_pairs(data: DataProto) -> dict[str, Tensor]:
     """Rows chosen_0, rejected_0, chosen_1, ... -> tensors [2B, S] (pairs stay adjacent in micro-batches)."""
     tensors = {}
     for key in PAIR_KEYS:
-        chosen, rejected = data.batch[f"chosen_{key}"], data.batch[f"rejected_{key}"]
+        chosen, rejected = data[f"chosen_{key}"], data[f"rejected_{key}"]
         tensors[key] = torch.stack([chosen, rejected], dim=1).flatten(0, 1)
     return tensors
 
@@ -51,15 +51,9 @@ def interleave_pairs(data: DataProto) -> dict[str, Tensor]:
 def bradley_terry_loss_fn(outputs: dict[str, Tensor], batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
     """-log sigmoid(score_chosen - score_rejected), averaged over all pairs of the mini-batch."""
     scores_B2 = outputs["scores"].view(-1, 2)
-    margin_B = scores_B2[:, 0] - scores_B2[:, 1]
-    num_pairs = batch["num_sequences_global"] / 2
-    loss = -F.logsigmoid(margin_B).sum() / num_pairs
+    loss, margin_B = bradley_terry_loss(scores_B2[:, 0], scores_B2[:, 1],
+                                        num_pairs_global=batch["num_sequences_global"] / 2)
     return loss, {"accuracy": (margin_B > 0).float().mean(), "margin": margin_B.detach().mean()}
-
-
-def likelihood_scores(logprobs_BT: Tensor, mask_BT: Tensor, beta: float) -> Tensor:
-    """A likelihood reward model's score of each sequence: beta * sum of its response tokens' log-probs -> [B]."""
-    return beta * (logprobs_BT * mask_BT.to(logprobs_BT.dtype)).sum(dim=-1)
 
 
 def likelihood_preference_loss_fn(beta: float, nll_coef: float):
@@ -73,9 +67,8 @@ def likelihood_preference_loss_fn(beta: float, nll_coef: float):
         logprobs_B2T = outputs["logprobs"].view(-1, 2, outputs["logprobs"].shape[-1])
         mask_B2T = batch["response_mask"].view(logprobs_B2T.shape).to(logprobs_B2T.dtype)
         scores_B2 = likelihood_scores(logprobs_B2T, mask_B2T, beta)
-        margin_B = scores_B2[:, 0] - scores_B2[:, 1]
         num_pairs = batch["num_sequences_global"] / 2
-        loss = -F.logsigmoid(margin_B).sum() / num_pairs
+        loss, margin_B = bradley_terry_loss(scores_B2[:, 0], scores_B2[:, 1], num_pairs_global=num_pairs)
         metrics = {"accuracy": (margin_B > 0).float().mean(), "margin": margin_B.detach().mean()}
         if nll_coef > 0:
             chosen_tokens_B = mask_B2T[:, 0].sum(dim=-1).clamp(min=1)

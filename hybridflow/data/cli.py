@@ -1,0 +1,39 @@
+"""`hybridflow data arithmetic --out DIR`: write the built-in task's prompt, SFT and preference files."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def data_main(argv: list[str]) -> int:
+    """Write ``train.jsonl`` / ``eval.jsonl`` (prompts), and with ``--sft`` / ``--pairs`` the other row kinds."""
+    parser = argparse.ArgumentParser(prog="hybridflow data", description="Write the built-in task's data files.")
+    parser.add_argument("task", choices=["arithmetic"], help="built-in task")
+    parser.add_argument("--out", required=True, help="directory to write into (created if missing)")
+    parser.add_argument("--train", type=int, default=2000, help="training prompts (default 2000)")
+    parser.add_argument("--eval", type=int, default=100, help="held-out prompts (default 100)")
+    parser.add_argument("--sft", type=int, default=0, help="also write sft.jsonl with this many prompt/response rows")
+    parser.add_argument("--pairs", type=int, default=0,
+                        help="also write pairs.jsonl with this many prompt/chosen/rejected rows")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the problem draw (default 0)")
+    args = parser.parse_args(argv)
+    for name in ("train", "eval", "sft", "pairs"):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name} got {getattr(args, name)}; allowed: an integer >= 0")
+
+    from hybridflow.data import write_jsonl
+    from hybridflow.data.builtin import ArithmeticTaskConfig, preference_rows, prompt_rows, sft_rows
+
+    task, out = ArithmeticTaskConfig(), Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    files = {"train.jsonl": prompt_rows(args.train, split="train", seed=args.seed, config=task),
+             "eval.jsonl": prompt_rows(args.eval, split="eval", seed=args.seed, config=task)}
+    if args.sft:
+        files["sft.jsonl"] = sft_rows(args.sft, split="train", seed=args.seed, config=task)
+    if args.pairs:
+        files["pairs.jsonl"] = preference_rows(args.pairs, split="train", seed=args.seed, config=task)
+    for name, rows in files.items():
+        write_jsonl(out / name, rows)
+        print(f"wrote {len(rows)} rows to {out / name}")
+    return 0

@@ -1,0 +1,307 @@
+"""One config per component: YAML round trips, generated docs, derived keys, new knobs, CLI frictions."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+import yaml
+
+from hybridflow.cli import main
+from hybridflow.data import write_jsonl
+from hybridflow.data.builtin import ArithmeticTaskConfig, prompt_rows
+from hybridflow.engine.config import EngineConfig
+from hybridflow.engine.generation import GenerationConfig, process_logits, sample_tokens
+from hybridflow.trainers.config import RLConfig, load_rl_config
+from hybridflow.trainers.config_loader import build_dataclass
+
+BASE = ["data.train_path=train.jsonl", "actor.model.builtin=arithmetic", "reward.function=pkg.mod:score"]
+
+# A non-default value in every section (cost included), so a field lost on the way fails the round trip.
+EVERY_SECTION = """
+data: {train_path: t.jsonl, val_path: v.jsonl, prompt_key: question, max_prompt_tokens: 32, shuffle: false}
+actor:
+  model: {builtin: arithmetic, attn_implementation: eager}
+  engine:
+    micro_batch_tokens: 512
+    dtype: bfloat16
+    fsdp_cpu_offload: true
+    num_threads: 2
+    optim: {lr: 3.0e-4, eps: 1.0e-6, lr_schedule: cosine, warmup_steps: 2, grad_clip: null, betas: [0.8, 0.9]}
+  loss: {ppo_epochs: 2, clip_ratio: 0.1, entropy_coef: 0.01}
+  generation: {max_new_tokens: 7, min_new_tokens: 1, top_k: 5, repetition_penalty: 1.2, suppress_tokens: [0],
+               stop: ["\\n"], use_model_defaults: false}
+  hybrid_engine: {strategy: vanilla}
+reference: {engine: {micro_batch_tokens: 256}}
+critic: {engine: {optim: {lr: 2.0e-5}}, loss: {value_clip: 0.0}}
+reward: {function: 'pkg.mod:score', model: {builtin: arithmetic}, model_weight: 0.5}
+cost: {model: {builtin: arithmetic}, limit: 0.5, lambda_lr: 0.05, critic: {loss: {ppo_epochs: 2}}}
+algorithm: {gamma: 0.99, kl_coef: 0.1, kl_controller: adaptive}
+batch: {prompts_per_step: 4, samples_per_prompt: 2, mini_batch_size: 4}
+placement: {pools: {global: [1]}, hardware: h100-80g}
+trainer: {total_steps: 3, seed: 5, tensorboard: false, output_dir: runs/x, val_every: 1}
+"""
+
+
+def test_every_section_round_trips_yaml_to_objects_to_print_config_to_yaml(tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_text(EVERY_SECTION)
+    config = load_rl_config(path)
+    assert main(["train", str(path), "--print-config"]) == 0
+    printed = capsys.readouterr().out
+    reloaded = build_dataclass(RLConfig, yaml.safe_load(printed))
+    assert reloaded == config
+    given = yaml.safe_load(EVERY_SECTION)
+    shown = yaml.safe_load(printed)
+    for section, values in given.items():  # every key the user wrote shows with its value
+        for key, value in values.items():
+            if not isinstance(value, dict):
+                assert shown[section][key] == value, f"{section}.{key}"
+    assert shown["actor"]["engine"]["optim"]["grad_clip"] is None
+    assert config.actor.engine.dtype == "bfloat16" and config.actor.generation.stop == ("\n",)
+
+
+def test_supervised_configs_round_trip_through_print_config(capsys):
+    from hybridflow.trainers.supervised import RMConfig, SFTConfig
+
+    for kind, cls in (("sft", SFTConfig), ("rm", RMConfig)):
+        assert main([kind, "model.builtin=arithmetic", "data.train_path=x.jsonl", "engine.optim.lr=1e-3",
+                     "data.max_response_tokens=9", "--print-config"]) == 0
+        reloaded = build_dataclass(cls, yaml.safe_load(capsys.readouterr().out))
+        assert reloaded.engine.optim.lr == 1e-3 and reloaded.data.max_response_tokens == 9
+
+
+def test_docs_config_md_holds_the_current_generated_key_reference():
+    from hybridflow.trainers.config_docs import DOC_PATH, with_reference
+
+    text = DOC_PATH.read_text()
+    assert with_reference(text) == text, "docs/config.md is stale: run python -m hybridflow.trainers.config_docs"
+
+
+def test_the_generated_reference_lists_every_knob_with_its_role_default():
+    from hybridflow.trainers.config_docs import render_reference
+
+    reference = render_reference()
+    for key in ("actor.engine.dtype", "actor.engine.fsdp_cpu_offload", "actor.engine.pipeline_schedule",
+                "actor.engine.optim.eps", "actor.engine.optim.lr_schedule", "actor.engine.num_threads",
+                "actor.model.attn_implementation", "actor.generation.repetition_penalty", "trainer.tensorboard",
+                "trainer.wandb_project", "actor.hybrid_engine.strategy", "cost.critic.loss.value_clip"):
+        assert f"| `{key}` |" in reference, key
+    assert "| `actor.engine.optim.lr` | float | `1.0e-06` |" in reference
+    assert "| `critic.engine.optim.lr` | float | `1.0e-05` |" in reference
+
+
+def test_derived_fields_are_refused_in_yaml_with_the_key_they_come_from():
+    with pytest.raises(ValueError, match=r"config key actor\.engine\.seed is set by the trainer \(from trainer\.seed\)"):
+        load_rl_config(None, [*BASE, "actor.engine.seed=3"])
+    with pytest.raises(ValueError, match=r"actor\.generation\.samples_per_prompt is set by the trainer \(from "
+                                         r"batch\.samples_per_prompt\)"):
+        load_rl_config(None, [*BASE, "actor.generation.samples_per_prompt=3"])
+
+
+def test_float16_compute_is_refused_for_want_of_loss_scaling():
+    with pytest.raises(ValueError, match=r"config key actor\.engine: engine\.dtype got 'float16', which needs loss "
+                                         r"scaling"):
+        load_rl_config(None, [*BASE, "actor.engine.dtype=float16"])
+    assert EngineConfig(dtype="bfloat16").compute_dtype == torch.bfloat16
+
+
+def test_grad_clip_zero_is_refused_in_favour_of_null():
+    with pytest.raises(ValueError, match=r"optim\.grad_clip must be a number > 0 or None, got 0\.0"):
+        load_rl_config(None, [*BASE, "actor.engine.optim.grad_clip=0"])
+    assert load_rl_config(None, [*BASE, "actor.engine.optim.grad_clip=null"]).actor.engine.optim.grad_clip is None
+
+
+def test_overrides_are_accepted_after_flags(capsys):
+    assert main(["train", *BASE[:1], "--print-config", *BASE[1:], "trainer.total_steps=3"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["trainer"]["total_steps"] == 3
+
+
+# ---- the sampler's new options ------------------------------------------------------------------
+def test_suppressed_tokens_are_never_sampled_and_logprobs_stay_those_of_the_model():
+    logits_BV = torch.tensor([[5.0, 0.0, 0.0, 0.0]]).repeat(64, 1)
+    generator = torch.Generator().manual_seed(0)
+    tokens_B, logprobs_B = sample_tokens(logits_BV, GenerationConfig(suppress_tokens=(0,)), generator)
+    assert not (tokens_B == 0).any()
+    torch.testing.assert_close(logprobs_B, torch.log_softmax(logits_BV, -1)[0, 1].expand(64))
+
+
+def test_min_new_tokens_masks_end_tokens_only_before_the_minimum():
+    config = GenerationConfig(min_new_tokens=2)
+    logits_BV = torch.zeros(1, 4)
+    end_ids = torch.tensor([3])
+    assert process_logits(logits_BV, config, history_BL=None, step=1, end_ids=end_ids)[0, 3] == float("-inf")
+    assert process_logits(logits_BV, config, history_BL=None, step=2, end_ids=end_ids)[0, 3] == 0.0
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens():
+    config = GenerationConfig(repetition_penalty=2.0)
+    logits_BV = torch.tensor([[4.0, -4.0, 4.0]])
+    processed = process_logits(logits_BV, config, history_BL=torch.tensor([[0, 1, 1]]), step=0, end_ids=None)
+    assert processed.tolist() == [[2.0, -8.0, 4.0]]
+
+
+def test_model_generation_config_fills_the_defaults_but_not_the_values_set_by_the_user():
+    config = GenerationConfig(top_k=7, eos_token_ids=(2,), stop=("##",))
+    model = {"eos_token_id": [2, 9], "temperature": 0.6, "top_k": 50, "top_p": 0.9, "suppress_tokens": [1]}
+    resolved = config.with_model_defaults(model, encode=lambda text: [5, 5])
+    assert (resolved.eos_token_ids, resolved.temperature, resolved.top_k, resolved.top_p) == ((2, 9), 0.6, 7, 0.9)
+    assert resolved.suppress_tokens == (1,) and resolved.stop_sequences == ((5, 5),)
+    off = GenerationConfig(use_model_defaults=False).with_model_defaults(model)
+    assert (off.temperature, off.eos_token_ids) == (1.0, ())
+
+
+def test_stop_strings_end_a_response_and_min_new_tokens_delays_the_end():
+    from hybridflow.engine.decoder import DecoderStage
+    from hybridflow.engine.generation import GenerationEngine
+    from hybridflow.models import ModelConfig, build_model
+
+    model = build_model(ModelConfig(tiny={"vocab_size": 32}, seed=0))
+    engine = GenerationEngine(DecoderStage.from_state_dict(model.config, model.state_dict()))
+    prompts = torch.tensor([[1, 2, 3]])
+    mask = torch.ones_like(prompts)
+    free = engine.generate(prompts, mask, GenerationConfig(max_new_tokens=6, greedy=True))["responses"][0].tolist()
+    stop = tuple(free[1:3])
+    stopped = engine.generate(prompts, mask, GenerationConfig(max_new_tokens=6, greedy=True,
+                                                              stop_sequences=(stop,)))
+    assert stopped["response_mask"][0].tolist() == [1, 1, 1, 0, 0, 0]
+    assert stopped["responses"][0, :3].tolist() == free[:3]
+    late = engine.generate(prompts, mask, GenerationConfig(max_new_tokens=6, greedy=True,
+                                                           eos_token_ids=(free[0],), min_new_tokens=3))
+    assert late["response_mask"][0, :3].tolist() == [1, 1, 1] and late["responses"][0, 0].item() != free[0]
+
+
+# ---- CLI frictions --------------------------------------------------------------------------------
+def test_data_command_writes_the_example_prompt_files(tmp_path, capsys):
+    assert main(["data", "arithmetic", "--out", str(tmp_path), "--train", "5", "--eval", "3", "--sft", "2"]) == 0
+    lines = {name: (tmp_path / name).read_text().splitlines() for name in ("train.jsonl", "eval.jsonl", "sft.jsonl")}
+    assert [len(rows) for rows in lines.values()] == [5, 3, 2]
+    assert set(json.loads(lines["sft.jsonl"][0])) >= {"prompt", "response"}
+
+
+def test_bf16_training_through_the_cli_with_a_reward_module_from_the_working_directory(tmp_path, monkeypatch,
+                                                                                        capsys):
+    """`hybridflow train cfg.yaml --local key=value`: overrides after the flag, a `module:function` reward
+    found in the working directory (not on sys.path), and bf16 compute on the tiny model."""
+    task = ArithmeticTaskConfig(max_digits=1)
+    write_jsonl(tmp_path / "train.jsonl", prompt_rows(8, split="train", seed=0, config=task))
+    (tmp_path / "my_reward_module.py").write_text(
+        "def length(prompt, response, **fields):\n    return len(response) / 4.0\n")
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump({
+        "data": {"train_path": "train.jsonl"}, "actor": {"model": {"builtin": "arithmetic"},
+                                                         "generation": {"max_new_tokens": 3}},
+        "reward": {"function": "my_reward_module:length"}, "algorithm": {"advantage_estimator": "grpo"},
+        "batch": {"prompts_per_step": 2, "samples_per_prompt": 2, "mini_batch_size": 4},
+        "trainer": {"total_steps": 5, "progress_bar": False, "tensorboard": False, "output_dir": "out"}}))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [entry for entry in sys.path if entry not in ("", ".", str(tmp_path))])
+    assert main(["train", "run.yaml", "--local", "trainer.total_steps=1", "actor.engine.dtype=bfloat16",
+                 "reference.engine.dtype=bfloat16"]) == 0, capsys.readouterr().err
+    records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [record["step"] for record in records] == [1]
+    assert math_isfinite(records[0]["actor/pg_loss"]) and records[0]["actor/grad_norm"] > 0
+
+
+def math_isfinite(value: float) -> bool:
+    return value == value and abs(value) != float("inf")
+
+
+def test_the_estimator_table_and_the_config_literal_name_the_same_estimators():
+    import typing
+
+    from hybridflow.trainers.advantage import ESTIMATORS, AlgorithmSection
+
+    hints = typing.get_type_hints(AlgorithmSection)
+    assert set(typing.get_args(hints["advantage_estimator"])) == set(ESTIMATORS)
+    assert [name for name, estimator in ESTIMATORS.items() if estimator.needs_critic] == ["gae"]
+    with pytest.raises(ValueError, match=r"advantage_estimator got 'vtrace'; allowed: gae, grpo"):
+        AlgorithmSection(advantage_estimator="vtrace")
+
+
+def test_a_plan_made_for_another_workload_is_refused_and_a_matching_one_is_applied_by_typed_replacement():
+    from dataclasses import replace
+
+    from hybridflow.mapping import Plan, PoolPlan, RoleStrategy
+    from hybridflow.trainers.auto_mapping import apply_plan, workload_of
+
+    config = load_rl_config(None, [*BASE, "algorithm.advantage_estimator=grpo", "batch.prompts_per_step=8"])
+    plan = Plan(pools=(PoolPlan(name="all", roles=("actor", "reference"), devices_per_node=(4,)),),
+                strategies={"actor": RoleStrategy(layout="3d", tp_size=2, generation_pp_size=1, generation_tp_size=1),
+                            "reference": RoleStrategy(layout="fsdp")}, workload=workload_of(config))
+    applied = apply_plan(config, plan)
+    assert applied.placement.pools == {"all": [4]} and applied.placement.mapping == "manual"
+    assert (applied.actor.engine.layout, applied.actor.engine.tp_size, applied.actor.hybrid_engine.tp_size) == \
+        ("3d", 2, 1)
+    assert applied.actor.engine.optim == config.actor.engine.optim
+    with pytest.raises(ValueError, match="the plan was made for"):
+        apply_plan(config, replace(plan, workload=replace(plan.workload, prompts_per_step=16)))
+
+
+def test_project_license_is_an_spdx_string_not_the_deprecated_table():
+    import tomllib
+    from pathlib import Path
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    assert project["license"] == "Apache-2.0"
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_install_script_shows_one_line_per_step_and_only_the_real_errors(tmp_path, fails):
+    import subprocess
+    from pathlib import Path
+
+    fake_python = tmp_path / "venv" / "bin" / "python"
+    fake_python.parent.mkdir(parents=True)
+    fake_python.write_text("#!/usr/bin/env bash\n"
+                           "if [ \"$1\" = -c ]; then echo 'torch 2.13.0'; exit 0; fi\n"
+                           "for i in 1 2 3 4 5; do echo \"WARNING: noisy line $i\"; done\n"
+                           + ("echo 'ERROR: No matching distribution found for torch==2.13.0' >&2; exit 1\n" if fails
+                              else "exit 0\n"))
+    fake_python.chmod(0o755)
+    script = Path(__file__).parents[1] / "scripts" / "install.sh"
+    result = subprocess.run(["bash", str(script)], capture_output=True, text=True,
+                            env={"PATH": "/usr/bin:/bin", "HYBRIDFLOW_VENV": str(tmp_path / "venv")})
+    assert "WARNING" not in result.stdout + result.stderr
+    if fails:
+        assert result.returncode == 1
+        assert "ERROR: No matching distribution found for torch==2.13.0" in result.stderr
+    else:
+        assert result.returncode == 0
+        assert result.stdout.count("  ok  ") == 3 and "torch 2.13.0" in result.stdout
+
+
+def test_the_example_configs_load_with_the_unified_keys():
+    from pathlib import Path
+
+    examples = Path(__file__).parents[1] / "examples"
+    arithmetic = load_rl_config(examples / "arithmetic_ppo.yaml")
+    assert arithmetic.actor.engine.optim.lr == 5.0e-4 and arithmetic.critic.engine.optim.lr == 1.0e-3
+    smollm2 = load_rl_config(examples / "smollm2_gsm8k" / "config.yaml",
+                             ["data.train_path=t.jsonl", "data.val_path=v.jsonl", "actor.model.path=/models/smollm2"])
+    assert smollm2.actor.loss.clip_ratio == 0.2 and smollm2.actor.engine.optim.warmup_steps == 2
+
+
+def test_asking_for_wandb_without_it_installed_names_the_key(tmp_path):
+    pytest.importorskip("torch.utils.tensorboard")
+    from hybridflow.trainers.metrics import MetricsLogger
+
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        with pytest.raises(ValueError, match=r"trainer\.wandb_project got 'demo' but wandb is not installed"):
+            MetricsLogger(tmp_path, tensorboard=False, wandb_project="demo")
+    else:
+        pytest.skip("wandb is installed here; the error path cannot run")
+
+
+def test_each_transition_strategy_setting_names_one_class():
+    import typing
+
+    from hybridflow.engine.hybrid_engine import TRANSITION_STRATEGIES, HybridEngineConfig
+
+    hints = typing.get_type_hints(HybridEngineConfig)
+    assert set(typing.get_args(hints["strategy"])) == set(TRANSITION_STRATEGIES)
+    assert [name for name, cls in TRANSITION_STRATEGIES.items() if cls.whole_model] == ["full_gather"]
+    assert TRANSITION_STRATEGIES["vanilla"].generation_grouping == "vanilla"
