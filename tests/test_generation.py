@@ -197,3 +197,35 @@ def test_sliding_window_attention_is_refused_rather_than_silently_ignored():
 
     with pytest.raises(ValueError, match="sliding_window"):
         DecoderSpec.from_hf(MistralConfig(sliding_window=16))
+
+
+def test_a_memory_budget_admits_rows_in_waves_with_the_same_greedy_output():
+    model = tiny_model()
+    engine = engine_for(model)
+    prompts, mask = batch(rows=5)
+    config = GenerationConfig(max_new_tokens=T, greedy=True, samples_per_prompt=2)
+    whole = engine.generate(prompts, mask, config)
+    assert engine.last_stats.waves == 1  # on CPU an unset budget admits every row at once
+    per_row = engine.stage.bytes_per_row(P, T)
+    budget_gib = 3.5 * per_row / 2**30  # three rows per wave: 10 rows in 4 waves
+    assert engine.rows_per_wave(10, P, GenerationConfig(max_new_tokens=T, memory_budget_gib=budget_gib)) == 3
+    waved = engine.generate(prompts, mask, GenerationConfig(max_new_tokens=T, greedy=True, samples_per_prompt=2,
+                                                            memory_budget_gib=budget_gib))
+    assert engine.last_stats.waves == 4
+    assert set(waved) == set(whole)
+    for key in whole:
+        if whole[key].is_floating_point():  # batch-size-dependent rounding of the matmuls
+            torch.testing.assert_close(waved[key], whole[key], rtol=0, atol=1e-5)
+        else:
+            assert torch.equal(waved[key], whole[key]), key
+
+
+def test_sampling_in_waves_is_reproducible_for_a_given_budget_and_a_bad_budget_is_refused():
+    engine = engine_for(tiny_model())
+    prompts, mask = batch(rows=4)
+    config = GenerationConfig(max_new_tokens=T, seed=5, memory_budget_gib=2 * engine.stage.bytes_per_row(P, T) / 2**30)
+    first, second = engine.generate(prompts, mask, config), engine.generate(prompts, mask, config)
+    assert engine.last_stats.waves == 2
+    assert torch.equal(first["responses"], second["responses"])
+    with pytest.raises(ValueError, match="memory_budget_gib must be a number > 0 or null"):
+        GenerationConfig(memory_budget_gib=0)

@@ -323,3 +323,34 @@ def test_training_engine_shards_generate_with_logprobs_it_recomputes_and_after_a
                                   do_sample=False, pad_token_id=0, eos_token_id=None)[:, prompts.shape[1]:]
     for result in results:
         assert torch.equal(result["greedy"], expected)
+
+
+def _bf16_generation(rank: int, world_size: int) -> dict:
+    from hybridflow.engine.config import EngineConfig
+    from hybridflow.engine.training import TrainingEngine
+    from hybridflow.models.tiny import build_tiny_model
+
+    trainer = TrainingEngine(EngineConfig(layout="3d", tp_size=2), lambda: build_tiny_model())
+    prompts, mask = prompts_and_mask(2)
+    report = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        hybrid = HybridEngine(trainer.hf_config, trainer.layout, HybridEngineConfig(tp_size=1), dtype=dtype)
+        pointers = {n: s.data_ptr() for n, s in trainer.local_shards().items()}
+        stats = hybrid.to_generation(trainer.local_shards())
+        out = hybrid.generate(prompts, mask, GREEDY)
+        report[str(dtype)] = dict(received=stats.bytes_received, stage_dtype=str(hybrid.engine.stage.dtype),
+                                  finite=bool(torch.isfinite(out["logprobs"]).all()),
+                                  responses=out["responses"].shape)
+        hybrid.to_training()
+        report[str(dtype)]["unmoved"] = all(s.data_ptr() == pointers[n] and s.dtype == torch.float32
+                                            for n, s in trainer.local_shards().items())
+    return report
+
+
+def test_bf16_generation_from_fp32_masters_moves_half_the_bytes_and_leaves_the_training_shards_alone():
+    for report in run_distributed(_bf16_generation, 2):
+        fp32, bf16 = report["torch.float32"], report["torch.bfloat16"]
+        assert fp32["stage_dtype"] == "torch.float32" and bf16["stage_dtype"] == "torch.bfloat16"
+        assert bf16["received"] * 2 == fp32["received"] > 0
+        assert fp32["finite"] and bf16["finite"] and fp32["unmoved"] and bf16["unmoved"]
+        assert bf16["responses"] == fp32["responses"]

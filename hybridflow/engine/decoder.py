@@ -50,6 +50,8 @@ class DecoderSpec:
     """Epsilon of every RMSNorm."""
     tie_word_embeddings: bool
     """Whether the output head reuses the input embedding matrix."""
+    intermediate_size: int = 0
+    """I: width of the gated MLP (memory estimates only; the weights carry their own shapes)."""
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -67,7 +69,8 @@ class DecoderSpec:
                    num_layers=hf_config.num_hidden_layers, num_heads=hf_config.num_attention_heads,
                    num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,
                    head_dim=head_dim, rms_norm_eps=hf_config.rms_norm_eps,
-                   tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)))
+                   tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+                   intermediate_size=getattr(hf_config, "intermediate_size", 0) or 0)
 
     def check_tp_size(self, tp_size: int) -> None:
         """ValueError unless heads, key/value heads and vocabulary divide evenly over ``tp_size`` ranks."""
@@ -262,6 +265,18 @@ class DecoderStage:
         prefix = f"model.layers.{layer}.mlp"
         gated_BSI = F.silu(self._column(x_BSH, f"{prefix}.gate_proj")) * self._column(x_BSH, f"{prefix}.up_proj")
         return self._row(gated_BSI, f"{prefix}.down_proj")
+
+    def bytes_per_row(self, prompt_len: int, max_new_tokens: int) -> int:
+        """Estimated device bytes one row costs this stage during generation: its KV cache at full length
+        plus the prefill's transient activations (hidden states, attention and MLP projections of the
+        prompt) and the fp32 logits of one position."""
+        element = torch.finfo(self.dtype).bits // 8
+        spec, layers = self.spec, len(self.layers)
+        kv = 2 * layers * self.local_kv_heads * (prompt_len + max_new_tokens) * spec.head_dim * element
+        local_inter = spec.intermediate_size // self.tp.size
+        prefill = prompt_len * (4 * spec.hidden_size + 3 * local_inter) * element
+        logits = 2 * spec.vocab_size * 4 if self.has_head else 0
+        return kv + prefill + logits
 
     def new_cache(self, *, batch: int, max_len: int) -> KVCache:
         return KVCache(num_layers=len(self.layers), batch=batch, kv_heads=self.local_kv_heads, max_len=max_len,

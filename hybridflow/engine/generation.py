@@ -54,6 +54,10 @@ class GenerationConfig:
     use_model_defaults: bool = True
     """Read the model directory's ``generation_config.json``: its EOS ids and ``suppress_tokens`` are added,
     and its temperature, top_k, top_p and repetition_penalty replace the ones left at their defaults here."""
+    memory_budget_gib: float | None = None
+    """Memory one wave of rows may take (KV cache plus prefill activations, estimated per row); rows
+    beyond it wait for the next wave. None: 80% of the device's free memory on CUDA, unbounded on CPU.
+    Greedy outputs do not depend on the waves; sampled ones are reproducible for a given budget."""
     samples_per_prompt: int = field(default=1, metadata={"derived": "batch.samples_per_prompt"})
     """Responses generated per prompt; output rows are prompt-major (prompt 0's samples first)."""
     eos_token_ids: tuple[int, ...] = field(default=(), metadata={"derived": "the tokenizer (and generation_config.json)"})
@@ -79,6 +83,11 @@ class GenerationConfig:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not self.repetition_penalty > 0:
             raise ValueError(f"repetition_penalty must be > 0 (1.0 = off), got {self.repetition_penalty!r}")
+        if self.memory_budget_gib is not None and (isinstance(self.memory_budget_gib, bool)
+                                                   or not isinstance(self.memory_budget_gib, (int, float))
+                                                   or not self.memory_budget_gib > 0):
+            raise ValueError(f"memory_budget_gib must be a number > 0 or null (automatic), got "
+                             f"{self.memory_budget_gib!r}")
         if not isinstance(self.samples_per_prompt, int) or self.samples_per_prompt < 1:
             raise ValueError(f"samples_per_prompt must be a positive integer, got {self.samples_per_prompt!r}")
         for name in ("eos_token_ids", "stop_token_ids", "suppress_tokens"):
@@ -138,7 +147,9 @@ class GenerationStats:
     rows_decoded: int = 0
     """Sum over decode steps of the rows in the active batch: compute is proportional to it."""
     peak_kv_cache_bytes: int = 0
-    """Largest KV cache of this rank during the call."""
+    """Largest KV cache of this rank during the call (of one wave)."""
+    waves: int = 1
+    """Waves the rows were admitted in (``GenerationConfig.memory_budget_gib``)."""
     seconds: float = 0.0
 
 
@@ -216,6 +227,39 @@ class GenerationEngine:
         device = self.stage.device
         prompts_BP = prompts_BP.to(device).repeat_interleave(config.samples_per_prompt, dim=0)
         prompt_mask_BP = prompt_mask_BP.to(device).repeat_interleave(config.samples_per_prompt, dim=0).long()
+        generator = torch.Generator(device=device)
+        generator.manual_seed(config.seed)
+        stats = GenerationStats()
+        B, P = prompts_BP.shape
+        rows = self.rows_per_wave(B, P, config)
+        waves = [self._generate_wave(prompts_BP[first:first + rows], prompt_mask_BP[first:first + rows], config,
+                                     generator, stats) for first in range(0, B, rows)]
+        stats.waves = len(waves)
+        stats.seconds = time.perf_counter() - start
+        self.last_stats = stats
+        return waves[0] if len(waves) == 1 else {key: torch.cat([w[key] for w in waves]) for key in waves[0]}
+
+    def rows_per_wave(self, num_rows: int, prompt_len: int, config: GenerationConfig) -> int:
+        """How many rows one wave admits under ``config.memory_budget_gib`` (the same on every rank of the
+        replica: the smallest of their answers)."""
+        budget = config.memory_budget_gib * 2**30 if config.memory_budget_gib is not None else None
+        if budget is None and self.stage.device.type == "cuda":
+            budget = 0.8 * torch.cuda.mem_get_info(self.stage.device)[0]
+        if budget is None:
+            return num_rows
+        rows = max(1, min(num_rows, int(budget // self.stage.bytes_per_row(prompt_len, config.max_new_tokens))))
+        groups = [g for g in (self.stage.tp.group if self.stage.tp.size > 1 else None,
+                              self.pipeline.group if self.pipeline.num_stages > 1 else None) if g is not None]
+        if groups:
+            rows_t = torch.tensor(rows, device=self.stage.device)
+            for group in groups:
+                dist.all_reduce(rows_t, op=dist.ReduceOp.MIN, group=group)
+            rows = int(rows_t)
+        return rows
+
+    def _generate_wave(self, prompts_BP: torch.Tensor, prompt_mask_BP: torch.Tensor, config: GenerationConfig,
+                       generator: torch.Generator, stats: "GenerationStats") -> dict[str, torch.Tensor]:
+        device = self.stage.device
         B, P = prompts_BP.shape
         T = config.max_new_tokens
         responses_BT = torch.full((B, T), config.pad_token_id, dtype=prompts_BP.dtype, device=device)
@@ -223,9 +267,6 @@ class GenerationEngine:
         response_mask_BT = torch.zeros((B, T), dtype=prompt_mask_BP.dtype, device=device)
         stops = torch.tensor(sorted(set(config.eos_token_ids) | set(config.stop_token_ids)), dtype=torch.long,
                              device=device)
-        generator = torch.Generator(device=device)
-        generator.manual_seed(config.seed)
-        stats = GenerationStats()
 
         rows_B = torch.arange(B, device=device)  # output row of each active row
         cache = self.stage.new_cache(batch=B, max_len=P + T)
@@ -234,7 +275,7 @@ class GenerationEngine:
         positions_BP = (prompt_mask_BP.cumsum(dim=1) - 1).clamp(min=0)
         next_position_B = prompt_mask_BP.sum(dim=1)
         logits_BV = self._forward(prompts_BP, positions_BP, cache, key_valid_BS)
-        stats.peak_kv_cache_bytes = cache.nbytes()
+        stats.peak_kv_cache_bytes = max(stats.peak_kv_cache_bytes, cache.nbytes())
         needs_history = config.repetition_penalty != 1.0
         for step in range(T):
             history_BL = (torch.cat([prompts_BP[rows_B], responses_BT[rows_B, :step]], dim=1)
@@ -262,8 +303,6 @@ class GenerationEngine:
             stats.decode_steps += 1
             stats.rows_decoded += len(rows_B)
         del cache  # the KV cache lives only inside this call
-        stats.seconds = time.perf_counter() - start
-        self.last_stats = stats
         attention_mask_BS = torch.cat([prompt_mask_BP, response_mask_BT], dim=1)
         return {
             "prompts": prompts_BP,

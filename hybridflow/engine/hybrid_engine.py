@@ -76,6 +76,12 @@ class TransitionStats:
     """Parameter bytes alive on this rank after the transition (during generation for 'to_generation')."""
     peak_param_bytes: int = 0
     """Largest parameter bytes alive on this rank at any point of the transition."""
+    allocated_bytes: int = 0
+    """CUDA only (0 on CPU): the caching allocator's allocated bytes after the transition, everything
+    the process holds (the analytic figures above count parameters only)."""
+    peak_allocated_bytes: int = 0
+    """CUDA only: the allocator's peak during the transition ('to_training': since 'to_generation' began,
+    so it covers the rollout too)."""
     seconds: float = 0.0
 
 
@@ -360,11 +366,17 @@ class HybridEngine:
     ``to_training()``.
     """
 
-    def __init__(self, hf_config, train_layout: ParallelLayout, config: HybridEngineConfig) -> None:
+    def __init__(self, hf_config, train_layout: ParallelLayout, config: HybridEngineConfig, *,
+                 dtype: torch.dtype = torch.float32) -> None:
+        """``dtype``: what generation computes in (the actor engine's compute dtype). When it is not the
+        training shards' dtype (bf16 generation from fp32 master weights), each rank casts its shard
+        before the gather: the transition moves half the bytes and the generation weights are a bf16 copy
+        (the in-place reuse of the training shard holds only when the dtypes agree)."""
         if dist.get_world_size() != train_layout.world_size:
             raise ValueError(f"the training layout has {train_layout.world_size} ranks but the process group "
                              f"has {dist.get_world_size()}")
         self.hf_config, self.train_layout, self.config = hf_config, train_layout, config
+        self.dtype = dtype
         self.spec = DecoderSpec.from_hf(hf_config)
         self.rank = dist.get_rank()
         self.shapes = parameter_shapes(hf_config)
@@ -400,13 +412,17 @@ class HybridEngine:
         if self.engine is not None:
             raise RuntimeError("to_generation called twice without to_training in between")
         start = time.perf_counter()
+        _reset_allocator_peak()
         self.local_shards = local_shards
         stats = TransitionStats(direction="to_generation", strategy=self.config.strategy)
         stats.peak_param_bytes = storage_bytes(local_shards.values())
+        if any(shard.dtype != self.dtype for shard in local_shards.values()):
+            local_shards = {name: shard.to(self.dtype) for name, shard in local_shards.items()}
         weights = self.strategy.gather(self, local_shards, stats)
         self.engine = self._build_engine(weights)
         stats.param_bytes = self.param_bytes()
         stats.peak_param_bytes = max(stats.peak_param_bytes, stats.param_bytes)
+        _read_allocator(stats)
         stats.seconds = time.perf_counter() - start
         return stats
 
@@ -421,10 +437,13 @@ class HybridEngine:
         """Drop the generation weights; the training shards were never moved. No communication."""
         start = time.perf_counter()
         before = self.param_bytes()
-        self.engine = None
         stats = TransitionStats(direction="to_training", strategy=self.config.strategy,
                                 param_bytes=storage_bytes(self.local_shards.values()), peak_param_bytes=before)
+        _read_allocator(stats)  # the peak since to_generation: the transition and the whole rollout
+        self.engine = None
         self.local_shards = None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            stats.allocated_bytes = torch.cuda.memory_allocated()  # what training gets back
         stats.seconds = time.perf_counter() - start
         return stats
 
@@ -473,6 +492,17 @@ class HybridEngine:
                              has_head=gen_pp == head_stage, tp=tp)
         pp_group, pp_ranks = self.gen_pp_group
         return GenerationEngine(stage, pipeline=PipelinePeers(group=pp_group, ranks=pp_ranks, stage=gen_pp))
+
+
+def _reset_allocator_peak() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _read_allocator(stats: TransitionStats) -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        stats.allocated_bytes = torch.cuda.memory_allocated()
+        stats.peak_allocated_bytes = torch.cuda.max_memory_allocated()
 
 
 def _any(tensors: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -49,7 +49,12 @@ def with_reference(text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    path = Path(argv[0]) if argv else DOC_PATH
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Regenerate the key reference of docs/config.md from the "
+                                                 "config dataclasses.")
+    parser.add_argument("path", nargs="?", default=str(DOC_PATH), help="the Markdown file to update in place")
+    path = Path(parser.parse_args(argv).path)
     path.write_text(with_reference(path.read_text()))
     print(f"wrote the key reference into {path}")
     return 0

@@ -63,7 +63,9 @@ class ActorWorker(ModelWorker):
     def __init__(self, spec: ActorSpec) -> None:
         super().__init__(spec.engine)
         self.actor_spec = spec
-        self.hybrid = HybridEngine(self.engine.hf_config, self.engine.layout, spec.hybrid_engine)
+        # generation computes in the actor's compute dtype (bf16 on GPUs by default), not in the fp32 masters
+        self.hybrid = HybridEngine(self.engine.hf_config, self.engine.layout, spec.hybrid_engine,
+                                   dtype=self.engine.config.compute_dtype)
         self.set_parallel_layout(self.engine.layout, generation=self.hybrid.generation_layout)
         self.last_transition: dict[str, float] = {}
 
@@ -83,11 +85,23 @@ class ActorWorker(ModelWorker):
             output = self.hybrid.generate(prompts["input_ids"], prompts["attention_mask"], config)
         finally:
             to_training = self.hybrid.to_training()
-        self.last_transition = {"to_generation_s": to_generation.seconds, "to_training_s": to_training.seconds}
+        self.last_transition = {
+            "to_generation_s": to_generation.seconds, "to_training_s": to_training.seconds,
+            "bytes_received": to_generation.bytes_received, "generation_param_bytes": to_generation.param_bytes,
+            "peak_param_bytes": to_generation.peak_param_bytes,
+            "generation_allocated_bytes": to_generation.allocated_bytes,
+            "generation_peak_allocated_bytes": to_training.peak_allocated_bytes,
+            "training_allocated_bytes": to_training.allocated_bytes}
         samples = config.samples_per_prompt
         non_tensors = {key: np.repeat(values, samples) for key, values in prompts.non_tensor_batch.items()}
         return DataProto.from_dict(tensors={k: v.cpu() for k, v in output.items()}, non_tensors=non_tensors,
                                    meta_info=dict(prompts.meta_info))
+
+    @register("ONE_TO_ALL")
+    def transition_stats(self) -> dict[str, float]:
+        """The last rollout's transition on this rank: seconds, bytes received, parameter bytes during
+        generation (analytic) and, on CUDA, the allocator's bytes during generation and after it."""
+        return dict(self.last_transition)
 
     @register("3D_PROTO")
     def compute_log_prob(self, data: DataProto) -> DataProto:
