@@ -28,11 +28,13 @@ import functools
 import json
 import math
 import os
+import select
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +43,7 @@ from hybridflow.rewards import seccomp
 
 CHILD_SCRIPT = Path(__file__).with_name("sandbox_child.py")
 GUEST_UID = 65534
+_INIT_EXIT_WAIT_S = 30.0  # bound on waiting for the kernel to reap a killed pid namespace
 ISOLATION_MODES = ("bwrap", "none")
 OPT_OUT_ENV = "HYBRIDFLOW_SANDBOX"
 """Set to "none" to run code rewards without isolation (only for code you trust)."""
@@ -109,7 +112,7 @@ class SandboxResult:
     """What a sandboxed run did."""
 
     returncode: int | None
-    """Exit status (negative: killed by that signal)."""
+    """Exit status; a guest killed by signal N reports 128 + N (bubblewrap's convention), -9 after a timeout."""
     stdout: str
     """Captured standard output (at most max_output_bytes, decoded with replacement)."""
     stderr: str
@@ -242,25 +245,27 @@ def run_python(code: str, *, stdin: str = "", config: SandboxConfig = SandboxCon
 def _run(config: SandboxConfig, root: Path, isolated: bool) -> SandboxResult:
     info_read, info_write = os.pipe()
     seccomp_file = None
-    pass_fds = [info_write]
+    init_pidfd = None
     try:
         if isolated:
+            seccomp_fd = None
             if seccomp.available():
                 seccomp_file = tempfile.TemporaryFile()
                 seccomp_file.write(seccomp.filter_bpf())
                 seccomp_file.seek(0)
-                pass_fds.append(seccomp_file.fileno())
+                seccomp_fd = seccomp_file.fileno()
             else:
                 _warn_no_seccomp()
-            command = _bwrap_command(config, root / "in", info_write,
-                                     seccomp_file.fileno() if seccomp_file is not None else None)
+            command = _bwrap_command(config, root / "in", info_write, seccomp_fd)
             workdir = "/"
         else:
             scratch = root / "work"
             scratch.mkdir()
             command = [config.interpreter, "-I", "-B", str(root / "in" / "child.py"), str(root / "in" / "settings.json")]
             workdir = str(scratch)
+        pass_fds = [info_write] + ([seccomp_file.fileno()] if seccomp_file is not None else [])
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
+        deadline = time.monotonic() + config.timeout_s
         with open(root / "stdin", "rb") as stdin_file, open(root / "stdout", "wb") as stdout_file, \
                 open(root / "stderr", "wb") as stderr_file:
             process = subprocess.Popen(command, stdin=stdin_file, stdout=stdout_file, stderr=stderr_file, cwd=workdir,
@@ -269,57 +274,70 @@ def _run(config: SandboxConfig, root: Path, isolated: bool) -> SandboxResult:
             info_write = -1
             timed_out = False
             try:
-                process.wait(timeout=config.timeout_s)
+                if isolated:
+                    init_pidfd = _open_init_pidfd(info_read, deadline)
+                process.wait(timeout=max(deadline - time.monotonic(), 0.0))
             except subprocess.TimeoutExpired:
                 timed_out = True
-                _kill_sandbox(process, info_read, isolated)
-            except BaseException:
-                _kill_sandbox(process, info_read, isolated)
-                raise
+            finally:
+                _end_sandbox(process, init_pidfd)
         return SandboxResult(
-            returncode=process.returncode,
+            returncode=-signal.SIGKILL if timed_out else process.returncode,
             stdout=_read_capped(root / "stdout", config.max_output_bytes),
             stderr=_read_capped(root / "stderr", config.max_output_bytes),
             timed_out=timed_out,
             isolated=isolated,
         )
     finally:
-        os.close(info_read)
-        if info_write >= 0:
-            os.close(info_write)
+        for fd in (info_read, info_write, init_pidfd):
+            if fd is not None and fd >= 0:
+                os.close(fd)
         if seccomp_file is not None:
             seccomp_file.close()
 
 
-def _kill_sandbox(process: subprocess.Popen, info_read: int, isolated: bool) -> None:
-    """Kill the sandbox's init (pid 1 of its pid namespace): the kernel then kills every process in it,
-    and bwrap exits only once they are all gone, so waiting for bwrap waits for all of them.
-    Without isolation, kill the guest's process group (what escaped it with setsid survives)."""
-    if not isolated:
+def _open_init_pidfd(info_read: int, deadline: float) -> int | None:
+    """A pidfd of the sandbox's init (pid 1 of its pid namespace), from what bwrap writes to --info-fd."""
+    text = b""
+    while True:  # bwrap may write its JSON in pieces
+        ready, _, _ = select.select([info_read], [], [], max(deadline - time.monotonic(), 0.0))
+        chunk = os.read(info_read, 65536) if ready else b""
+        text += chunk
+        try:
+            child_pid = json.loads(text.decode()).get("child-pid")
+            break
+        except ValueError:
+            if not chunk:
+                return None  # bwrap failed before setting up the sandbox, or the deadline passed
+    if not isinstance(child_pid, int) or child_pid <= 1:
+        return None
+    try:
+        return os.pidfd_open(child_pid)
+    except ProcessLookupError:
+        return None  # it has already come and gone
+
+
+def _end_sandbox(process: subprocess.Popen, init_pidfd: int | None) -> None:
+    """Kill whatever is left of the sandbox and wait until all of it is gone.
+
+    Killing the sandbox's init makes the kernel kill every process of its pid namespace, and the
+    init's exit completes only once they are all dead, so waiting on its pidfd waits for all of
+    them (bwrap itself may exit a moment earlier, as soon as the guest's main process does).
+    Without isolation only the guest's process group is killed (what left it with setsid survives).
+    """
+    if init_pidfd is None and process.poll() is None:
         try:
             os.killpg(process.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-        process.wait()
-        return
-    os.set_blocking(info_read, False)
-    try:
-        info = json.loads(os.read(info_read, 65536).decode() or "{}")
-    except (BlockingIOError, ValueError):
-        info = {}
-    child_pid = info.get("child-pid")
-    if isinstance(child_pid, int) and child_pid > 1:
+    if init_pidfd is not None:
         try:
-            os.kill(child_pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
+            signal.pidfd_send_signal(init_pidfd, signal.SIGKILL)
+        except ProcessLookupError:
             pass
-        try:
-            process.wait(timeout=10)
-            return
-        except subprocess.TimeoutExpired:
-            pass
-    process.kill()
     process.wait()
+    if init_pidfd is not None:
+        select.select([init_pidfd], [], [], _INIT_EXIT_WAIT_S)
 
 
 def _read_capped(path: Path, max_bytes: int) -> str:
