@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import sys
+import threading
 
 import numpy as np
 import pytest
@@ -105,6 +107,39 @@ def test_threaded_scoring_gives_the_same_scores_in_order():
     serial = RuleReward(length_reward).score_batch(prompts, responses)
     threaded = RuleReward(length_reward, num_workers=4).score_batch(prompts, responses)
     assert threaded.tolist() == serial.tolist() == [float(i) for i in range(20)]
+
+
+def test_a_reward_function_that_never_returns_fails_the_batch_naming_it_and_the_sample():
+    release = threading.Event()
+
+    def hangs_on_the_second(prompt, response, **extra_fields):
+        if prompt == "second":
+            release.wait(30)
+        return 1.0
+
+    reward = RuleReward(hangs_on_the_second, num_workers=2, timeout_s=0.5)
+    try:
+        with pytest.raises(RewardError, match=r"hangs_on_the_second.*did not finish a batch of 3 samples within "
+                                              r"0.5 s.*sample 1 \(prompt 'second'\)"):
+            reward.score_batch(["first", "second", "third"], ["a", "b", "c"])
+    finally:
+        release.set()
+    with pytest.raises(ValueError, match="reward timeout_s must be > 0"):
+        RuleReward(length_reward, timeout_s=0)
+
+
+def test_a_reward_function_calling_sys_exit_is_reported_not_obeyed():
+    def exits(prompt, response, **extra_fields):
+        sys.exit(3)
+
+    with pytest.raises(RewardError, match=r"called sys.exit\(3\) on sample 0 \(prompt 'p'\)"):
+        RuleReward(exits).score_batch(["p"], ["r"])
+    with pytest.raises(RewardError, match=r"called sys.exit\(3\) on sample"):
+        RewardMix({f"{__file__}:exiting_reward": 1.0}, num_workers=2).score_batch(["p", "q"], ["r", "s"])
+
+
+def exiting_reward(prompt, response, **extra_fields):
+    raise SystemExit(3)
 
 
 def test_weighted_combination_of_rule_and_model_scores():
