@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+import logging
 import os
 import signal
 import sys
@@ -13,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.controller import ResourcePool, Worker, WorkerError, WorkerGroup, WorkerTimeoutError, register
+from hybridflow.controller.worker_group import DEFAULT_CALL_TIMEOUT_S
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -75,6 +78,28 @@ def test_a_hung_collective_fails_within_the_process_group_timeout(faulty):
         faulty.lonely_all_reduce()
     assert time.monotonic() - start < 30.0
     assert (info.value.rank, info.value.method) == (0, "lonely_all_reduce")
+
+
+def test_a_frozen_worker_is_reported_by_the_watchdog_then_times_out_naming_rank_and_pid(faulty, caplog):
+    pids = faulty.pid()
+    os.kill(pids[1], signal.SIGSTOP)
+    try:
+        future = faulty.pid.future()
+        with caplog.at_level(logging.WARNING, logger="hybridflow.controller"):
+            with pytest.raises(WorkerTimeoutError) as info:
+                future.get(timeout_s=2.0, watchdog_s=0.4)
+    finally:
+        os.kill(pids[1], signal.SIGCONT)
+    assert info.value.pending_ranks == [1] and info.value.pids == [pids[1]]
+    assert f"faulty.pid did not finish within 2 s on ranks [1] (pids [{pids[1]}])" in str(info.value)
+    reports = [record.getMessage() for record in caplog.records if record.name == "hybridflow.controller"]
+    assert reports and all(f"faulty.pid: still waiting for rank 1 (pid {pids[1]}) after" in r for r in reports)
+    assert future.get() == pids  # resumed, the worker answers
+
+
+def test_worker_groups_wait_a_finite_time_by_default():
+    for function in (WorkerGroup.__init__, WorkerGroup.colocate):
+        assert inspect.signature(function).parameters["timeout_s"].default == DEFAULT_CALL_TIMEOUT_S == 3600.0
 
 
 def test_a_killed_worker_is_an_error_naming_its_rank_not_a_hang(faulty):

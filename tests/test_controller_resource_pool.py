@@ -53,7 +53,8 @@ def test_use_gpu_on_a_cluster_without_gpus_is_a_value_error_not_a_placement_time
         ResourcePool([1], use_gpu=True, placement_timeout_s=1)
 
 
-@pytest.mark.parametrize(("argument", "value"), [("timeout_s", 0), ("timeout_s", -1.0), ("dist_timeout_s", 0)])
+@pytest.mark.parametrize(("argument", "value"), [("timeout_s", 0), ("timeout_s", -1.0), ("dist_timeout_s", 0),
+                                                  ("watchdog_s", 0)])
 def test_a_worker_group_timeout_that_is_not_positive_is_a_value_error_naming_it(argument, value):
     with pytest.raises(ValueError, match=argument):
         WorkerGroup(ResourcePool([1], mode="local"), Worker, **{argument: value})

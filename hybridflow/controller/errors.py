@@ -25,10 +25,21 @@ def _rebuild_worker_error(role: str, rank: int, method: str, remote_traceback: s
 class WorkerTimeoutError(TimeoutError):
     """A worker method did not finish on some ranks within the group's timeout."""
 
-    def __init__(self, *, role: str, method: str, pending_ranks: list[int], timeout_s: float) -> None:
+    def __init__(self, *, role: str, method: str, pending_ranks: list[int], timeout_s: float,
+                 pids: list[int] | None = None) -> None:
         self.role = role
         self.method = method
         self.pending_ranks = pending_ranks
         self.timeout_s = timeout_s
-        super().__init__(f"{role}.{method} did not finish within {timeout_s:g} s on ranks {pending_ranks} "
-                         f"(hung collective, deadlock or a dead peer); the group should be shut down")
+        self.pids = pids
+        where = f"ranks {pending_ranks}" + (f" (pids {pids})" if pids else "")
+        super().__init__(f"{role}.{method} did not finish within {timeout_s:g} s on {where} "
+                         f"(hung collective, deadlock, a frozen process or a dead peer); the group should be shut "
+                         f"down. Raise the group's timeout_s if the call is just slow")
+
+    def __reduce__(self):
+        return (_rebuild_timeout_error, (self.role, self.method, self.pending_ranks, self.timeout_s, self.pids))
+
+
+def _rebuild_timeout_error(role, method, pending_ranks, timeout_s, pids) -> WorkerTimeoutError:
+    return WorkerTimeoutError(role=role, method=method, pending_ranks=pending_ranks, timeout_s=timeout_s, pids=pids)
