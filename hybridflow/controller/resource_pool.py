@@ -9,6 +9,7 @@ import torch
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
 from hybridflow.controller.local import local_mode_enabled
+from hybridflow.controller.ray_reaper import start_reaper
 
 MODES = ("ray", "local")
 MIN_LOCAL_CPU_SLOTS = 32
@@ -111,7 +112,11 @@ class ResourcePool:
 
     def _reserve(self, use_gpu: bool | None, timeout_s: float) -> bool:
         if not ray.is_initialized():
-            ray.init(**ray_init_options())
+            starts_a_cluster = running_cluster_address() is None
+            context = ray.init(**ray_init_options())
+            if starts_a_cluster:  # ours to clean up, even if this driver is killed
+                start_reaper(node_id=ray.get_runtime_context().get_node_id(),
+                             session_dir=context.address_info["session_dir"])
         cluster_gpus = ray.cluster_resources().get("GPU", 0)
         if use_gpu is None:
             use_gpu = cluster_gpus > 0
