@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import ray.cloudpickle
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.controller import ResourcePool, Worker, WorkerError, WorkerGroup, WorkerTimeoutError, register
+from hybridflow.controller.errors import user_message
 from hybridflow.controller.worker_group import DEFAULT_CALL_TIMEOUT_S
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -58,6 +60,7 @@ def test_an_exception_on_one_rank_names_role_rank_method_and_carries_the_remote_
     error = info.value
     assert (error.role, error.rank, error.method) == ("faulty", 1, "fail_on")
     assert "ValueError: boom on rank 1" in error.remote_traceback
+    assert str(error).splitlines()[0] == "faulty.fail_on failed on rank 1: ValueError: boom on rank 1"
     assert "in fail_on" in error.remote_traceback
     assert faulty.fail_on(-1) == [0, 1]  # the group keeps working after a user exception
 
@@ -110,3 +113,19 @@ def test_a_killed_worker_is_an_error_naming_its_rank_not_a_hang(faulty):
         faulty.fail_on(-1)
     assert time.monotonic() - start < 30.0
     assert info.value.rank == 1 and "died" in info.value.remote_traceback
+
+
+def test_a_worker_error_reports_one_line_and_writes_the_full_traceback_to_a_file(tmp_path):
+    remote = ('Traceback (most recent call last):\n  File "w.py", line 3, in update\n    step()\n'
+              'ValueError: learning rate must be > 0, got -1\n')
+    error = WorkerError(role="actor", rank=1, method="update", remote_traceback=remote)
+    assert str(error).splitlines()[0] == "actor.update failed on rank 1: ValueError: learning rate must be > 0, got -1"
+    message = error.report(tmp_path / "errors")
+    assert "\n" not in message
+    prefix = "actor.update failed on rank 1: ValueError: learning rate must be > 0, got -1 (full traceback: "
+    assert message.startswith(prefix) and message.endswith(".txt)")
+    path = message[len(prefix):-1]
+    assert Path(path).parent == tmp_path / "errors" and remote in Path(path).read_text()
+    assert user_message(error, tmp_path).startswith("actor.update failed on rank 1")
+    timeout = WorkerTimeoutError(role="critic", method="values", pending_ranks=[0], timeout_s=5)
+    assert user_message(timeout, tmp_path).startswith("critic.values did not finish within 5 s on ranks [0]")
