@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import hybridflow.rewards.sandbox as sandbox
-from hybridflow.rewards import SandboxConfig, code_reward, run_python
+from hybridflow.rewards import RuleReward, SandboxConfig, code_reward, run_python
 from hybridflow.rewards import seccomp
 
 FAST = SandboxConfig(timeout_s=3.0)
@@ -288,12 +288,15 @@ def test_without_bubblewrap_code_rewards_refuse_to_run_unless_the_user_opts_out(
     try:
         with pytest.raises(sandbox.SandboxUnavailableError, match="apt-get install bubblewrap"):
             run_python("print(1)", config=FAST)
+        with pytest.raises(ValueError, match="reward function 'code' cannot run here: .*bubblewrap"):
+            RuleReward("code")  # reported when the reward is built, before any model loads
         with pytest.warns(UserWarning, match="WITHOUT operating-system isolation"):
             sandbox._warn_unisolated.cache_clear()
             result = run_python("print(1)", config=SandboxConfig(isolation="none"))
         assert result.ok and result.stdout == "1\n" and not result.isolated
         monkeypatch.setenv("HYBRIDFLOW_SANDBOX", "none")
         assert run_python("print(2)", config=FAST).stdout == "2\n"
+        assert RuleReward("code").name == "code"
         monkeypatch.setenv("HYBRIDFLOW_SANDBOX", "off")
         with pytest.raises(ValueError, match="HYBRIDFLOW_SANDBOX must be one of"):
             run_python("print(3)", config=FAST)

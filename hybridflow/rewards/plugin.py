@@ -1,7 +1,9 @@
 """Rule-based rewards as plug-ins: load `module:function`, score batches naming failing samples, combine by weight.
 
 A reward function has the signature `fn(prompt: str, response: str, **extra_fields) -> float`,
-where extra_fields are the dataset row's other fields (e.g. `answer`, `tests`).
+where extra_fields are the dataset row's other fields (e.g. `answer`, `tests`). It may carry a
+`preflight` attribute, a callable that raises ValueError when the function cannot run here
+(RuleReward calls it when built, before any model is loaded).
 Shape legend: B = samples.
 """
 
@@ -113,6 +115,12 @@ class RuleReward:
             self.function = function
         self.num_workers = num_workers
         self.timeout_s = timeout_s
+        preflight = getattr(self.function, "preflight", None)
+        if preflight is not None:  # e.g. the code reward checks that its sandbox can run here
+            try:
+                preflight()
+            except ValueError as error:
+                raise ValueError(f"reward function {self.name!r} cannot run here: {error}") from None
 
     def score_one(self, index: int, prompt: str, response: str, extra_fields: Mapping | None) -> float:
         """The reward of one sample; RewardError naming the sample when the function fails."""

@@ -56,7 +56,7 @@ INSTALL_HINT = (
 )
 
 
-class SandboxUnavailableError(RuntimeError):
+class SandboxUnavailableError(ValueError):
     """The operating-system sandbox cannot run here (the message says what to install)."""
 
 
@@ -191,6 +191,14 @@ def isolation_problem(interpreter: str) -> str | None:
     return None
 
 
+def check_available(config: SandboxConfig = SandboxConfig()) -> None:
+    """Raise SandboxUnavailableError (saying what to install) unless `config` can run here."""
+    if config.effective_isolation == "bwrap":
+        problem = isolation_problem(config.interpreter)
+        if problem is not None:
+            raise SandboxUnavailableError(f"cannot sandbox the model's code: {problem}. To fix: {INSTALL_HINT}")
+
+
 @functools.cache
 def _warn_unisolated() -> None:
     warnings.warn(f"code rewards run WITHOUT operating-system isolation ({OPT_OUT_ENV}=none or "
@@ -212,10 +220,8 @@ def run_python(code: str, *, stdin: str = "", config: SandboxConfig = SandboxCon
     user has not opted out.
     """
     isolated = config.effective_isolation == "bwrap"
-    if isolated and not _probe:
-        problem = isolation_problem(config.interpreter)
-        if problem is not None:
-            raise SandboxUnavailableError(f"cannot sandbox the model's code: {problem}. To fix: {INSTALL_HINT}")
+    if not _probe:
+        check_available(config)
     if not isolated:
         _warn_unisolated()
     root = Path(tempfile.mkdtemp(prefix="hybridflow-sandbox-"))
