@@ -88,9 +88,9 @@ def test_a_frozen_worker_is_reported_by_the_watchdog_then_times_out_naming_rank_
     os.kill(pids[1], signal.SIGSTOP)
     try:
         future = faulty.pid.future()
-        with caplog.at_level(logging.WARNING, logger="hybridflow.controller"):
-            with pytest.raises(WorkerTimeoutError) as info:
-                future.get(timeout_s=2.0, watchdog_s=0.4)
+        with caplog.at_level(logging.WARNING, logger="hybridflow.controller"), \
+                pytest.raises(WorkerTimeoutError) as info:
+            future.get(timeout_s=2.0, watchdog_s=0.4)
     finally:
         os.kill(pids[1], signal.SIGCONT)
     assert info.value.pending_ranks == [1] and info.value.pids == [pids[1]]

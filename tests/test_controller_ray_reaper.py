@@ -60,11 +60,12 @@ def test_when_the_driver_is_killed_the_reaper_kills_the_nodes_processes_and_noth
     node_process = subprocess.Popen(["sleep", "300"], env={**os.environ, "RAY_NODE_ID": NODE_ID})
     bystander = subprocess.Popen(["sleep", "300"], env={**os.environ, "RAY_NODE_ID": NODE_ID + "00"})
     driver = subprocess.Popen(
-        [sys.executable, "-c", "import importlib.util, time\n"  # the module alone: no torch, no Ray
-         f"spec = importlib.util.spec_from_file_location('reaper', {REAPER_FILE!r})\n"
-         "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module)\n"
-         f"print(module.start_reaper(node_id={NODE_ID!r}, session_dir={SESSION!r}).pid, flush=True)\n"
-         "time.sleep(300)\n"],
+        [sys.executable, "-c", (
+            "import importlib.util, time\n"  # the module alone: no torch, no Ray
+            f"spec = importlib.util.spec_from_file_location('reaper', {REAPER_FILE!r})\n"
+            "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module)\n"
+            f"print(module.start_reaper(node_id={NODE_ID!r}, session_dir={SESSION!r}).pid, flush=True)\n"
+            "time.sleep(300)\n")],
         stdout=subprocess.PIPE, text=True,
     )
     try:

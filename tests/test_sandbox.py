@@ -16,9 +16,14 @@ from pathlib import Path
 
 import pytest
 
-import hybridflow.rewards.sandbox as sandbox
-from hybridflow.rewards import RuleReward, SandboxConfig, code_reward, run_python
-from hybridflow.rewards import seccomp
+from hybridflow.rewards import (
+    RuleReward,
+    SandboxConfig,
+    code_reward,
+    run_python,
+    sandbox,
+    seccomp,
+)
 
 FAST = SandboxConfig(timeout_s=3.0)
 pytestmark = pytest.mark.skipif(
@@ -290,8 +295,8 @@ def test_without_bubblewrap_code_rewards_refuse_to_run_unless_the_user_opts_out(
             run_python("print(1)", config=FAST)
         with pytest.raises(ValueError, match="reward function 'code' cannot run here: .*bubblewrap"):
             RuleReward("code")  # reported when the reward is built, before any model loads
+        sandbox._warn_unisolated.cache_clear()
         with pytest.warns(UserWarning, match="WITHOUT operating-system isolation"):
-            sandbox._warn_unisolated.cache_clear()
             result = run_python("print(1)", config=SandboxConfig(isolation="none"))
         assert result.ok and result.stdout == "1\n" and not result.isolated
         monkeypatch.setenv("HYBRIDFLOW_SANDBOX", "none")

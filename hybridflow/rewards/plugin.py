@@ -14,9 +14,9 @@ import importlib.util
 import inspect
 import math
 import numbers
-from collections.abc import Callable, Mapping, Sequence
 import threading
 import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch

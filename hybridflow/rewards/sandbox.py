@@ -256,7 +256,7 @@ def _run(config: SandboxConfig, root: Path, isolated: bool) -> SandboxResult:
         if isolated:
             seccomp_fd = None
             if seccomp.available():
-                seccomp_file = tempfile.TemporaryFile()
+                seccomp_file = tempfile.TemporaryFile()  # noqa: SIM115 - closed in the finally below
                 seccomp_file.write(seccomp.filter_bpf())
                 seccomp_file.seek(0)
                 seccomp_fd = seccomp_file.fileno()
