@@ -51,7 +51,9 @@ INSTALL_HINT = (
     "install bubblewrap (Debian/Ubuntu: `apt-get install bubblewrap`; Fedora: `dnf install bubblewrap`); "
     "as a non-root user the kernel must also allow unprivileged user namespaces "
     "(sysctl kernel.unprivileged_userns_clone=1, or on Ubuntu 24.04+ "
-    "kernel.apparmor_restrict_unprivileged_userns=0). To run untrusted code WITHOUT isolation anyway, "
+    "kernel.apparmor_restrict_unprivileged_userns=0); inside a container, the container must allow "
+    "namespaces (e.g. Docker: --security-opt seccomp=unconfined --cap-add SYS_ADMIN, or use a VM). "
+    "To run untrusted code WITHOUT isolation anyway, "
     f"set {OPT_OUT_ENV}=none or SandboxConfig(isolation='none')"
 )
 
