@@ -319,6 +319,12 @@ def test_the_sandbox_costs_well_under_a_second_per_call():
     assert time.monotonic() - start < FAST.timeout_s
 
 
+def test_an_interpreter_outside_a_prefix_of_its_own_is_refused_not_mounted_with_the_whole_root():
+    config = SandboxConfig(python_executable="/python3")  # its "prefix" would be / itself
+    with pytest.raises(sandbox.SandboxUnavailableError, match="python_executable '/python3' lives under '/', too broad"):
+        run_python("print(1)", config=config)
+
+
 @pytest.mark.parametrize(
     "kwargs, field",
     [({"timeout_s": 0}, "timeout_s"), ({"memory_mb": 8}, "memory_mb"), ({"max_output_bytes": 10}, "max_output_bytes"),

@@ -131,10 +131,17 @@ class SandboxResult:
 
 
 def _interpreter_prefix(interpreter: str) -> str:
-    """The directory tree the interpreter needs besides /usr (its installation prefix)."""
+    """The directory tree the interpreter needs besides /usr (its installation prefix), mounted read-only."""
     prefix = os.path.dirname(os.path.dirname(interpreter))
     if interpreter == os.path.realpath(getattr(sys, "_base_executable", sys.executable)):
         prefix = os.path.realpath(sys.base_prefix)
+    if prefix == "/usr" or prefix.startswith("/usr/"):
+        return "/usr"  # mounted anyway
+    # Never mount a top-level directory (or the whole root): that would show the guest far more than Python.
+    if len(Path(prefix).parts) < 3:
+        raise ValueError(f"python_executable {interpreter!r} lives under {prefix!r}, too broad a tree to mount in "
+                         "the sandbox; use an interpreter installed under /usr or in its own prefix "
+                         "(e.g. /opt/python3.11/bin/python3)")
     return prefix
 
 
@@ -159,7 +166,7 @@ def _bwrap_command(config: SandboxConfig, inputs: Path, info_fd: int, seccomp_fd
         if os.path.exists(name):
             command += ["--ro-bind", name, name]
     prefix = _interpreter_prefix(config.interpreter)
-    if not (prefix == "/usr" or prefix.startswith("/usr/")):
+    if prefix != "/usr":
         # Mount points are created on the sandbox's own root; let the guest traverse them.
         parents = list(Path(prefix).parents)[::-1][1:]
         for parent in parents:
@@ -182,11 +189,13 @@ def isolation_problem(interpreter: str) -> str | None:
     if shutil.which("bwrap") is None:
         return "bubblewrap (`bwrap`) is not installed"
     try:
-        result = run_python("import sys; print('ok')", config=SandboxConfig(timeout_s=30.0,
-                                                                            python_executable=interpreter),
-                            _probe=True)
+        # Importing a module not loaded yet checks the guest can read the standard library after the uid drop.
+        result = run_python("import fractions; print('ok')",
+                            config=SandboxConfig(timeout_s=30.0, python_executable=interpreter), _probe=True)
     except OSError as error:
         return f"bwrap could not start: {error}"
+    except ValueError as error:
+        return str(error)
     if result.stdout.strip() != "ok":
         return f"bwrap could not run the interpreter {interpreter} (exit status {result.returncode}): " \
                f"{result.stderr.strip()[-500:]}"
@@ -221,7 +230,7 @@ def run_python(code: str, *, stdin: str = "", config: SandboxConfig = SandboxCon
     Raises SandboxUnavailableError when the operating-system sandbox cannot run here and the
     user has not opted out.
     """
-    isolated = config.effective_isolation == "bwrap"
+    isolated = _probe or config.effective_isolation == "bwrap"
     if not _probe:
         check_available(config)
     if not isolated:
