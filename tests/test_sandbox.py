@@ -333,3 +333,30 @@ def test_an_interpreter_outside_a_prefix_of_its_own_is_refused_not_mounted_with_
 def test_sandbox_config_rejects_bad_values_naming_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SandboxConfig(**kwargs)
+
+
+def _install_sandbox(bin_dir: Path) -> subprocess.CompletedProcess:
+    script = Path(__file__).parents[1] / "scripts" / "install_sandbox.sh"
+    (bin_dir / "id").symlink_to(subprocess.run(["which", "id"], capture_output=True, text=True).stdout.strip())
+    return subprocess.run(["/bin/bash", str(script)], capture_output=True, text=True, env={"PATH": str(bin_dir)})
+
+
+def test_the_install_script_warns_but_succeeds_without_apt_or_bubblewrap(tmp_path):
+    result = _install_sandbox(tmp_path)  # a PATH with neither bwrap nor apt-get
+    assert result.returncode == 0
+    assert result.stderr.startswith("warning: bubblewrap (bwrap) is not installed; code rewards will refuse to run")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the script installs only as root")
+@pytest.mark.parametrize("apt_works", [True, False])
+def test_the_install_script_installs_bubblewrap_with_apt_as_root(tmp_path, apt_works):
+    fake_apt = tmp_path / "apt-get"
+    creates_bwrap = f"printf '#!/bin/sh\\n' > {tmp_path}/bwrap; /bin/chmod +x {tmp_path}/bwrap; " if apt_works else ""
+    fake_apt.write_text(f"#!/bin/sh\nif [ \"$1\" = install ]; then {creates_bwrap}exit {0 if apt_works else 100}; fi\n")
+    fake_apt.chmod(0o755)
+    result = _install_sandbox(tmp_path)
+    assert result.returncode == 0
+    if apt_works:
+        assert result.stdout == "installed bubblewrap for the code-reward sandbox\n" and (tmp_path / "bwrap").exists()
+    else:
+        assert "warning: apt-get could not install bubblewrap" in result.stderr
