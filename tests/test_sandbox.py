@@ -337,8 +337,8 @@ def test_sandbox_config_rejects_bad_values_naming_the_field(kwargs, field):
 
 def _install_sandbox(bin_dir: Path) -> subprocess.CompletedProcess:
     script = Path(__file__).parents[1] / "scripts" / "install_sandbox.sh"
-    (bin_dir / "id").symlink_to(subprocess.run(["which", "id"], capture_output=True, text=True).stdout.strip())
-    return subprocess.run(["/bin/bash", str(script)], capture_output=True, text=True, env={"PATH": str(bin_dir)})
+    (bin_dir / "id").symlink_to(subprocess.run(["which", "id"], capture_output=True, text=True, check=True).stdout.strip())
+    return subprocess.run(["/bin/bash", str(script)], capture_output=True, text=True, check=False, env={"PATH": str(bin_dir)})
 
 
 def test_the_install_script_warns_but_succeeds_without_apt_or_bubblewrap(tmp_path):
