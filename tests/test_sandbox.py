@@ -124,7 +124,6 @@ def test_files_outside_the_scratch_directory_cannot_be_created_or_changed(shared
         "root_fs": "open('/pwned', 'w').write('x')",
         "usr": "open('/usr/pwned', 'w').write('x')",
         "inputs": "open('/sandbox/in/pwned', 'w').write('x')",
-        "mknod_in_scratch": "os.mkfifo('fifo')",
     }
     code = "import os\n" + "".join(
         f"try:\n    {line}\n    print('ESCAPED {name}')\nexcept Exception as error:\n    print('{name}', type(error).__name__)\n"
@@ -222,6 +221,24 @@ def test_the_guest_cannot_signal_other_processes():
         for victim in victims:
             victim.kill()
             victim.wait()
+
+
+def test_ordinary_programs_still_work_threads_process_pools_asyncio_and_temp_files():
+    code = (
+        "import asyncio, concurrent.futures, os, tempfile, threading\n"
+        "results = []\n"
+        "thread = threading.Thread(target=lambda: results.append('thread')); thread.start(); thread.join()\n"
+        "with concurrent.futures.ProcessPoolExecutor(2) as pool:\n"
+        "    results.append(sum(pool.map(abs, [-1, -2])))\n"
+        "results.append(asyncio.run(asyncio.sleep(0, result='async')))\n"
+        "with tempfile.TemporaryDirectory() as directory:\n"
+        "    open(os.path.join(directory, 'f'), 'w').write('x')\n"
+        "    results.append(os.path.dirname(directory))\n"
+        "print(results)\n"
+    )
+    result = run_python(code, config=SandboxConfig(timeout_s=20.0))
+    assert result.ok, result.stderr
+    assert result.stdout == "['thread', 3, 'async', '/sandbox/work']\n"
 
 
 def test_runaway_code_is_killed_at_the_time_limit():

@@ -151,6 +151,7 @@ def _bwrap_command(config: SandboxConfig, inputs: Path, info_fd: int, seccomp_fd
         "bwrap", "--die-with-parent", "--new-session", "--unshare-pid", "--unshare-net", "--unshare-ipc",
         "--unshare-uts", "--unshare-cgroup-try", "--hostname", "sandbox", "--clearenv",
         "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "LANG", "C.UTF-8", "--setenv", "HOME", "/sandbox/work",
+        "--setenv", "TMPDIR", "/sandbox/work",
         "--ro-bind", "/usr", "/usr",
     ]
     if not as_root:
@@ -174,6 +175,9 @@ def _bwrap_command(config: SandboxConfig, inputs: Path, info_fd: int, seccomp_fd
         command += ["--ro-bind", prefix, prefix]
     command += [
         "--proc", "/proc", "--dev", "/dev",
+        # POSIX semaphores (multiprocessing) need a writable /dev/shm; it is capped like the scratch directory.
+        "--perms", "1777", "--size", str(config.scratch_mb * 2**20), "--tmpfs", "/dev/shm",
+        "--perms", "0755", "--dir", "/sandbox",  # traversable by the guest once it is no longer root
         "--ro-bind", str(inputs), "/sandbox/in",
         "--perms", "1777", "--size", str(config.scratch_mb * 2**20), "--tmpfs", "/sandbox/work",
         "--remount-ro", "/", "--chdir", "/sandbox/work", "--info-fd", str(info_fd),
