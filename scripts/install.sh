@@ -6,6 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${HYBRIDFLOW_VENV:-.venv}
 PYTHON=${PYTHON:-python3}
+bash scripts/install_sandbox.sh  # bubblewrap for the code-reward sandbox (warns when it cannot)
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 LOG=$(mktemp -t hybridflow-install.XXXXXX.log)
 # pip's full output goes to $LOG; the terminal gets one line per step, and on a failure pip's errors.

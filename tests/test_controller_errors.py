@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import inspect
+import logging
 import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import ray.cloudpickle
@@ -13,6 +16,8 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.controller import ResourcePool, Worker, WorkerError, WorkerGroup, WorkerTimeoutError, register
+from hybridflow.controller.errors import user_message
+from hybridflow.controller.worker_group import DEFAULT_CALL_TIMEOUT_S
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -55,6 +60,7 @@ def test_an_exception_on_one_rank_names_role_rank_method_and_carries_the_remote_
     error = info.value
     assert (error.role, error.rank, error.method) == ("faulty", 1, "fail_on")
     assert "ValueError: boom on rank 1" in error.remote_traceback
+    assert str(error).splitlines()[0] == "faulty.fail_on failed on rank 1: ValueError: boom on rank 1"
     assert "in fail_on" in error.remote_traceback
     assert faulty.fail_on(-1) == [0, 1]  # the group keeps working after a user exception
 
@@ -77,6 +83,28 @@ def test_a_hung_collective_fails_within_the_process_group_timeout(faulty):
     assert (info.value.rank, info.value.method) == (0, "lonely_all_reduce")
 
 
+def test_a_frozen_worker_is_reported_by_the_watchdog_then_times_out_naming_rank_and_pid(faulty, caplog):
+    pids = faulty.pid()
+    os.kill(pids[1], signal.SIGSTOP)
+    try:
+        future = faulty.pid.future()
+        with caplog.at_level(logging.WARNING, logger="hybridflow.controller"), \
+                pytest.raises(WorkerTimeoutError) as info:
+            future.get(timeout_s=2.0, watchdog_s=0.4)
+    finally:
+        os.kill(pids[1], signal.SIGCONT)
+    assert info.value.pending_ranks == [1] and info.value.pids == [pids[1]]
+    assert f"faulty.pid did not finish within 2 s on ranks [1] (pids [{pids[1]}])" in str(info.value)
+    reports = [record.getMessage() for record in caplog.records if record.name == "hybridflow.controller"]
+    assert reports and all(f"faulty.pid: still waiting for rank 1 (pid {pids[1]}) after" in r for r in reports)
+    assert future.get() == pids  # resumed, the worker answers
+
+
+def test_worker_groups_wait_a_finite_time_by_default():
+    for function in (WorkerGroup.__init__, WorkerGroup.colocate):
+        assert inspect.signature(function).parameters["timeout_s"].default == DEFAULT_CALL_TIMEOUT_S == 3600.0
+
+
 def test_a_killed_worker_is_an_error_naming_its_rank_not_a_hang(faulty):
     pids = faulty.pid()
     os.kill(pids[1], signal.SIGKILL)
@@ -85,3 +113,19 @@ def test_a_killed_worker_is_an_error_naming_its_rank_not_a_hang(faulty):
         faulty.fail_on(-1)
     assert time.monotonic() - start < 30.0
     assert info.value.rank == 1 and "died" in info.value.remote_traceback
+
+
+def test_a_worker_error_reports_one_line_and_writes_the_full_traceback_to_a_file(tmp_path):
+    remote = ('Traceback (most recent call last):\n  File "w.py", line 3, in update\n    step()\n'
+              'ValueError: learning rate must be > 0, got -1\n')
+    error = WorkerError(role="actor", rank=1, method="update", remote_traceback=remote)
+    assert str(error).splitlines()[0] == "actor.update failed on rank 1: ValueError: learning rate must be > 0, got -1"
+    message = error.report(tmp_path / "errors")
+    assert "\n" not in message
+    prefix = "actor.update failed on rank 1: ValueError: learning rate must be > 0, got -1 (full traceback: "
+    assert message.startswith(prefix) and message.endswith(".txt)")
+    path = message[len(prefix):-1]
+    assert Path(path).parent == tmp_path / "errors" and remote in Path(path).read_text()
+    assert user_message(error, tmp_path).startswith("actor.update failed on rank 1")
+    timeout = WorkerTimeoutError(role="critic", method="values", pending_ranks=[0], timeout_s=5)
+    assert user_message(timeout, tmp_path).startswith("critic.values did not finish within 5 s on ranks [0]")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import ray._private.utils
@@ -53,7 +54,23 @@ def test_use_gpu_on_a_cluster_without_gpus_is_a_value_error_not_a_placement_time
         ResourcePool([1], use_gpu=True, placement_timeout_s=1)
 
 
-@pytest.mark.parametrize(("argument", "value"), [("timeout_s", 0), ("timeout_s", -1.0), ("dist_timeout_s", 0)])
+@pytest.mark.parametrize("devices", [[1000], [1] * 100], ids=["too_many_slots", "too_many_nodes"])
+def test_more_slots_than_the_cluster_has_is_a_value_error_at_once_not_a_placement_timeout(ray_session, devices):
+    import ray
+
+    start = time.monotonic()
+    with pytest.raises(ValueError) as info:
+        ResourcePool(devices, placement_timeout_s=600)
+    assert time.monotonic() - start < 60  # nowhere near the placement timeout
+    capacities = sorted((int(n["Resources"].get("CPU", 0)) for n in ray.nodes() if n["Alive"]), reverse=True)
+    assert str(info.value) == (
+        f"a resource pool asks for {devices} CPU slots per node (each entry on its own node), but the Ray "
+        f"cluster's {len(capacities)} node(s) have {capacities} CPU slots in total; ask for at most that many "
+        f"per node (a cluster that autoscales must have its nodes started first)")
+
+
+@pytest.mark.parametrize(("argument", "value"), [("timeout_s", 0), ("timeout_s", -1.0), ("dist_timeout_s", 0),
+                                                  ("watchdog_s", 0)])
 def test_a_worker_group_timeout_that_is_not_positive_is_a_value_error_naming_it(argument, value):
     with pytest.raises(ValueError, match=argument):
         WorkerGroup(ResourcePool([1], mode="local"), Worker, **{argument: value})

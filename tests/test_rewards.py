@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import math
-import os
-import time
-from pathlib import Path
+import sys
+import threading
 
 import numpy as np
 import pytest
@@ -22,9 +21,7 @@ from hybridflow.rewards import (
     extract_final_answer,
     load_reward_function,
     math_reward,
-    run_python,
 )
-from hybridflow.rewards.sandbox import network_namespace_prefix
 
 FAST = SandboxConfig(timeout_s=2.0)
 
@@ -112,6 +109,39 @@ def test_threaded_scoring_gives_the_same_scores_in_order():
     assert threaded.tolist() == serial.tolist() == [float(i) for i in range(20)]
 
 
+def test_a_reward_function_that_never_returns_fails_the_batch_naming_it_and_the_sample():
+    release = threading.Event()
+
+    def hangs_on_the_second(prompt, response, **extra_fields):
+        if prompt == "second":
+            release.wait(30)
+        return 1.0
+
+    reward = RuleReward(hangs_on_the_second, num_workers=2, timeout_s=0.5)
+    try:
+        with pytest.raises(RewardError, match=r"hangs_on_the_second.*did not finish a batch of 3 samples within "
+                                              r"0.5 s.*sample 1 \(prompt 'second'\)"):
+            reward.score_batch(["first", "second", "third"], ["a", "b", "c"])
+    finally:
+        release.set()
+    with pytest.raises(ValueError, match="reward timeout_s must be > 0"):
+        RuleReward(length_reward, timeout_s=0)
+
+
+def test_a_reward_function_calling_sys_exit_is_reported_not_obeyed():
+    def exits(prompt, response, **extra_fields):
+        sys.exit(3)
+
+    with pytest.raises(RewardError, match=r"called sys.exit\(3\) on sample 0 \(prompt 'p'\)"):
+        RuleReward(exits).score_batch(["p"], ["r"])
+    with pytest.raises(RewardError, match=r"called sys.exit\(3\) on sample"):
+        RewardMix({f"{__file__}:exiting_reward": 1.0}, num_workers=2).score_batch(["p", "q"], ["r", "s"])
+
+
+def exiting_reward(prompt, response, **extra_fields):
+    raise SystemExit(3)
+
+
 def test_weighted_combination_of_rule_and_model_scores():
     rule_B = torch.tensor([1.0, 0.0])
     model_B = torch.tensor([0.5, -1.0])
@@ -181,104 +211,3 @@ def test_code_reward_is_the_fraction_of_tests_passed():
     assert code_reward("p", "print(int(input()) * 2)", tests=io_tests, sandbox=FAST) == pytest.approx(2 / 3)
     with pytest.raises(ValueError, match="field 'tests' must be a non-empty list"):
         code_reward("p", "x = 1", tests=[])
-
-
-def test_runaway_code_is_killed_at_the_time_limit():
-    start = time.monotonic()
-    result = run_python("while True:\n    pass\n", config=SandboxConfig(timeout_s=1.0))
-    assert result.timed_out and not result.ok
-    assert time.monotonic() - start < 5.0
-    assert code_reward("p", "while True: pass", tests=["assert True"], sandbox=SandboxConfig(timeout_s=1.0)) == 0.0
-
-
-def test_a_memory_bomb_hits_the_memory_limit_not_the_host():
-    result = run_python("blocks = []\nwhile True:\n    blocks.append(bytearray(10**8))\n", config=FAST)
-    assert result.returncode == 1 and "MemoryError" in result.stderr
-
-
-def test_a_crashing_program_only_fails_its_tests():
-    assert run_python("import os\nos.abort()\n", config=FAST).returncode == -6
-    assert code_reward("p", "raise SystemExit(3)", tests=["assert True"], sandbox=FAST) == 0.0
-
-
-def test_hostile_code_cannot_delete_or_write_files_outside_its_directory(tmp_path):
-    victim = tmp_path / "victim.txt"
-    victim.write_text("precious")
-    attempts = [
-        f"import os\nos.remove({str(victim)!r})",
-        f"import shutil\nshutil.rmtree({str(tmp_path)!r})",
-        f"open({str(victim)!r}, 'w').write('gone')",
-        f"import os\nos.rename({str(victim)!r}, 'stolen.txt')",
-        f"import os\nos.system('rm -rf {tmp_path}')",
-        f"import subprocess\nsubprocess.run(['rm', {str(victim)!r}])",
-        f"import os\nfd = os.open('/', os.O_RDONLY)\nos.open({str(victim)[1:]!r}, os.O_WRONLY | os.O_TRUNC, dir_fd=fd)",
-        "import ctypes\nctypes.CDLL(None).system(b'true')",
-        "import os\nos.fork()",
-        "import os\nos.kill(os.getppid(), 9)",
-    ]
-    for attempt in attempts:
-        result = run_python(attempt, config=FAST)
-        assert result.returncode != 0, attempt
-        assert "sandbox:" in result.stderr or "Permission" in result.stderr, (attempt, result.stderr)
-    assert victim.read_text() == "precious"
-    # Its own directory is writable and disappears afterwards.
-    result = run_python("import os\nopen('scratch.txt', 'w').write('ok')\nprint(os.getcwd())", config=FAST)
-    assert result.ok and not Path(result.stdout.strip()).exists()
-
-
-def test_hostile_code_cannot_open_sockets():
-    for code in ("import socket\nsocket.socket()", "import socket\nsocket.create_connection(('127.0.0.1', 80), 1)",
-                 "import _socket\n_socket.socket()"):
-        for network in ("auto", "off"):
-            result = run_python(code, config=SandboxConfig(timeout_s=2.0, network=network))
-            assert result.returncode == 1 and "sandbox: socket" in result.stderr, (code, network, result.stderr)
-
-
-@pytest.mark.skipif(network_namespace_prefix() is None, reason="this kernel allows no network namespace")
-def test_the_child_has_an_empty_network_namespace_when_the_kernel_allows_one():
-    result = run_python("print(open('/proc/self/net/dev').read())", config=FAST)
-    interfaces = [line.split(":")[0].strip() for line in result.stdout.splitlines()[2:] if line.strip()]
-    assert result.network_isolated and interfaces == ["lo"]
-
-
-def test_the_child_gets_a_cleared_environment_and_its_own_process(monkeypatch):
-    monkeypatch.setenv("HYBRIDFLOW_TEST_SECRET", "hunter2")
-    result = run_python("import os\nprint(os.getpid())\nprint(sorted(os.environ))", config=FAST)
-    pid_line, environment_line = result.stdout.splitlines()
-    assert int(pid_line) != os.getpid()
-    assert "HYBRIDFLOW_TEST_SECRET" not in environment_line and "PATH" in environment_line
-
-
-def test_an_output_flood_is_capped():
-    config = SandboxConfig(timeout_s=2.0, max_output_bytes=10_000)
-    result = run_python("while True:\n    print('x' * 1000)\n", config=config)
-    assert not result.ok and len(result.stdout) <= 10_000
-
-
-@pytest.mark.skipif(os.geteuid() != 0 or not Path("/usr/bin/python3").exists(), reason="needs root and a system python")
-def test_as_root_the_code_runs_as_nobody_when_the_interpreter_allows_it(tmp_path):
-    config = SandboxConfig(timeout_s=5.0, python_executable="/usr/bin/python3")
-    result = run_python("import os\nprint(os.getuid(), os.getgid())", config=config)
-    assert result.ok and result.stdout.split() == ["65534", "65534"] and result.uid == 65534
-
-
-def test_without_a_network_namespace_require_fails_and_auto_still_blocks_sockets(monkeypatch):
-    import hybridflow.rewards.sandbox as sandbox
-
-    monkeypatch.setattr(sandbox, "network_namespace_prefix", lambda: None)
-    with pytest.raises(RuntimeError, match="network='require'"):
-        run_python("pass", config=SandboxConfig(network="require"))
-    with pytest.warns(UserWarning, match="no network namespace"):
-        sandbox._warn_no_network_namespace.cache_clear()
-        result = run_python("import socket\nsocket.socket()", config=FAST)
-    assert not result.network_isolated and "sandbox: socket" in result.stderr
-
-
-@pytest.mark.parametrize(
-    "kwargs, field",
-    [({"timeout_s": 0}, "timeout_s"), ({"memory_mb": 8}, "memory_mb"), ({"max_output_bytes": 10}, "max_output_bytes"),
-     ({"network": "none"}, "network"), ({"drop_privileges": "yes"}, "drop_privileges")],
-)
-def test_sandbox_config_rejects_bad_values_naming_the_field(kwargs, field):
-    with pytest.raises(ValueError, match=field):
-        SandboxConfig(**kwargs)

@@ -2,20 +2,61 @@
 
 from __future__ import annotations
 
+import os
+import time
+from pathlib import Path
+
 
 class WorkerError(RuntimeError):
-    """A worker method raised (or its process died) on one rank; carries the remote traceback."""
+    """A worker method raised (or its process died) on one rank; carries the remote traceback.
+
+    Its first line says it all (``actor.update failed on rank 1: ValueError: lr must be > 0``);
+    ``report(directory)`` writes the full traceback to a file and returns that line with the path,
+    which is what a command-line tool should print.
+    """
 
     def __init__(self, *, role: str, rank: int, method: str, remote_traceback: str) -> None:
         self.role = role
         self.rank = rank
         self.method = method
         self.remote_traceback = remote_traceback
-        super().__init__(f"{role}.{method} failed on rank {rank}:\n{remote_traceback}")
+        super().__init__(f"{self.summary}\n{remote_traceback}")
+
+    @property
+    def cause(self) -> str:
+        """The last line of the remote traceback: the exception that ended the call."""
+        lines = [line.strip() for line in self.remote_traceback.strip().splitlines() if line.strip()]
+        return lines[-1] if lines else "(no traceback)"
+
+    @property
+    def summary(self) -> str:
+        return f"{self.role}.{self.method} failed on rank {self.rank}: {self.cause}"
+
+    def report(self, directory: str | Path) -> str:
+        """Write the full remote traceback under ``directory``; one line naming role, rank, method, cause and file."""
+        path = write_trace(directory, f"{self.role}-rank{self.rank}-{self.method}", str(self))
+        return f"{self.summary} (full traceback: {path})"
 
     def __reduce__(self):
         # keyword-only constructor: pickle through a helper so the error crosses Ray intact
         return (_rebuild_worker_error, (self.role, self.rank, self.method, self.remote_traceback))
+
+
+def write_trace(directory: str | Path, name: str, text: str) -> Path:
+    """Write ``text`` to a new file ``directory/error-<name>-<time>.txt`` (directory created) and return its path."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    safe_name = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+    path = directory / f"error-{safe_name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.txt"
+    path.write_text(text)
+    return path
+
+
+def user_message(error: BaseException, directory: str | Path) -> str:
+    """One line for a user: worker errors are summarized with their traceback written under ``directory``."""
+    if isinstance(error, WorkerError):
+        return error.report(directory)
+    return str(error)
 
 
 def _rebuild_worker_error(role: str, rank: int, method: str, remote_traceback: str) -> WorkerError:
@@ -25,10 +66,21 @@ def _rebuild_worker_error(role: str, rank: int, method: str, remote_traceback: s
 class WorkerTimeoutError(TimeoutError):
     """A worker method did not finish on some ranks within the group's timeout."""
 
-    def __init__(self, *, role: str, method: str, pending_ranks: list[int], timeout_s: float) -> None:
+    def __init__(self, *, role: str, method: str, pending_ranks: list[int], timeout_s: float,
+                 pids: list[int] | None = None) -> None:
         self.role = role
         self.method = method
         self.pending_ranks = pending_ranks
         self.timeout_s = timeout_s
-        super().__init__(f"{role}.{method} did not finish within {timeout_s:g} s on ranks {pending_ranks} "
-                         f"(hung collective, deadlock or a dead peer); the group should be shut down")
+        self.pids = pids
+        where = f"ranks {pending_ranks}" + (f" (pids {pids})" if pids else "")
+        super().__init__(f"{role}.{method} did not finish within {timeout_s:g} s on {where} "
+                         f"(hung collective, deadlock, a frozen process or a dead peer); the group should be shut "
+                         f"down. Raise the group's timeout_s if the call is just slow")
+
+    def __reduce__(self):
+        return (_rebuild_timeout_error, (self.role, self.method, self.pending_ranks, self.timeout_s, self.pids))
+
+
+def _rebuild_timeout_error(role, method, pending_ranks, timeout_s, pids) -> WorkerTimeoutError:
+    return WorkerTimeoutError(role=role, method=method, pending_ranks=pending_ranks, timeout_s=timeout_s, pids=pids)

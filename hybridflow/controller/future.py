@@ -14,6 +14,7 @@ returns a fixed multiple of its input rows (n samples per prompt).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -30,6 +31,9 @@ if TYPE_CHECKING:
 
 OutputInfo = tuple  # (out_rows: int | None, in_rows: int | None, layout_version: int)
 FAIL_FAST_POLL_S = 0.5
+WATCHDOG_INTERVAL_S = 120.0
+"""How often a driver waiting on a worker call logs which ranks it still waits for."""
+logger = logging.getLogger("hybridflow.controller")
 
 
 # ---------------------------------------------------------------- driver fetch accounting
@@ -90,26 +94,54 @@ def _count_fetched(values: list[Any], stats: DriverFetchStats = _stats) -> None:
 # ---------------------------------------------------------------- fetching with rank-level errors
 
 def gather(refs: dict[int, ray.ObjectRef], *, role: str, method: str, timeout_s: float | None,
-           count: bool) -> dict[int, Any]:
-    """``ray.get`` of per-rank refs that fails fast with the first failing rank and honours a deadline."""
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+           count: bool, watchdog_s: float | None = WATCHDOG_INTERVAL_S, pids: list[int] | None = None) -> dict[int, Any]:
+    """``ray.get`` of per-rank refs that fails fast with the first failing rank and honours a deadline.
+
+    Every ``watchdog_s`` seconds of waiting, a warning names the role, method, the ranks (and
+    pids) not yet done and how long the driver has waited, so a frozen worker never goes unnoticed.
+    """
+    start = time.monotonic()
+    deadline = None if timeout_s is None else start + timeout_s
+    next_report = None if watchdog_s is None else start + watchdog_s
     rank_of = {ref: rank for rank, ref in refs.items()}
     pending = list(refs.values())
     values: dict[int, Any] = {}
     while pending:
-        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        now = time.monotonic()
         # wait for all, but look at what finished every poll interval: a failed rank is reported
         # at once even when its peers now hang in a collective waiting for it
-        poll = FAIL_FAST_POLL_S if remaining is None else min(remaining, FAIL_FAST_POLL_S)
-        ready, pending = ray.wait(pending, num_returns=len(pending), timeout=poll)
+        poll = FAIL_FAST_POLL_S
+        for moment in (deadline, next_report):
+            if moment is not None:
+                poll = min(poll, moment - now)
+        ready, pending = ray.wait(pending, num_returns=len(pending), timeout=max(poll, 0.0))
         for ref in ready:
             values[rank_of[ref]] = fetch_one(ref, role=role, rank=rank_of[ref], method=method)
-        if pending and deadline is not None and time.monotonic() >= deadline:
-            raise WorkerTimeoutError(role=role, method=method, timeout_s=timeout_s,
-                                     pending_ranks=sorted(rank_of[ref] for ref in pending))
+        if not pending:
+            break
+        now = time.monotonic()
+        pending_ranks = sorted(rank_of[ref] for ref in pending)
+        if deadline is not None and now >= deadline:
+            raise WorkerTimeoutError(role=role, method=method, timeout_s=timeout_s, pending_ranks=pending_ranks,
+                                     pids=_pids_of(pending_ranks, pids))
+        if next_report is not None and now >= next_report:
+            left = "no timeout" if deadline is None else f"timeout in {deadline - now:.0f} s"
+            logger.warning("%s.%s: still waiting for %s after %.0f s (%s)", role, method,
+                           _describe_ranks(pending_ranks, pids), now - start, left)
+            next_report += watchdog_s
     if count:
         _count_fetched(list(values.values()))
     return values
+
+
+def _pids_of(ranks: list[int], pids: list[int] | None) -> list[int] | None:
+    return None if pids is None else [pids[rank] for rank in ranks if rank < len(pids)]
+
+
+def _describe_ranks(ranks: list[int], pids: list[int] | None) -> str:
+    if pids is None:
+        return f"rank(s) {ranks}"
+    return ", ".join(f"rank {rank} (pid {pids[rank]})" if rank < len(pids) else f"rank {rank}" for rank in ranks)
 
 
 def fetch_one(ref: ray.ObjectRef, *, role: str, rank: int, method: str) -> Any:
@@ -313,8 +345,11 @@ class Future:
     """The pending result of a non-blocking worker-group call."""
 
     def __init__(self, *, value: FutureValue | None, role: str, method: str, timeout_s: float | None,
-                 local_result: Any = None, on_infos: Callable[[dict[int, OutputInfo]], None] | None = None) -> None:
+                 local_result: Any = None, on_infos: Callable[[dict[int, OutputInfo]], None] | None = None,
+                 watchdog_s: float | None = WATCHDOG_INTERVAL_S, pids: list[int] | None = None) -> None:
         self._value = value
+        self._watchdog_s = watchdog_s
+        self._pids = pids
         self._on_infos = on_infos
         self._role = role
         self._method = method
@@ -339,19 +374,23 @@ class Future:
         ready, _ = ray.wait(pending, num_returns=len(pending), timeout=0)
         return len(ready) == len(pending)
 
-    def get(self, timeout_s: float | None = None) -> Any:
-        """Wait for every rank, fetch the outputs the protocol collects, and return the collected value."""
+    def get(self, timeout_s: float | None = None, *, watchdog_s: float | None = None) -> Any:
+        """Wait for every rank, fetch the outputs the protocol collects, and return the collected value.
+
+        ``timeout_s`` and ``watchdog_s`` default to the group's."""
         if self._value is None:
             return self._local_result
         timeout_s = self._timeout_s if timeout_s is None else timeout_s
+        watchdog_s = self._watchdog_s if watchdog_s is None else watchdog_s
         # wait on the tiny info objects of every rank first: a failing rank that the protocol does
         # not collect from must still surface as an error
-        infos = gather(self._value.infos, role=self._role, method=self._method, timeout_s=timeout_s, count=False)
+        infos = gather(self._value.infos, role=self._role, method=self._method, timeout_s=timeout_s, count=False,
+                       watchdog_s=watchdog_s, pids=self._pids)
         if self._on_infos is not None:
             self._on_infos(infos)
         ranks = self._value.source_ranks()
         outputs = gather({r: self._value.refs[r] for r in ranks}, role=self._role, method=self._method,
-                         timeout_s=timeout_s, count=True)
+                         timeout_s=timeout_s, count=True, watchdog_s=watchdog_s, pids=self._pids)
         return self._value.compute(outputs, infos)
 
     def __repr__(self) -> str:

@@ -9,6 +9,7 @@ import torch
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
 from hybridflow.controller.local import local_mode_enabled
+from hybridflow.controller.ray_reaper import start_reaper
 
 MODES = ("ray", "local")
 MIN_LOCAL_CPU_SLOTS = 32
@@ -70,6 +71,7 @@ class ResourcePool:
             raise ValueError(f"placement_timeout_s must be a positive number of seconds, got {placement_timeout_s!r}")
         self.devices_per_node = list(devices_per_node)
         self.name = name or f"pool{id(self):x}"
+        self._named = name is not None
         self.mode = mode or ("local" if local_mode_enabled() else "ray")
         self.max_processes_per_slot = max_processes_per_slot
         self._groups_per_slot = 0
@@ -100,7 +102,7 @@ class ResourcePool:
         """Account for a new process per slot; more than ``max_processes_per_slot`` would never be scheduled."""
         if self._groups_per_slot + count > self.max_processes_per_slot:
             raise ValueError(
-                f"resource pool {self.name!r} already hosts {self._groups_per_slot} process(es) per slot and "
+                f"{self._label} already hosts {self._groups_per_slot} process(es) per slot and "
                 f"allows max_processes_per_slot={self.max_processes_per_slot}; colocate the roles in one "
                 f"process with WorkerGroup.colocate(pool, {{...}}) or raise max_processes_per_slot")
         self._groups_per_slot += count
@@ -111,13 +113,18 @@ class ResourcePool:
 
     def _reserve(self, use_gpu: bool | None, timeout_s: float) -> bool:
         if not ray.is_initialized():
-            ray.init(**ray_init_options())
+            starts_a_cluster = running_cluster_address() is None
+            context = ray.init(**ray_init_options())
+            if starts_a_cluster:  # ours to clean up, even if this driver is killed
+                start_reaper(node_id=ray.get_runtime_context().get_node_id(),
+                             session_dir=context.address_info["session_dir"])
         cluster_gpus = ray.cluster_resources().get("GPU", 0)
         if use_gpu is None:
             use_gpu = cluster_gpus > 0
         elif use_gpu and cluster_gpus == 0:
             raise ValueError(f"use_gpu=True but the Ray cluster has no GPUs ({ray.cluster_resources()}); "
                              f"allowed: use_gpu=False or None (slots are CPUs then)")
+        self._check_capacity("GPU" if use_gpu else "CPU")
         bundles = [{"CPU": float(n), "GPU": float(n)} if use_gpu else {"CPU": float(n)}
                    for n in self.devices_per_node]
         strategy = "STRICT_SPREAD" if len(bundles) > 1 else "STRICT_PACK"
@@ -127,11 +134,27 @@ class ResourcePool:
         except ray.exceptions.GetTimeoutError:
             remove_placement_group(group)
             raise RuntimeError(
-                f"resource pool {self.name!r} could not reserve {self.devices_per_node} "
+                f"{self._label} could not reserve {self.devices_per_node} "
                 f"{'GPUs' if use_gpu else 'CPU slots'} per node ({strategy}) within {timeout_s:g} s; "
                 f"cluster has {ray.cluster_resources()}, available {ray.available_resources()}") from None
         self._placement_group = group
         return use_gpu
+
+    @property
+    def _label(self) -> str:
+        return f"resource pool {self.name!r}" if self._named else "a resource pool"
+
+    def _check_capacity(self, resource: str) -> None:
+        """Fail at once, not after the placement timeout, when no set of live nodes could ever hold the pool."""
+        capacities = sorted((int(node["Resources"].get(resource, 0)) for node in ray.nodes() if node.get("Alive")),
+                            reverse=True)
+        wanted = sorted(self.devices_per_node, reverse=True)
+        if len(wanted) > len(capacities) or any(need > have for need, have in zip(wanted, capacities)):
+            unit = "GPUs" if resource == "GPU" else "CPU slots"
+            raise ValueError(
+                f"{self._label} asks for {self.devices_per_node} {unit} per node (each entry on its own node), "
+                f"but the Ray cluster's {len(capacities)} node(s) have {capacities} {unit} in total; ask for at most "
+                f"that many per node (a cluster that autoscales must have its nodes started first)")
 
     def release(self) -> None:
         """Give the reservation back to Ray (its worker groups must be shut down first)."""

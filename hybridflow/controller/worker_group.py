@@ -10,7 +10,7 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from hybridflow.controller.errors import WorkerTimeoutError
-from hybridflow.controller.future import Future, FutureValue, gather, output_pad, resolve_pad
+from hybridflow.controller.future import WATCHDOG_INTERVAL_S, Future, FutureValue, gather, output_pad, resolve_pad
 from hybridflow.controller.host import RoleSpec, WorkerHost, build_roles, run_method
 from hybridflow.controller.local import init_local_process_group
 from hybridflow.controller.protocols import Dispatch, GroupMesh, Protocol, get_protocol
@@ -21,15 +21,18 @@ from hybridflow.parallel.layout import ParallelLayout
 from hybridflow.protocol import DataProto
 
 WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+DEFAULT_CALL_TIMEOUT_S = 3600.0
+"""How long the driver waits for one worker call (or the group's start) before a WorkerTimeoutError."""
 
 
 class _Hosts:
     """The processes of one pool that host one or several (colocated) roles."""
 
     def __init__(self, pool: ResourcePool, roles: dict[str, RoleSpec], *, dist_timeout_s: float,
-                 timeout_s: float | None) -> None:
+                 timeout_s: float | None, watchdog_s: float | None = WATCHDOG_INTERVAL_S) -> None:
         self.pool = pool
         self.timeout_s = timeout_s
+        self.watchdog_s = watchdog_s
         self.roles = roles
         self.actors: list = []
         self.local_roles: dict[str, Any] = {}
@@ -67,11 +70,12 @@ class _Hosts:
             self.actors.append(actor_cls.options(**options).remote(
                 rank=rank, world_size=pool.world_size, local_rank=local_rank))
         master_addr, master_port = gather({0: self.actors[0].address.remote()}, role=self.label, method="address",
-                                          timeout_s=self.timeout_s, count=False)[0]
+                                          timeout_s=self.timeout_s, count=False, watchdog_s=self.watchdog_s)[0]
         setups = {rank: actor.setup.remote(master_addr=master_addr, master_port=master_port,
                                            dist_timeout_s=dist_timeout_s, roles=self.roles)
                   for rank, actor in enumerate(self.actors)}
-        pids = gather(setups, role=self.label, method="setup", timeout_s=self.timeout_s, count=False)
+        pids = gather(setups, role=self.label, method="setup", timeout_s=self.timeout_s, count=False,
+                      watchdog_s=self.watchdog_s)
         return [pids[rank] for rank in range(len(self.actors))]
 
     def shutdown(self) -> None:
@@ -115,21 +119,25 @@ class WorkerGroup:
     same name: it distributes the arguments by the method's transfer protocol, calls all ranks and
     collects (or returns a ``Future`` for ``blocking=False``). ``name`` names the role in errors;
     ``timeout_s`` bounds every wait of the driver on this group (None: wait forever);
+    ``watchdog_s``: while waiting, log the ranks (and pids) not done yet every so many seconds (None: never);
     ``dist_timeout_s`` is the torch.distributed timeout inside the group (a hung collective fails).
     """
 
     def __init__(self, pool: ResourcePool, worker_cls: type, *args: Any, name: str | None = None,
-                 timeout_s: float | None = None, dist_timeout_s: float = 600.0, **kwargs: Any) -> None:
+                 timeout_s: float | None = DEFAULT_CALL_TIMEOUT_S, dist_timeout_s: float = 600.0,
+                 watchdog_s: float | None = WATCHDOG_INTERVAL_S, **kwargs: Any) -> None:
         role = name or getattr(worker_cls, "__name__", repr(worker_cls))
         _check_worker_class(role, worker_cls)
-        _check_timeouts(timeout_s, dist_timeout_s)
-        hosts = _Hosts(pool, {role: (worker_cls, args, kwargs)}, dist_timeout_s=dist_timeout_s, timeout_s=timeout_s)
+        _check_timeouts(timeout_s, dist_timeout_s, watchdog_s)
+        hosts = _Hosts(pool, {role: (worker_cls, args, kwargs)}, dist_timeout_s=dist_timeout_s, timeout_s=timeout_s,
+                       watchdog_s=watchdog_s)
         with _shut_down_on_error(hosts):
             self._attach(hosts, role, worker_cls)
 
     @classmethod
-    def colocate(cls, pool: ResourcePool, roles: dict[str, tuple], *, timeout_s: float | None = None,
-                 dist_timeout_s: float = 600.0) -> dict[str, "WorkerGroup"]:
+    def colocate(cls, pool: ResourcePool, roles: dict[str, tuple], *, timeout_s: float | None = DEFAULT_CALL_TIMEOUT_S,
+                 dist_timeout_s: float = 600.0,
+                 watchdog_s: float | None = WATCHDOG_INTERVAL_S) -> dict[str, "WorkerGroup"]:
         """Several roles in one process per slot: ``{"actor": (ActorCls, args, kwargs), ...}`` -> group views.
 
         Each role is still its own object of its own class with its own registered methods; the
@@ -145,8 +153,8 @@ class WorkerGroup:
                                  f"(WorkerCls, args, kwargs), got {spec!r}")
             _check_worker_class(role, spec[0])
             specs[role] = (spec[0], tuple(spec[1]) if len(spec) > 1 else (), dict(spec[2]) if len(spec) > 2 else {})
-        _check_timeouts(timeout_s, dist_timeout_s)
-        hosts = _Hosts(pool, specs, dist_timeout_s=dist_timeout_s, timeout_s=timeout_s)
+        _check_timeouts(timeout_s, dist_timeout_s, watchdog_s)
+        hosts = _Hosts(pool, specs, dist_timeout_s=dist_timeout_s, timeout_s=timeout_s, watchdog_s=watchdog_s)
         views = {}
         with _shut_down_on_error(hosts):
             for role, (worker_cls, _, _) in specs.items():
@@ -230,7 +238,8 @@ class WorkerGroup:
         self._pending_infos.update({ref: rank for rank, ref in infos.items()})
         value = FutureValue(refs=refs, infos=infos, mesh=mesh, protocol=protocol, in_pad=dispatch.pad)
         return Future(value=value, role=self.role, method=method, timeout_s=self._hosts.timeout_s,
-                      on_infos=lambda fetched: self._note_versions(infos, fetched))
+                      on_infos=lambda fetched: self._note_versions(infos, fetched),
+                      watchdog_s=self._hosts.watchdog_s, pids=self._hosts.pids)
 
     def _run_local(self, method: str, protocol: Protocol, mesh: GroupMesh, dispatch: Dispatch) -> Future:
         call_args, call_kwargs = dispatch.calls[0]
@@ -277,7 +286,8 @@ class WorkerGroup:
             states = [self._hosts.local_roles[self.role].layout_state()]
         else:
             refs = {rank: actor.layout_state.remote(self.role) for rank, actor in enumerate(self._hosts.actors)}
-            by_rank = gather(refs, role=self.role, method="layout_state", timeout_s=self._hosts.timeout_s, count=False)
+            by_rank = gather(refs, role=self.role, method="layout_state", timeout_s=self._hosts.timeout_s, count=False,
+                             watchdog_s=self._hosts.watchdog_s, pids=self._hosts.pids)
             states = [by_rank[rank] for rank in range(self.world_size)]
         layout, generation, _ = states[0]
         for rank, (other_layout, other_generation, _) in enumerate(states):
@@ -309,9 +319,11 @@ def _check_worker_class(role: str, worker_cls: Any) -> None:
             raise ValueError(f"{worker_cls.__name__}.{method} clashes with WorkerGroup.{method}; rename the method")
 
 
-def _check_timeouts(timeout_s: float | None, dist_timeout_s: float) -> None:
+def _check_timeouts(timeout_s: float | None, dist_timeout_s: float, watchdog_s: float | None = None) -> None:
     if timeout_s is not None and (not isinstance(timeout_s, (int, float)) or timeout_s <= 0):
         raise ValueError(f"timeout_s must be a positive number of seconds or None (wait forever), got {timeout_s!r}")
+    if watchdog_s is not None and (not isinstance(watchdog_s, (int, float)) or watchdog_s <= 0):
+        raise ValueError(f"watchdog_s must be a positive number of seconds or None (no reports), got {watchdog_s!r}")
     if not isinstance(dist_timeout_s, (int, float)) or dist_timeout_s <= 0:
         raise ValueError(f"dist_timeout_s must be a positive number of seconds, got {dist_timeout_s!r}")
 

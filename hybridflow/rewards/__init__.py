@@ -10,7 +10,7 @@ from hybridflow.rewards.plugin import (
     combine_scores,
     load_reward_function,
 )
-from hybridflow.rewards.sandbox import SandboxConfig, SandboxResult, run_python
+from hybridflow.rewards.sandbox import SandboxConfig, SandboxResult, SandboxUnavailableError, run_python
 
 __all__ = [
     "BUILTIN_REWARDS",
@@ -19,6 +19,7 @@ __all__ = [
     "RuleReward",
     "SandboxConfig",
     "SandboxResult",
+    "SandboxUnavailableError",
     "answers_match",
     "code_reward",
     "combine_scores",

@@ -7,7 +7,7 @@ import os
 import re
 from concurrent.futures import ThreadPoolExecutor
 
-from hybridflow.rewards.sandbox import SandboxConfig, run_python
+from hybridflow.rewards.sandbox import SandboxConfig, check_available, run_python
 
 _FENCE_RE = re.compile(r"```([\w+-]*)[^\n]*\n(.*?)```", re.DOTALL)
 
@@ -67,3 +67,7 @@ def code_reward(prompt: str, response: str, *, tests, sandbox: SandboxConfig | N
     with ThreadPoolExecutor(max_workers=workers) as pool:
         passed = list(pool.map(lambda test: run_test(program, test, config), cases))
     return sum(passed) / len(cases)
+
+
+code_reward.preflight = check_available
+"""Run by RuleReward when it is built: no model is loaded before a missing sandbox is reported."""

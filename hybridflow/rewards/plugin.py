@@ -1,7 +1,9 @@
 """Rule-based rewards as plug-ins: load `module:function`, score batches naming failing samples, combine by weight.
 
 A reward function has the signature `fn(prompt: str, response: str, **extra_fields) -> float`,
-where extra_fields are the dataset row's other fields (e.g. `answer`, `tests`).
+where extra_fields are the dataset row's other fields (e.g. `answer`, `tests`). It may carry a
+`preflight` attribute, a callable that raises ValueError when the function cannot run here
+(RuleReward calls it when built, before any model is loaded).
 Shape legend: B = samples.
 """
 
@@ -12,8 +14,9 @@ import importlib.util
 import inspect
 import math
 import numbers
+import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -27,6 +30,8 @@ BUILTIN_REWARDS = {
 """Short names accepted wherever a `module:function` spec is."""
 
 _PROMPT_EXCERPT_CHARS = 80
+DEFAULT_REWARD_TIMEOUT_S = 300.0
+"""How long one batch may take to score before the reward function is reported as hung."""
 
 
 class RewardError(ValueError):
@@ -89,11 +94,19 @@ def _excerpt(prompt: str) -> str:
 
 
 class RuleReward:
-    """One reward function, called per sample with its output checked to be a finite number."""
+    """One reward function, called per sample with its output checked to be a finite number.
 
-    def __init__(self, function: str | Callable[..., float], *, num_workers: int = 1) -> None:
+    A batch that is not scored within `timeout_s` raises RewardError naming the function and the
+    samples it was still working on; the stuck calls are abandoned on daemon threads (Python
+    cannot stop a thread), so they never block the trainer's exit.
+    """
+
+    def __init__(self, function: str | Callable[..., float], *, num_workers: int = 1,
+                 timeout_s: float | None = DEFAULT_REWARD_TIMEOUT_S) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        if timeout_s is not None and not timeout_s > 0:
+            raise ValueError(f"reward timeout_s must be > 0 seconds (or None for no limit), got {timeout_s}")
         if isinstance(function, str):
             self.name = function
             self.function = load_reward_function(function)
@@ -101,6 +114,13 @@ class RuleReward:
             self.name = f"{getattr(function, '__module__', '?')}:{getattr(function, '__qualname__', repr(function))}"
             self.function = function
         self.num_workers = num_workers
+        self.timeout_s = timeout_s
+        preflight = getattr(self.function, "preflight", None)
+        if preflight is not None:  # e.g. the code reward checks that its sandbox can run here
+            try:
+                preflight()
+            except ValueError as error:
+                raise ValueError(f"reward function {self.name!r} cannot run here: {error}") from None
 
     def score_one(self, index: int, prompt: str, response: str, extra_fields: Mapping | None) -> float:
         """The reward of one sample; RewardError naming the sample when the function fails."""
@@ -111,6 +131,11 @@ class RuleReward:
                 f"reward function {self.name!r} raised {type(error).__name__} on sample {index} "
                 f"(prompt {_excerpt(prompt)}): {error}"
             ) from error
+        except SystemExit as error:
+            raise RewardError(
+                f"reward function {self.name!r} called sys.exit({error.code!r}) on sample {index} "
+                f"(prompt {_excerpt(prompt)}); a reward function must return a float"
+            ) from None
         if isinstance(value, Tensor) and value.numel() == 1:
             value = value.item()
         if isinstance(value, str) or not isinstance(value, numbers.Real):
@@ -128,20 +153,75 @@ class RuleReward:
     def score_batch(
         self, prompts: Sequence[str], responses: Sequence[str], extra_fields: Sequence[Mapping] | None = None
     ) -> Tensor:
-        """Rewards of a batch -> scores_B (float32), computed on `num_workers` threads."""
+        """Rewards of a batch -> scores_B (float32), computed on `num_workers` threads within `timeout_s`."""
         if len(prompts) != len(responses) or (extra_fields is not None and len(extra_fields) != len(prompts)):
             raise ValueError(
                 f"prompts ({len(prompts)}), responses ({len(responses)}) and extra_fields "
                 f"({'none' if extra_fields is None else len(extra_fields)}) must have one entry per sample"
             )
         extras = extra_fields if extra_fields is not None else [None] * len(prompts)
-        arguments = list(zip(range(len(prompts)), prompts, responses, extras))
-        if self.num_workers == 1:
-            values = [self.score_one(*argument) for argument in arguments]
-        else:
-            with ThreadPoolExecutor(max_workers=self.num_workers) as pool:
-                values = list(pool.map(lambda argument: self.score_one(*argument), arguments))
-        return torch.tensor(values, dtype=torch.float32)
+        return torch.tensor(_BatchScoring(self, prompts, responses, extras).run(), dtype=torch.float32)
+
+
+class _BatchScoring:
+    """One batch scored on daemon threads, sample by sample, with a deadline for the whole batch."""
+
+    def __init__(self, reward: RuleReward, prompts, responses, extras) -> None:
+        self.reward = reward
+        self.samples = list(zip(prompts, responses, extras))
+        self.values: list[float | None] = [None] * len(self.samples)
+        self.in_flight: set[int] = set()
+        self.next_index = 0
+        self.error: BaseException | None = None
+        self.lock = threading.Lock()
+        self.done = threading.Event()
+        self.finished_threads = 0
+
+    def run(self) -> list[float]:
+        if not self.samples:
+            return []
+        num_threads = min(self.reward.num_workers, len(self.samples))
+        for _ in range(num_threads):
+            threading.Thread(target=self._work, args=(num_threads,), daemon=True,
+                             name=f"reward:{self.reward.name}").start()
+        started = time.monotonic()
+        if not self.done.wait(self.reward.timeout_s):
+            with self.lock:
+                stuck = sorted(self.in_flight)
+                self.error = self.error or RuntimeError("timed out")  # tells the threads to stop taking samples
+            raise RewardError(
+                f"reward function {self.reward.name!r} did not finish a batch of {len(self.samples)} samples within "
+                f"{self.reward.timeout_s:g} s (waited {time.monotonic() - started:.0f} s); still running on "
+                + ", ".join(f"sample {index} (prompt {_excerpt(self.samples[index][0])})" for index in stuck[:3])
+                + (f" and {len(stuck) - 3} more" if len(stuck) > 3 else "")
+                + "; raise the reward timeout or fix the function"
+            )
+        if self.error is not None:
+            raise self.error
+        return self.values
+
+    def _work(self, num_threads: int) -> None:
+        while True:
+            with self.lock:
+                if self.error is not None or self.next_index >= len(self.samples):
+                    break
+                index = self.next_index
+                self.next_index += 1
+                self.in_flight.add(index)
+            try:
+                value = self.reward.score_one(index, *self.samples[index])
+            except BaseException as error:  # noqa: BLE001 - every failure, SystemExit included, is reported
+                with self.lock:
+                    self.error = self.error or error
+                self.done.set()  # fail the batch now, even if another thread is stuck
+                break
+            with self.lock:
+                self.values[index] = value
+                self.in_flight.discard(index)
+        with self.lock:
+            self.finished_threads += 1
+            if self.finished_threads == num_threads:
+                self.done.set()
 
 
 def combine_scores(scores: Mapping[str, Tensor], weights: Mapping[str, float]) -> Tensor:
@@ -167,11 +247,12 @@ def combine_scores(scores: Mapping[str, Tensor], weights: Mapping[str, float]) -
 class RewardMix:
     """Several rule-based reward functions with weights; `score_batch` returns each source and their weighted sum."""
 
-    def __init__(self, weights: Mapping[str, float], *, num_workers: int = 1) -> None:
+    def __init__(self, weights: Mapping[str, float], *, num_workers: int = 1,
+                 timeout_s: float | None = DEFAULT_REWARD_TIMEOUT_S) -> None:
         if not weights:
             raise ValueError("RewardMix needs at least one reward function spec with a weight")
         self.weights = dict(weights)
-        self.rewards = {spec: RuleReward(spec, num_workers=num_workers) for spec in self.weights}
+        self.rewards = {spec: RuleReward(spec, num_workers=num_workers, timeout_s=timeout_s) for spec in self.weights}
 
     def score_batch(
         self, prompts: Sequence[str], responses: Sequence[str], extra_fields: Sequence[Mapping] | None = None
