@@ -74,3 +74,13 @@ def test_flash_attention_gets_varlen_offsets_and_no_mask():
     assert kwargs["cu_seq_lens_q"].tolist() == [0, 5, 6, 15, 18]
     assert kwargs["cu_seq_lens_q"].dtype == torch.int32
     assert kwargs["max_length_q"] == kwargs["max_length_k"] == 9
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_packed_sdpa_on_cuda_equals_the_dense_mask():
+    ids, positions = packed_inputs(2)
+    ids, positions = ids.to("cuda"), positions.to("cuda")
+    with torch.no_grad():
+        packed = stage_of("sdpa").to("cuda")(ids, positions)
+        dense = stage_of("eager").to("cuda")(ids, positions)
+    torch.testing.assert_close(packed, dense, atol=1e-4, rtol=1e-4)

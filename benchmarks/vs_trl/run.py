@@ -3,7 +3,7 @@
 1. Makes its own virtual environment under ``$HYBRIDFLOW_CACHE/vs_trl`` (default ~/.cache/hybridflow):
    torch==2.13.0 first, then trl (1.16 for GRPOTrainer); reused on later runs.
 2. Builds the shared assets: the built-in character tokenizer, random-init Llama directories
-   (tiny, small), an addition prompt file; the reward is ``reward.py``, a plain function both call.
+   (tiny, small; ``--models smollm2`` uses the converted SmolLM2-135M-Instruct), an addition prompt file; the reward is ``reward.py``, a plain function both call.
 3. Per model runs TRL's GRPOTrainer, then ``hybridflow`` at its defaults (Ray, one worker), with
    matched settings: 32 prompts x 4 samples per step, at most 32 new tokens, temperature 1, no
    top-p/top-k, stop at EOS, the same learning rate, one optimizer step per batch, no KL/reference,
@@ -51,7 +51,7 @@ def trl_python(version: str) -> str:
 def run_side(command: list[str], env: dict, warmup: int) -> dict:
     """Run one side; average its per-step JSON lines after the warm-up steps."""
     result = subprocess.run(command, env=env, capture_output=True, text=True)
-    records = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    records = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{"')]
     steps = [r for r in records if "step_s" in r]
     if result.returncode != 0 or len(steps) <= warmup:
         sys.stderr.write(result.stdout[-3000:] + result.stderr[-6000:])
@@ -67,7 +67,7 @@ def run_side(command: list[str], env: dict, warmup: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", nargs="+", default=["tiny", "small"])
+    parser.add_argument("--models", nargs="+", default=["tiny", "small"], help="tiny, small, smollm2")
     parser.add_argument("--steps", type=int, default=4, help="timed steps after warm-up")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--prompts-per-step", type=int, default=32)
@@ -95,7 +95,15 @@ def main() -> None:
     samples = args.prompts_per_step * args.samples_per_prompt
     rows = []
     for model in args.models:
-        model_dir = build_model_dir(model, work / "models")
+        if model == "smollm2":  # the converted checkpoint (hybridflow/models/smollm2.py), its own tokenizer
+            from hybridflow.models.smollm2 import smollm2_path
+
+            if smollm2_path() is None:
+                print("smollm2: no converted checkpoint, skipped (scripts/get_smollm2.py makes it)")
+                continue
+            model_dir = Path(smollm2_path())
+        else:
+            model_dir = build_model_dir(model, work / "models")
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         texts = [json.loads(line)["prompt"] for line in prompts.read_text().splitlines()]
         prompt_tokens = statistics.mean(len(tokenizer(text)["input_ids"]) for text in texts)
