@@ -1,6 +1,7 @@
 """Train-step and inference time of packed micro-batches by attention implementation and token budget.
 
     python benchmarks/bench_packed_attention.py --models tiny small smollm2 --threads 2
+    python benchmarks/bench_packed_attention.py --models smollm2 --attention sdpa --dtypes float32 bfloat16
 
 One update (forward + backward + optimizer) and one no-grad forward over an RL-like batch (128 rows
 of a 14-20 token prompt and a 1-32 token response) through ``TrainingEngine``; ``eager`` is the dense
@@ -10,6 +11,7 @@ N x N mask, ``sdpa`` the packed SDPA path (the default). Median of ``--repeats``
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import time
@@ -62,6 +64,8 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["tiny", "small", "smollm2"])
     parser.add_argument("--budgets", nargs="+", type=int, default=[512, 4096])
     parser.add_argument("--attention", nargs="+", default=["eager", "sdpa"])
+    parser.add_argument("--dtypes", nargs="+", default=["float32"],
+                        help="compute dtypes (autocast); log-prob error is reported against float32")
     parser.add_argument("--rows", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
@@ -79,18 +83,25 @@ def main() -> None:
             fields = MODELS[name]
         for attention in args.attention:
             model_config = ModelConfig(dtype="float32", attn_implementation=attention, **fields)
-            vocab = None
-            for budget in args.budgets:
-                engine = TrainingEngine(EngineConfig(micro_batch_tokens=budget, dtype="float32"),
-                                        lambda: build_model(model_config))
-                vocab = vocab or engine.hf_config.vocab_size
-                batch = rl_batch(args.rows, min(vocab, 200))
-                update = timed(lambda: engine.train_step(batch, loss_fn, outputs=("logprobs",)), args.repeats)
-                forward = timed(lambda: engine.forward(batch, outputs=("logprobs",)), args.repeats)
-                print(f"{name:8s} {attention:6s} budget={budget:5d} micro_batches="
-                      f"{engine.last_batch_stats['micro_batches']:3d}  update={update:.3f}s  forward={forward:.3f}s",
-                      flush=True)
-
+            for dtype in args.dtypes:
+                for budget in args.budgets:
+                    engine = TrainingEngine(EngineConfig(micro_batch_tokens=budget, dtype=dtype),
+                                            lambda: build_model(model_config))
+                    batch = rl_batch(args.rows, min(engine.hf_config.vocab_size, 200))
+                    update = timed(lambda: engine.train_step(batch, loss_fn, outputs=("logprobs",)), args.repeats)
+                    forward = timed(lambda: engine.forward(batch, outputs=("logprobs",)), args.repeats)
+                    # log-prob error against the fp32 forward of the same (updated) weights
+                    logprobs = engine.forward(batch, outputs=("logprobs",))["logprobs"]
+                    mask = batch["response_mask"].bool()
+                    error = ""
+                    if dtype != "float32":
+                        engine.config = dataclasses.replace(engine.config, dtype="float32")
+                        exact = engine.forward(batch, outputs=("logprobs",))["logprobs"]
+                        diff = (logprobs - exact)[mask].abs()
+                        error = f"  logprob |err| mean={float(diff.mean()):.2e} max={float(diff.max()):.2e}"
+                    print(f"{name:8s} {attention:6s} {dtype:8s} budget={budget:5d} micro_batches="
+                          f"{engine.last_batch_stats['micro_batches']:3d}  update={update:.3f}s  "
+                          f"forward={forward:.3f}s{error}", flush=True)
 
 if __name__ == "__main__":
     main()
