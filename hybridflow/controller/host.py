@@ -25,6 +25,26 @@ from hybridflow.device import init_process_group
 RoleSpec = tuple[type, tuple, dict]
 
 
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, which containers and taskset narrow)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity API (macOS)
+        return os.cpu_count() or 1
+
+
+def threads_per_worker(local_world_size: int, cores: int | None = None) -> int:
+    """Torch compute threads of one of ``local_world_size`` SPMD workers sharing a node's cores.
+
+    The ranks of one group run at the same time, so each owns an equal share of the cores: a
+    single worker on a 2-core machine uses both, four workers on it one each (never fewer than one).
+    """
+    if local_world_size < 1:
+        raise ValueError(f"local_world_size must be >= 1, got {local_world_size}")
+    cores = usable_cores() if cores is None else cores
+    return max(1, cores // local_world_size)
+
+
 def build_roles(context: WorkerContext, roles: dict[str, RoleSpec]) -> dict[str, Worker]:
     """Construct every role object of one process under ``context``."""
     set_worker_context(context)
@@ -58,9 +78,9 @@ def run_method(worker: Worker, *, role: str, rank: int, method: str, args: tuple
 class WorkerHost:
     """One Ray actor per slot (wrapped with ``ray.remote`` by the WorkerGroup)."""
 
-    def __init__(self, *, rank: int, world_size: int, local_rank: int) -> None:
-        # one compute thread per process: several processes share each core in tests
-        torch.set_num_threads(1)
+    def __init__(self, *, rank: int, world_size: int, local_rank: int, local_world_size: int = 1) -> None:
+        # threads follow the cores this worker owns: the node's cores split among the group's ranks on it
+        torch.set_num_threads(threads_per_worker(local_world_size))
         self._context = WorkerContext(rank=rank, world_size=world_size, local_rank=local_rank,
                                       node_id=ray.get_runtime_context().get_node_id())
         self._roles: dict[str, Worker] = {}

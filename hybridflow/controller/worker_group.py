@@ -68,7 +68,8 @@ class _Hosts:
                                                            if k == "HYBRIDFLOW_BACKEND"}}},
             )
             self.actors.append(actor_cls.options(**options).remote(
-                rank=rank, world_size=pool.world_size, local_rank=local_rank))
+                rank=rank, world_size=pool.world_size, local_rank=local_rank,
+                local_world_size=pool.devices_per_node[bundle]))
         master_addr, master_port = gather({0: self.actors[0].address.remote()}, role=self.label, method="address",
                                           timeout_s=self.timeout_s, count=False, watchdog_s=self.watchdog_s)[0]
         setups = {rank: actor.setup.remote(master_addr=master_addr, master_port=master_port,

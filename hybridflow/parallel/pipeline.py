@@ -5,8 +5,9 @@ Legend: N = packed tokens of one micro-batch, H = hidden size, V = vocabulary, O
 A ``DecoderStage`` keeps the parameter names of the Hugging Face model (``model.layers.<global
 index>...``, ``lm_head.weight``), so checkpoints and the 3D-HybridEngine see one naming whatever
 the layout. Stage 0 holds the input embedding, the last stage the final norm and the output head.
-Between stages travel the hidden states and the position ids; each stage rebuilds the block-diagonal
-mask of a packed micro-batch from the position ids (``packed_attention_bias``).
+Between stages travel the hidden states and the position ids; each stage finds the sequences of a
+packed micro-batch from the position ids and attends within them without an N x N mask
+(``hybridflow.models.packed_attention``; only ``eager`` builds the dense mask).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
+from hybridflow.models.packed_attention import dense_packed_bias, packed_attention_config, packed_attention_inputs
 from hybridflow.parallel.layout import stage_layer_range
 
 HEADS = ("lm", "value", "score")
@@ -33,21 +35,8 @@ def head_module(model: nn.Module, head: str) -> nn.Module:
 
 
 def packed_attention_bias(position_ids_1N: Tensor, dtype: torch.dtype) -> Tensor:
-    """Additive block-diagonal causal mask [1, 1, N, N]: 0 where attending is allowed, dtype-min elsewhere.
-
-    A new sequence starts wherever the position does not continue the previous one, so the mask
-    needs no other input (every pipeline stage rebuilds it from the position ids it receives).
-    """
-    positions_N = position_ids_1N[0]
-    starts_N = torch.ones_like(positions_N, dtype=torch.bool)
-    starts_N[1:] = positions_N[1:] != positions_N[:-1] + 1
-    segment_N = torch.cumsum(starts_N.long(), 0)
-    index_N = torch.arange(positions_N.numel(), device=positions_N.device)
-    allowed_NN = (segment_N[:, None] == segment_N[None, :]) & (index_N[None, :] <= index_N[:, None])
-    bias_NN = torch.zeros(allowed_NN.shape, dtype=dtype, device=positions_N.device)
-    bias_NN.masked_fill_(~allowed_NN, torch.finfo(dtype).min)
-    return bias_NN[None, None]
-
+    """Additive block-diagonal causal mask [1, 1, N, N] of a packed row (the eager reference)."""
+    return dense_packed_bias(position_ids_1N, dtype)
 
 
 class DecoderStage(nn.Module):
@@ -67,6 +56,11 @@ class DecoderStage(nn.Module):
         self.model.layers = nn.ModuleDict({str(i): backbone.layers[i] for i in layer_range})
         self.model.norm = backbone.norm if is_last else None
         self.model.rotary_emb = backbone.rotary_emb
+        # the stage's attention modules read a config whose sdpa attends within packed sequences
+        attention_config = packed_attention_config(model.config)
+        self.attn_implementation = attention_config._attn_implementation
+        for layer in self.model.layers.values():
+            layer.self_attn.config = attention_config
         if is_last:
             setattr(self, "lm_head" if head == "lm" else "score", head_module(model, head))
 
@@ -81,11 +75,12 @@ class DecoderStage(nn.Module):
         stage: logits [1, N, V] ('lm') or scalars [1, N] ('value'/'score').
         """
         hidden_1NH = self.model.embed_tokens(tokens) if self.is_first else tokens
-        bias_11NN = packed_attention_bias(position_ids_1N, hidden_1NH.dtype)
+        mask, attention_kwargs = packed_attention_inputs(position_ids_1N, self.attn_implementation,
+                                                         hidden_1NH.dtype)
         rotary = self.model.rotary_emb(hidden_1NH, position_ids_1N)
         for layer in self.model.layers.values():
-            hidden_1NH = layer(hidden_1NH, attention_mask=bias_11NN, position_ids=position_ids_1N,
-                               position_embeddings=rotary)
+            hidden_1NH = layer(hidden_1NH, attention_mask=mask, position_ids=position_ids_1N,
+                               position_embeddings=rotary, **attention_kwargs)
         if not self.is_last:
             return hidden_1NH, position_ids_1N
         out_1NO = self.head(self.model.norm(hidden_1NH))

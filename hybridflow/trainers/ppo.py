@@ -28,6 +28,7 @@ from hybridflow.trainers.checkpoint import RunCheckpointer
 from hybridflow.trainers.config import RLConfig
 from hybridflow.trainers.config_loader import to_plain
 from hybridflow.trainers.metrics import MetricsLogger
+from hybridflow.trainers.redundant_passes import old_log_prob_is_redundant
 from hybridflow.trainers.scoring import RewardScorer
 
 
@@ -76,6 +77,9 @@ class RLTrainer:
         self.lagrange = (LagrangeController(init_lambda=config.cost.lambda_init, cost_limit=config.cost.limit,
                                             lr=config.cost.lambda_lr, max_lambda=config.cost.lambda_max)
                          if config.cost is not None else None)
+        self.skips_old_log_prob = old_log_prob_is_redundant(
+            ppo_epochs=config.actor.loss.ppo_epochs, mini_batches_per_epoch=self.derived.mini_batches_per_epoch,
+            has_reference=self.reference is not None)
         self.step = 0
         self.step = self._resume() if config.trainer.resume else 0
         self.logger = MetricsLogger(self.output_dir, resume_step=self.step,
@@ -129,7 +133,8 @@ class RLTrainer:
         baseline_B = self._greedy_baseline(prompts) if self.config.algorithm.advantage_estimator == "remax" else None
         result = compute_advantages(
             algorithm=self.config.algorithm, scores_B=sequence_scores_B, response_mask_BT=batch["response_mask"],
-            old_logprobs_BT=batch["old_logprobs"], ref_logprobs_BT=batch.get("ref_logprobs"),
+            old_logprobs_BT=batch.get("old_logprobs", torch.zeros(batch["response_mask"].shape)),
+            ref_logprobs_BT=batch.get("ref_logprobs"),
             values_BT=batch.get("values"), group_ids=batch["uid"], baseline_scores_B=baseline_B,
             kl_coef=self.kl_controller.value, dense_rewards_BT=dense_rewards_BT, costs_B=batch.get("costs"),
             cost_values_BT=batch.get("cost_values"),
@@ -159,6 +164,7 @@ class RLTrainer:
             "advantage/mean": token_mean(result.advantages_BT, mask_BT),
             "return/mean": token_mean(result.returns_BT, mask_BT),
             **{f"time/{name}_s": seconds for name, seconds in timing.items()},
+            "perf/old_log_prob_skipped": float(self.skips_old_log_prob),
         })
         if "values" in batch:
             metrics["critic/values_before_mean"] = token_mean(batch["values"], mask_BT)
@@ -175,7 +181,7 @@ class RLTrainer:
     def _score(self, batch: DataProto) -> DataProto:
         """Old log-probs, reference log-probs, values and reward-model scores (and Safe-RLHF's costs and cost
         values); concurrent across pools."""
-        futures = [self.actor.compute_log_prob.future(batch)]
+        futures = [] if self.skips_old_log_prob else [self.actor.compute_log_prob.future(batch)]
         if self.reference is not None:
             futures.append(self.reference.compute_ref_log_prob.future(batch))
         if self.critic is not None:

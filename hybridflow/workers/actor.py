@@ -27,7 +27,9 @@ def policy_loss_fn(spec: PolicyLossConfig):
     def loss_fn(outputs: dict[str, Tensor], batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
         mask_BT = batch["response_mask"]
         num_tokens = batch["num_tokens_global"]
-        policy = ppo_policy_loss(outputs["logprobs"], batch["old_logprobs"], batch["advantages"],
+        # no old log-probs: the trainer skipped their pass as redundant (they equal the current ones)
+        old_logprobs_BT = batch["old_logprobs"] if "old_logprobs" in batch else outputs["logprobs"].detach()
+        policy = ppo_policy_loss(outputs["logprobs"], old_logprobs_BT, batch["advantages"],
                                  clip_ratio_low=spec.clip_ratio, clip_ratio_high=spec.clip_ratio)
         loss = aggregate_loss(policy.loss_BT, mask_BT, num_tokens_global=num_tokens)
         metrics = {"pg_loss": loss.detach(),

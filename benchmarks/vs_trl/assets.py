@@ -1,0 +1,47 @@
+"""Identical inputs for both sides: character tokenizer, random-init Llama model directories, prompt file."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+MODELS = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=4, head_dim=16),
+    "small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=8, head_dim=32),
+}
+"""Random-init Llama shapes (the character vocabulary of the built-in arithmetic task)."""
+
+
+def build_model_dir(name: str, directory: Path, *, seed: int = 0) -> Path:
+    """A Hugging Face directory: the built-in character tokenizer and random weights from ``seed``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hybridflow.data.builtin import ASSETS_DIR
+
+    target = directory / name
+    if (target / "model.safetensors").exists():
+        return target
+    target.mkdir(parents=True, exist_ok=True)
+    for path in ASSETS_DIR.iterdir():
+        if path.name.startswith("tokenizer") or path.name == "special_tokens_map.json":
+            shutil.copy(path, target / path.name)
+    base = json.loads((ASSETS_DIR / "config.json").read_text())
+    config = LlamaConfig(**{**base, **MODELS[name], "max_position_embeddings": 128})
+    torch.manual_seed(seed)
+    LlamaForCausalLM(config).save_pretrained(str(target))
+    return target
+
+
+def build_prompts(path: Path, count: int, *, seed: int = 0) -> Path:
+    """``count`` addition prompts ("a+b=") as JSON lines with a ``prompt`` field."""
+    from hybridflow.data import write_jsonl
+    from hybridflow.data.builtin import ArithmeticTaskConfig, prompt_rows
+
+    if not path.exists():
+        write_jsonl(path, [{"prompt": row["prompt"]} for row in
+                           prompt_rows(count, split="train", seed=seed, config=ArithmeticTaskConfig())])
+    return path

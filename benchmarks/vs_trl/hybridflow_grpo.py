@@ -1,0 +1,91 @@
+"""hybridflow's side: the RL trainer at its default settings (Ray, one worker) on the shared assets.
+
+The config states only the workload (model, data, reward, algorithm, batch sizes, lengths, learning
+rate); no performance knob. Prints one JSON line per step, like trl_grpo.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import time
+from pathlib import Path
+
+
+def worker_usage() -> tuple[float, float]:
+    """(resident GiB, CPU seconds so far) of the Ray worker processes (the driver's are counted separately)."""
+    import psutil
+
+    rss = cpu = 0.0
+    for process in psutil.process_iter(["cmdline", "memory_info", "cpu_times"]):
+        cmdline = " ".join(process.info["cmdline"] or [])
+        if cmdline.startswith("ray::WorkerHost") and process.info["memory_info"] is not None:
+            rss += process.info["memory_info"].rss
+            cpu += process.info["cpu_times"].user + process.info["cpu_times"].system
+    return rss / 2**30, cpu
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model-dir", required=True)
+    parser.add_argument("--prompts", required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--prompts-per-step", type=int, required=True)
+    parser.add_argument("--samples-per-prompt", type=int, required=True)
+    parser.add_argument("--max-new-tokens", type=int, required=True)
+    parser.add_argument("--lr", type=float, required=True)
+    parser.add_argument("--output-dir", required=True)
+    parser.add_argument("--local", action="store_true", help="single-process mode instead of the default Ray")
+    args = parser.parse_args()
+
+    from hybridflow.controller import local_mode
+    from hybridflow.trainers.config import load_rl_config
+    from hybridflow.trainers.ppo import RLTrainer
+
+    samples = args.prompts_per_step * args.samples_per_prompt
+    config = load_rl_config(None, [
+        f"data.train_path={args.prompts}", f"actor.model.path={args.model_dir}",
+        f"reward.function={Path(__file__).parent / 'reward.py'}:addition_reward",
+        "algorithm.advantage_estimator=grpo", "algorithm.kl_mode=none",
+        f"actor.generation.max_new_tokens={args.max_new_tokens}", "actor.generation.temperature=1.0",
+        f"actor.optim.lr={args.lr}", f"batch.prompts_per_step={args.prompts_per_step}",
+        f"batch.samples_per_prompt={args.samples_per_prompt}", f"batch.mini_batch_size={samples}",
+        f"trainer.total_steps={args.steps}", "trainer.progress_bar=false", f"trainer.output_dir={args.output_dir}"])
+    peak = {"worker": 0.0}
+    last = {"t": time.perf_counter(), "cpu": 0.0}
+
+    def on_step(step: int, metrics: dict) -> None:
+        now = time.perf_counter()
+        rss, worker_cpu = worker_usage()
+        peak["worker"] = max(peak["worker"], rss)
+        cpu = time.process_time() + worker_cpu
+        print(json.dumps({
+            "step_s": now - last["t"], "cpu_s": cpu - last["cpu"], "generate_s": metrics["time/generate_s"], "score_s": metrics["time/score_s"],
+            "update_s": metrics["time/update_s"], "completion_length": metrics["response/length_mean"],
+            "old_log_prob_skipped": metrics.get("perf/old_log_prob_skipped", 0.0),
+            "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20 + peak["worker"],
+            "load": os.getloadavg()[0]}), flush=True)
+        last["t"], last["cpu"] = time.perf_counter(), cpu
+
+    start = time.perf_counter()
+    if args.local:
+        with local_mode():
+            trainer = RLTrainer(config, tensorboard=False)
+    else:
+        trainer = RLTrainer(config, tensorboard=False)
+    print(json.dumps({"startup_s": time.perf_counter() - start}), flush=True)
+    last["t"], last["cpu"] = time.perf_counter(), time.process_time() + worker_usage()[1]
+    try:
+        if args.local:
+            with local_mode():
+                trainer.fit(on_step=on_step)
+        else:
+            trainer.fit(on_step=on_step)
+    finally:
+        trainer.shutdown()
+
+
+if __name__ == "__main__":
+    main()

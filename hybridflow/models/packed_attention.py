@@ -1,0 +1,140 @@
+"""Attention inside the sequences of a packed micro-batch, without an N x N mask.
+
+Legend: N = packed tokens, s = sequences in the pack, L = longest sequence, H = query heads,
+K = key/value heads, D = head dim.
+
+A packed micro-batch is one row ``[1, N]`` holding several sequences back to back; a token may
+attend only to earlier tokens of its own sequence. A dense block-diagonal mask costs N x N per
+head and layer (quadratic in the token budget). Instead:
+
+- ``sdpa`` (the default): the attention inputs are gathered into a right-padded ``[s, H, L, D]``
+  batch and run through ``scaled_dot_product_attention(is_causal=True)``. Right padding needs no
+  mask: a real query at position i only sees keys 0..i, all real; padded queries are dropped when
+  the output is scattered back. Cost s x L x L instead of N x N, and SDPA keeps its fused kernel.
+- ``flash_attention_2``: the variable-length kernel through transformers' ``cu_seq_lens_*`` kwargs.
+- ``eager``: the dense additive mask (the reference the others are tested against).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+PACKED_SDPA = "hybridflow_packed_sdpa"
+"""Name under which the packed SDPA function is registered with transformers' AttentionInterface."""
+
+
+@dataclass(frozen=True)
+class PackedSegments:
+    """Where each sequence of a packed row lies (derived from its position ids)."""
+
+    cu_seqlens: Tensor
+    """Packed index where each sequence starts, then N (int32, [s + 1]): flash-attention's varlen format."""
+    max_length: int
+    """Longest sequence (L)."""
+    gather_index_sL: Tensor
+    """Packed index of position l of sequence i (long, [s, L]); past a sequence's end it repeats its last token."""
+    scatter_index_N: Tensor
+    """Flat index i * L + l of every packed token in the padded [s, L] layout (long, [N])."""
+
+
+def sequence_starts(position_ids_1N: Tensor) -> Tensor:
+    """True where a new sequence starts: wherever the position does not continue the previous one (bool, [N])."""
+    positions_N = position_ids_1N[0]
+    starts_N = torch.ones_like(positions_N, dtype=torch.bool)
+    starts_N[1:] = positions_N[1:] != positions_N[:-1] + 1
+    return starts_N
+
+
+def packed_segments(position_ids_1N: Tensor) -> PackedSegments:
+    """The sequences of a packed row, found from its position ids alone."""
+    starts_N = sequence_starts(position_ids_1N)
+    num_tokens = starts_N.numel()
+    device = starts_N.device
+    segment_N = torch.cumsum(starts_N.long(), 0) - 1
+    start_index_s = starts_N.nonzero()[:, 0]
+    lengths_s = torch.diff(start_index_s, append=torch.tensor([num_tokens], device=device))
+    max_length = int(lengths_s.max())
+    within_N = torch.arange(num_tokens, device=device) - start_index_s[segment_N]
+    offsets_L = torch.arange(max_length, device=device)
+    gather_sL = start_index_s[:, None] + torch.minimum(offsets_L[None, :], lengths_s[:, None] - 1)
+    cu_seqlens = torch.cat([start_index_s, torch.tensor([num_tokens], device=device)]).to(torch.int32)
+    return PackedSegments(cu_seqlens=cu_seqlens, max_length=max_length, gather_index_sL=gather_sL,
+                          scatter_index_N=segment_N * max_length + within_N)
+
+
+def dense_packed_bias(position_ids_1N: Tensor, dtype: torch.dtype) -> Tensor:
+    """Additive block-diagonal causal mask [1, 1, N, N]: 0 where attending is allowed, dtype-min elsewhere."""
+    segment_N = torch.cumsum(sequence_starts(position_ids_1N).long(), 0)
+    index_N = torch.arange(segment_N.numel(), device=segment_N.device)
+    allowed_NN = (segment_N[:, None] == segment_N[None, :]) & (index_N[None, :] <= index_N[:, None])
+    bias_NN = torch.zeros(allowed_NN.shape, dtype=dtype, device=segment_N.device)
+    bias_NN.masked_fill_(~allowed_NN, torch.finfo(dtype).min)
+    return bias_NN[None, None]
+
+
+def packed_sdpa_attention(module, query_1HND: Tensor, key_1KND: Tensor, value_1KND: Tensor,
+                          attention_mask: Tensor | None, *, dropout: float = 0.0, scaling: float | None = None,
+                          packed_segments: PackedSegments | None = None, **kwargs):
+    """transformers attention function: SDPA per sequence of a packed row (plain SDPA without ``packed_segments``).
+
+    Returns the output as transformers expects it, ``[1, N, H, D]``, and no weights.
+    """
+    if packed_segments is None:
+        return sdpa_attention_forward(module, query_1HND, key_1KND, value_1KND, attention_mask,
+                                      dropout=dropout, scaling=scaling, **kwargs)
+    gather_sL = packed_segments.gather_index_sL
+    num_seqs, max_length = gather_sL.shape
+    flat_gather = gather_sL.reshape(-1)
+
+    def padded(x_1HND: Tensor) -> Tensor:  # [1, H, N, D] -> [s, H, L, D]
+        x_sLHD = x_1HND[0].transpose(0, 1).index_select(0, flat_gather)
+        return x_sLHD.view(num_seqs, max_length, *x_sLHD.shape[1:]).transpose(1, 2)
+
+    query_sHLD, key_sKLD, value_sKLD = padded(query_1HND), padded(key_1KND), padded(value_1KND)
+    num_heads, num_kv_heads = query_sHLD.shape[1], key_sKLD.shape[1]
+    if num_kv_heads != num_heads:
+        # grouped-query attention: expand the key/value heads (SDPA's enable_gqa falls back to math on CPU)
+        repeats = num_heads // num_kv_heads
+        key_sKLD = key_sKLD.repeat_interleave(repeats, dim=1)
+        value_sKLD = value_sKLD.repeat_interleave(repeats, dim=1)
+    out_sHLD = F.scaled_dot_product_attention(query_sHLD, key_sKLD, value_sKLD, is_causal=True,
+                                              dropout_p=dropout, scale=scaling)
+    out_NHD = out_sHLD.transpose(1, 2).reshape(num_seqs * max_length, num_heads, -1)
+    return out_NHD.index_select(0, packed_segments.scatter_index_N)[None], None
+
+
+AttentionInterface.register(PACKED_SDPA, packed_sdpa_attention)
+
+
+def packed_attention_config(hf_config):
+    """The config a training stage's attention modules read: sdpa becomes the packed SDPA function.
+
+    A copy, so the model's own config (exported with checkpoints) keeps the user's choice.
+    """
+    if hf_config._attn_implementation != "sdpa":
+        return hf_config
+    packed = copy.copy(hf_config)
+    packed._attn_implementation = PACKED_SDPA
+    return packed
+
+
+def packed_attention_inputs(position_ids_1N: Tensor, attn_implementation: str,
+                            dtype: torch.dtype) -> tuple[Tensor | None, dict]:
+    """(attention_mask, extra layer kwargs) that make ``attn_implementation`` attend within packed sequences."""
+    if attn_implementation == "eager":
+        return dense_packed_bias(position_ids_1N, dtype), {}
+    segments = packed_segments(position_ids_1N)
+    if attn_implementation == PACKED_SDPA:
+        return None, {"packed_segments": segments}
+    if attn_implementation.startswith("flash_attention"):
+        return None, {"cu_seq_lens_q": segments.cu_seqlens, "cu_seq_lens_k": segments.cu_seqlens,
+                      "max_length_q": segments.max_length, "max_length_k": segments.max_length}
+    raise ValueError(f"attn_implementation {attn_implementation!r} cannot attend within packed sequences; "
+                     f"allowed: 'sdpa', 'eager', 'flash_attention_2'")

@@ -1,0 +1,58 @@
+"""Throughput defaults: worker threads follow the cores, and a provably redundant old-log-prob pass is skipped
+with the same update as running it."""
+
+from __future__ import annotations
+
+import pytest
+from hybridflow.controller import local_mode
+from hybridflow.controller.host import threads_per_worker
+from hybridflow.data import write_jsonl
+from hybridflow.data.builtin import ArithmeticTaskConfig, prompt_rows
+from hybridflow.trainers.config import load_rl_config
+from hybridflow.trainers.ppo import RLTrainer
+from hybridflow.trainers.redundant_passes import old_log_prob_is_redundant
+
+
+def test_one_worker_uses_every_core_and_many_workers_split_them():
+    assert threads_per_worker(1, cores=2) == 2
+    assert threads_per_worker(2, cores=16) == 8
+    assert threads_per_worker(4, cores=2) == 1
+
+
+def test_zero_workers_per_node_is_a_value_error():
+    with pytest.raises(ValueError, match="local_world_size"):
+        threads_per_worker(0, cores=2)
+
+
+def test_old_log_probs_are_redundant_only_for_one_epoch_of_one_mini_batch_without_reference():
+    assert old_log_prob_is_redundant(ppo_epochs=1, mini_batches_per_epoch=1, has_reference=False)
+    assert not old_log_prob_is_redundant(ppo_epochs=2, mini_batches_per_epoch=1, has_reference=False)
+    assert not old_log_prob_is_redundant(ppo_epochs=1, mini_batches_per_epoch=2, has_reference=False)
+    assert not old_log_prob_is_redundant(ppo_epochs=1, mini_batches_per_epoch=1, has_reference=True)
+
+
+def _grpo_history(directory, mini_batch_size: int, steps: int = 1) -> list[dict]:
+    config = load_rl_config(None, [
+        f"data.train_path={directory / 'train.jsonl'}", "actor.model.builtin=arithmetic",
+        "reward.function=arithmetic", "algorithm.advantage_estimator=grpo", "algorithm.kl_mode=none",
+        "actor.generation.max_new_tokens=4",
+        "actor.optim.lr=1e-3", "batch.prompts_per_step=4", "batch.samples_per_prompt=2",
+        f"batch.mini_batch_size={mini_batch_size}", f"trainer.total_steps={steps}", "trainer.progress_bar=false",
+        f"trainer.output_dir={directory / str(mini_batch_size)}"])
+    with local_mode():
+        trainer = RLTrainer(config, tensorboard=False)
+        try:
+            return trainer.fit()
+        finally:
+            trainer.shutdown()
+
+
+def test_skipped_old_log_prob_pass_is_reported_and_gives_ratio_one(tmp_path):
+    write_jsonl(tmp_path / "train.jsonl", prompt_rows(8, split="train", seed=0, config=ArithmeticTaskConfig()))
+    history = _grpo_history(tmp_path, mini_batch_size=8)
+    metrics = history[0]
+    assert metrics["perf/old_log_prob_skipped"] == 1.0
+    assert metrics["actor/approx_kl"] == 0.0
+    assert metrics["actor/clip_fraction"] == 0.0
+    history = _grpo_history(tmp_path, mini_batch_size=4)
+    assert history[0]["perf/old_log_prob_skipped"] == 0.0
