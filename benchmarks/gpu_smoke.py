@@ -283,12 +283,14 @@ def part_ppo(args) -> None:
             built = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
             try:
                 history = trainer.fit()
+                transition = trainer.actor.transition_stats()[0]
             finally:
                 trainer.shutdown()
         for record in history:
             emit("ppo", build_s=round(build_s, 1), after_build_gib=gib(built),
                  **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in record.items()
-                    if k.startswith(("time/", "memory/", "perf/", "hybrid/")) or k in ("step", "score/mean")})
+                    if k.startswith(("time/", "memory/", "perf/", "hybrid/", "response/")) or k in ("step", "score/mean")})
+        emit("ppo_transition", **{k: (gib(v) if k.endswith("bytes") else round(v, 3)) for k, v in transition.items()})
         emit("ppo_phase_memory", **memory)
         emit("ppo_memory", peak_allocated_gib=gib(peak_allocated()),
              peak_reserved_gib=gib(peak_reserved()))
