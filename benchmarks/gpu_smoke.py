@@ -160,8 +160,24 @@ def part_generate(args) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     state = {name: tensor.to(device=device, dtype=torch.bfloat16) for name, tensor in model.state_dict().items()}
     del model
-    engine = GenerationEngine(DecoderStage.from_state_dict(hf_config, state))
-    for rows in args.gen_rows:
+    stage = DecoderStage.from_state_dict(hf_config, state)
+    engine = GenerationEngine(stage)  # the default: static decode replayed as CUDA graphs on a GPU
+    check = torch.randint(3, ONE_B["vocab_size"], (16, args.prompt_len))
+    greedy = GenerationConfig(max_new_tokens=32, greedy=True)
+    for dtype in (torch.float32, torch.bfloat16):
+        weights = {name: tensor.to(dtype) for name, tensor in state.items()}
+        check_stage = DecoderStage.from_state_dict(hf_config, weights)
+        eager = GenerationEngine(check_stage, static_decode=True, cuda_graphs=False).generate(
+            check, torch.ones_like(check), greedy)
+        graphed = GenerationEngine(check_stage).generate(check, torch.ones_like(check), greedy)
+        same_BT = (eager["responses"] == graphed["responses"]).int().cumprod(dim=1).bool()  # before divergence
+        emit("generate_check", dtype=str(dtype), cuda_graphs=engine.cuda_graphs,
+             rows_identical=int(same_BT.all(dim=1).sum()), rows=len(check),
+             first_step_tokens_equal=bool(same_BT[:, 0].all()),
+             max_logprob_diff_before_divergence=float((eager["logprobs"] - graphed["logprobs"])[same_BT].abs().max()))
+        del weights, check_stage
+    variants = [("default", engine), ("compacting", GenerationEngine(stage, static_decode=False))]
+    for (variant, engine), rows in [(v, r) for r in args.gen_rows for v in variants]:
         prompts = torch.randint(3, ONE_B["vocab_size"], (rows, args.prompt_len))
         mask = torch.ones_like(prompts)
         config = GenerationConfig(max_new_tokens=args.new_tokens, eos_token_ids=(), seed=0)
@@ -174,7 +190,8 @@ def part_generate(args) -> None:
         seconds = time.perf_counter() - start
         new_tokens = int(out["response_mask"].sum())
         weight_bytes = sum(t.numel() * t.element_size() for t in state.values())
-        emit("generate", model="llama-1.1B", dtype="bfloat16", rows=rows, prompt_len=args.prompt_len,
+        emit("generate", variant=variant, static_decode=engine.static_decode, cuda_graphs=engine.cuda_graphs,
+             model="llama-1.1B", dtype="bfloat16", rows=rows, prompt_len=args.prompt_len,
              new_tokens=args.new_tokens, seconds=round(seconds, 2), tokens_per_s=round(new_tokens / seconds),
              kv_cache_gib=gib(engine.last_stats.peak_kv_cache_bytes),
              # decode reads every weight once per step: achieved weight bandwidth, the decode roofline

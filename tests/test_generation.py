@@ -229,3 +229,33 @@ def test_sampling_in_waves_is_reproducible_for_a_given_budget_and_a_bad_budget_i
     assert torch.equal(first["responses"], second["responses"])
     with pytest.raises(ValueError, match="memory_budget_gib must be a number > 0 or null"):
         GenerationConfig(memory_budget_gib=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_static_decode_without_compaction_equals_the_compacting_decode(family):
+    # static shapes (finished rows stay in the batch, the cache is written at a device-side index)
+    # are what CUDA graphs replay on GPUs; on CPU they must give the same responses
+    model = tiny_model(family)
+    compacting = engine_for(model)
+    static = GenerationEngine(DecoderStage.from_state_dict(model.config, model.state_dict()), static_decode=True)
+    assert not compacting.static_decode and not static.cuda_graphs  # CPU defaults: compaction, no graphs
+    prompts, mask = batch()
+    greedy = compacting.generate(prompts, mask, GenerationConfig(max_new_tokens=T, greedy=True))["responses"]
+    eos, stop = int(greedy[0, 2]), int(greedy[1, 4])
+    config = GenerationConfig(max_new_tokens=T, greedy=True, eos_token_ids=(eos,), stop_token_ids=(stop,),
+                              samples_per_prompt=2)
+    want, got = compacting.generate(prompts, mask, config), static.generate(prompts, mask, config)
+    for key in want:
+        if want[key].is_floating_point():
+            torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-5)
+        else:
+            assert torch.equal(got[key], want[key]), key
+    # every row is computed at every step until all have finished (checked every few steps)
+    assert static.last_stats.rows_decoded == 8 * static.last_stats.decode_steps
+    assert static.last_stats.decode_steps <= T - 1
+
+
+def test_cuda_graphs_are_refused_without_static_decode_on_a_cuda_device():
+    stage = DecoderStage.from_state_dict(tiny_model().config, tiny_model().state_dict())
+    with pytest.raises(ValueError, match="cuda_graphs needs static_decode on a CUDA device"):
+        GenerationEngine(stage, static_decode=True, cuda_graphs=True)

@@ -261,6 +261,43 @@ class DecoderStage:
         out_BSX = out_BNSD.transpose(1, 2).reshape(B, S, self.local_heads * D)
         return self._row(out_BSX, f"{prefix}.o_proj")
 
+    def _attention_at(self, x_B1H: torch.Tensor, layer: int, slot: int, cache: KVCache, cos, sin,
+                      mask_B11L: torch.Tensor, index_1: torch.Tensor) -> torch.Tensor:
+        """One decode position with static shapes: write its key/value at ``index_1`` (a device tensor) and
+        attend over the whole preallocated cache under ``mask_B11L``; no Python-side length, so a CUDA
+        graph can replay it."""
+        B = x_B1H.shape[0]
+        D = self.spec.head_dim
+        prefix = f"model.layers.{layer}.self_attn"
+        q_BN1D = self._column(x_B1H, f"{prefix}.q_proj").view(B, 1, self.local_heads, D).transpose(1, 2)
+        k_BK1D = self._column(x_B1H, f"{prefix}.k_proj").view(B, 1, self.local_kv_heads, D).transpose(1, 2)
+        v_BK1D = self._column(x_B1H, f"{prefix}.v_proj").view(B, 1, self.local_kv_heads, D).transpose(1, 2)
+        q_BN1D = q_BN1D * cos + _rotate_half(q_BN1D) * sin
+        k_BK1D = k_BK1D * cos + _rotate_half(k_BK1D) * sin
+        cache.keys[slot].index_copy_(2, index_1, k_BK1D)
+        cache.values[slot].index_copy_(2, index_1, v_BK1D)
+        out_BN1D = F.scaled_dot_product_attention(q_BN1D, cache.keys[slot], cache.values[slot], attn_mask=mask_B11L,
+                                                  scale=D ** -0.5,
+                                                  enable_gqa=self.local_heads != self.local_kv_heads)
+        return self._row(out_BN1D.transpose(1, 2).reshape(B, 1, self.local_heads * D), f"{prefix}.o_proj")
+
+    def decode_layers_at(self, hidden_B1H: torch.Tensor, positions_B1: torch.Tensor, cache: KVCache,
+                         key_valid_BL: torch.Tensor, index_1: torch.Tensor) -> torch.Tensor:
+        """``forward_layers`` for one new position per row at cache slot ``index_1``, with static shapes.
+
+        ``key_valid_BL`` spans the whole cache and must already mark the new position valid; rows that
+        finished keep computing (their outputs are ignored), so the batch never changes shape.
+        """
+        mask_B11L = key_valid_BL[:, None, None, :]
+        cos, sin = self._rope(positions_B1)
+        for slot, layer in enumerate(self.layers):
+            prefix = f"model.layers.{layer}"
+            normed = self._rms_norm(hidden_B1H, f"{prefix}.input_layernorm.weight")
+            hidden_B1H = hidden_B1H + self._attention_at(normed, layer, slot, cache, cos, sin, mask_B11L, index_1)
+            normed = self._rms_norm(hidden_B1H, f"{prefix}.post_attention_layernorm.weight")
+            hidden_B1H = hidden_B1H + self._mlp(normed, layer)
+        return hidden_B1H
+
     def _mlp(self, x_BSH: torch.Tensor, layer: int) -> torch.Tensor:
         prefix = f"model.layers.{layer}.mlp"
         gated_BSI = F.silu(self._column(x_BSH, f"{prefix}.gate_proj")) * self._column(x_BSH, f"{prefix}.up_proj")

@@ -204,9 +204,23 @@ def sample_tokens(logits_BV: torch.Tensor, config: GenerationConfig, generator: 
 class GenerationEngine:
     """Samples responses with one decoder stage per rank; all ranks of a generation replica call it together."""
 
-    def __init__(self, stage: DecoderStage, *, pipeline: PipelinePeers | None = None) -> None:
+    def __init__(self, stage: DecoderStage, *, pipeline: PipelinePeers | None = None,
+                 static_decode: bool | None = None, cuda_graphs: bool | None = None) -> None:
+        """``static_decode``: decode every row of a wave at every step with fixed shapes instead of cutting
+        finished rows out of the batch and the KV cache. None = on CUDA with one pipeline stage, where the
+        GPU is launch-bound and compaction costs host syncs and cache copies; on CPU compaction saves the
+        compute of finished rows. ``cuda_graphs``: replay each static decode step as one CUDA graph
+        (None = whenever static decode runs on CUDA without tensor parallelism)."""
         self.stage = stage
         self.pipeline = pipeline or PipelinePeers(group=None, ranks=[0], stage=0)
+        single = self.pipeline.num_stages == 1
+        on_cuda = stage.device.type == "cuda"
+        self.static_decode = (on_cuda and single) if static_decode is None else static_decode
+        if self.static_decode and not single:
+            raise ValueError("static_decode needs a single generation pipeline stage (pg = 1)")
+        self.cuda_graphs = (self.static_decode and on_cuda and stage.tp.size == 1) if cuda_graphs is None else cuda_graphs
+        if self.cuda_graphs and not (self.static_decode and on_cuda):
+            raise ValueError("cuda_graphs needs static_decode on a CUDA device")
         self.last_stats = GenerationStats()
         p = self.pipeline
         assert stage.has_embedding == (p.stage == 0) and stage.has_final_norm == (p.stage == p.num_stages - 1)
@@ -259,6 +273,8 @@ class GenerationEngine:
 
     def _generate_wave(self, prompts_BP: torch.Tensor, prompt_mask_BP: torch.Tensor, config: GenerationConfig,
                        generator: torch.Generator, stats: "GenerationStats") -> dict[str, torch.Tensor]:
+        if self.static_decode:
+            return self._generate_wave_static(prompts_BP, prompt_mask_BP, config, generator, stats)
         device = self.stage.device
         B, P = prompts_BP.shape
         T = config.max_new_tokens
@@ -314,6 +330,76 @@ class GenerationEngine:
             "logprobs": logprobs_BT,
         }
 
+    def _generate_wave_static(self, prompts_BP: torch.Tensor, prompt_mask_BP: torch.Tensor,
+                              config: GenerationConfig, generator: torch.Generator,
+                              stats: "GenerationStats") -> dict[str, torch.Tensor]:
+        """The wave with fixed shapes: finished rows stay in the batch (padded, masked out), the cache is
+        written at a device-side index, and the host checks for the end only every few steps."""
+        device = self.stage.device
+        B, P = prompts_BP.shape
+        T = config.max_new_tokens
+        responses_BT = torch.full((B, T), config.pad_token_id, dtype=prompts_BP.dtype, device=device)
+        logprobs_BT = torch.zeros((B, T), dtype=torch.float32, device=device)
+        response_mask_BT = torch.zeros((B, T), dtype=prompt_mask_BP.dtype, device=device)
+        stops = torch.tensor(sorted(set(config.eos_token_ids) | set(config.stop_token_ids)), dtype=torch.long,
+                             device=device)
+        cache = self.stage.new_cache(batch=B, max_len=P + T)
+        key_valid_BL = torch.zeros((B, P + T), dtype=torch.bool, device=device)
+        key_valid_BL[:, :P] = prompt_mask_BP.bool()
+        positions_BP = (prompt_mask_BP.cumsum(dim=1) - 1).clamp(min=0)
+        position_B = prompt_mask_BP.sum(dim=1)
+        logits_BV = self._forward(prompts_BP, positions_BP, cache, key_valid_BL)
+        stats.peak_kv_cache_bytes = max(stats.peak_kv_cache_bytes, cache.nbytes())
+        finished_B = torch.zeros(B, dtype=torch.bool, device=device)
+        pad_B = torch.full((B,), config.pad_token_id, dtype=prompts_BP.dtype, device=device)
+        step_fn = _DecodeGraph(self, cache, key_valid_BL, B) if self.cuda_graphs else None
+        needs_history = config.repetition_penalty != 1.0
+        for step in range(T):
+            history_BL = torch.cat([prompts_BP, responses_BT[:, :step]], dim=1) if needs_history else None
+            tokens_B, logprobs_B = self._sample_and_share(logits_BV, config, generator, B,
+                                                          history_BL=history_BL, step=step, end_ids=stops)
+            active_B = ~finished_B
+            tokens_B = torch.where(active_B, tokens_B, pad_B)
+            responses_BT[:, step] = tokens_B
+            logprobs_BT[:, step] = torch.where(active_B, logprobs_B, 0.0)
+            response_mask_BT[:, step] = active_B.to(response_mask_BT.dtype)
+            ends_B = torch.isin(tokens_B, stops)
+            for sequence in config.stop_sequences:
+                if len(sequence) <= step + 1:
+                    tail_BL = responses_BT[:, step + 1 - len(sequence):step + 1]
+                    ends_B |= (tail_BL == torch.tensor(sequence, device=device)).all(dim=1)
+            finished_B = finished_B | (active_B & ends_B)
+            # one host sync every few steps instead of several per step
+            if step == T - 1 or ((step + 1) % STATIC_END_CHECK_EVERY == 0 and bool(finished_B.all())):
+                break
+            key_valid_BL[:, P + step] = True
+            index_1 = torch.full((1,), P + step, dtype=torch.long, device=device)
+            if step_fn is not None:
+                logits_BV = step_fn(tokens_B, position_B, index_1)
+            else:
+                logits_BV = self._decode_at(tokens_B[:, None], position_B[:, None], cache, key_valid_BL, index_1)
+            position_B = position_B + 1
+            stats.decode_steps += 1
+            stats.rows_decoded += B
+        del cache, step_fn
+        attention_mask_BS = torch.cat([prompt_mask_BP, response_mask_BT], dim=1)
+        return {
+            "prompts": prompts_BP,
+            "responses": responses_BT,
+            "response_mask": response_mask_BT,
+            "input_ids": torch.cat([prompts_BP, responses_BT], dim=1),
+            "attention_mask": attention_mask_BS,
+            "position_ids": (attention_mask_BS.cumsum(dim=1) - 1).clamp(min=0),
+            "logprobs": logprobs_BT,
+        }
+
+    def _decode_at(self, ids_B1: torch.Tensor, positions_B1: torch.Tensor, cache, key_valid_BL: torch.Tensor,
+                   index_1: torch.Tensor) -> torch.Tensor:
+        """Logits [B, V] of one static decode step (single pipeline stage)."""
+        stage = self.stage
+        hidden_B1H = stage.decode_layers_at(stage.embed(ids_B1), positions_B1, cache, key_valid_BL, index_1)
+        return stage.head(stage.final_norm(hidden_B1H[:, -1]))
+
     # ----- one step through the pipeline ------------------------------------------------------------
     def _forward(self, ids_BS: torch.Tensor, positions_BS: torch.Tensor, cache, key_valid_BS: torch.Tensor):
         """Logits [B, V] of the last position on the head stage, None on the other stages."""
@@ -351,3 +437,40 @@ class GenerationEngine:
             dist.broadcast(packed, src=p.ranks[self.head_stage], group=p.group)
             tokens_B, logprobs_B = packed[0].long(), packed[1].float()
         return tokens_B, logprobs_B
+
+
+STATIC_END_CHECK_EVERY = 8
+"""Static decode asks the device whether every row has finished once per this many steps."""
+
+
+class _DecodeGraph:
+    """One static decode step of a wave captured as a CUDA graph and replayed every step.
+
+    Eager decode of a ~1B model at batch 128 is bound by the host launching ~800 kernels per step;
+    a replay launches them all at once. Inputs are copied into static buffers; the logits come back
+    in the graph's static output (valid until the next replay).
+    """
+
+    def __init__(self, engine: GenerationEngine, cache, key_valid_BL: torch.Tensor, batch: int) -> None:
+        device = engine.stage.device
+        self.tokens_B1 = torch.zeros((batch, 1), dtype=torch.long, device=device)
+        self.positions_B1 = torch.zeros((batch, 1), dtype=torch.long, device=device)
+        # warm-up and capture write the cache at this index; the first real step rewrites the same slot
+        self.index_1 = torch.full((1,), cache.length, dtype=torch.long, device=device)
+        args = (self.tokens_B1, self.positions_B1, cache, key_valid_BL, self.index_1)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # allocator and library warm-up off the capture
+                engine._decode_at(*args)
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits_BV = engine._decode_at(*args)
+
+    def __call__(self, tokens_B: torch.Tensor, positions_B: torch.Tensor, index_1: torch.Tensor) -> torch.Tensor:
+        self.tokens_B1.copy_(tokens_B[:, None])
+        self.positions_B1.copy_(positions_B[:, None])
+        self.index_1.copy_(index_1)
+        self.graph.replay()
+        return self.logits_BV
