@@ -176,8 +176,11 @@ def _greedy_answer_metrics(config: SFTConfig, group: WorkerGroup, tokenizer, rul
     """``val/function_mean`` and ``val/exact_match`` of greedy answers to the validation prompts, generated with
     transformers from the group's current weights (exported to a scratch directory)."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as transformers_logging
 
     from hybridflow.data import PromptDataset
+
+    transformers_logging.disable_progress_bar()  # a "Loading weights" bar per evaluation would flood the log
 
     scratch = output_dir / "eval_model.tmp"
     group.export_hf(str(scratch))
