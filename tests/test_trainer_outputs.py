@@ -155,3 +155,17 @@ def test_off_a_terminal_the_reporter_prints_one_line_every_n_steps_and_the_last(
         "[rl] step 4/5 | 0.50 s | loss 0.25",
         "[rl] step 5/5 | 0.50 s | loss 0.2",
     ]
+
+
+def test_loop_and_layout_changes_are_reported_on_resume_and_the_rest_refused():
+    from hybridflow.trainers.checkpoint import config_changes
+
+    saved = {"trainer": {"total_steps": 2, "seed": 0}, "placement": {"pools": {"all": [2]}},
+             "actor": {"engine": {"tp_size": 2, "layout": "3d", "optim": {"lr": 1e-3}}, "hybrid_engine": {"tp_size": 2}}}
+    current = {"trainer": {"total_steps": 3, "seed": 1}, "placement": {"pools": {"all": [1]}},
+               "actor": {"engine": {"tp_size": 1, "layout": "fsdp", "optim": {"lr": 1e-3}}, "hybrid_engine": {"tp_size": 1}}}
+    reported, refused = config_changes(saved, current)
+    assert reported == ["actor.engine.layout: '3d' -> 'fsdp'", "actor.engine.tp_size: 2 -> 1",
+                        "actor.hybrid_engine.tp_size: 2 -> 1", "placement.pools.all: [2] -> [1]",
+                        "trainer.total_steps: 2 -> 3"]
+    assert refused == ["trainer.seed: 0 -> 1"]

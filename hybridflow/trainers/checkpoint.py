@@ -76,11 +76,21 @@ class RunCheckpointer:
         return json.loads((path / "driver.json").read_text())
 
 
-# Loop keys may change between a run and its resume without being a different experiment: reported, never refused.
+# Keys that may change between a run and its resume without making it another experiment: reported, never
+# refused. The loop's length and logging, and where and how the models are laid out (a checkpoint loads
+# into any layout, tested by tests/test_trainer_multirank.py).
 LOOP_KEYS = ("trainer.total_steps", "trainer.val_every", "trainer.val_before_train", "trainer.save_every",
              "trainer.keep_last", "trainer.keep_best", "trainer.keep_best_mode", "trainer.resume",
              "trainer.allow_config_change", "trainer.progress_bar", "trainer.log_every", "trainer.tensorboard",
              "trainer.wandb_project", "trainer.output_dir")
+LAYOUT_FIELDS = ("layout", "pp_size", "tp_size", "fsdp_cpu_offload", "micro_batch_tokens", "pipeline_schedule",
+                 "num_threads")
+
+
+def _reported_only(key: str) -> bool:
+    if key in LOOP_KEYS or key.startswith("placement.") or ".hybrid_engine." in key:
+        return True
+    return ".engine." in key and ".optim." not in key and key.rsplit(".", 1)[1] in LAYOUT_FIELDS
 
 
 def flatten(config: dict, prefix: str = "") -> dict[str, object]:
@@ -95,11 +105,12 @@ def flatten(config: dict, prefix: str = "") -> dict[str, object]:
 
 
 def config_changes(saved: dict, current: dict) -> tuple[list[str], list[str]]:
-    """(loop-key changes, other changes) between a checkpoint's config and this run's, as ``key: old -> new``."""
+    """(changes a resume reports, changes it refuses) between a checkpoint's config and this run's, as
+    ``key: old -> new`` lines."""
     old, new = flatten(saved), flatten(current)
-    loop, other = [], []
+    reported, refused = [], []
     for key in sorted(set(old) | set(new)):
         if old.get(key, "<unset>") != new.get(key, "<unset>"):
             line = f"{key}: {old.get(key, '<unset>')!r} -> {new.get(key, '<unset>')!r}"
-            (loop if key in LOOP_KEYS else other).append(line)
-    return loop, other
+            (reported if _reported_only(key) else refused).append(line)
+    return reported, refused
