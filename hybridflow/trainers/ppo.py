@@ -278,23 +278,23 @@ class RLTrainer:
 
     def _check_resume(self) -> Path | None:
         """The checkpoint to resume from, announced with the config changes since it was written; a change beyond
-        the loop keys is refused unless ``trainer.allow_config_change``."""
+        the loop and layout keys is refused unless ``trainer.allow_config_change``."""
         path = self.checkpointer.latest()
         if path is None:
             return None
         state = self.checkpointer.driver_state(path)
-        loop_changes, other_changes = config_changes(state.get("config", {}), to_plain(self.user_config))
+        reported, refused = config_changes(state.get("config", {}), to_plain(self.user_config))
         if "config" not in state:
-            other_changes = ["(the checkpoint records no config: it cannot be compared)"]
-        if other_changes and not self.config.trainer.allow_config_change:
+            refused = ["(the checkpoint records no config: it cannot be compared)"]
+        if refused and not self.config.trainer.allow_config_change:
             raise ValueError(
                 f"trainer.output_dir {str(self.output_dir)!r} holds checkpoint {path.name} (step {state['step']}) of a "
-                f"run with a different config:\n  " + "\n  ".join(other_changes) + "\nallowed: the same config, "
-                f"trainer.allow_config_change=true to resume anyway, or trainer.resume=false or another "
-                f"trainer.output_dir to start a new run")
+                f"run with a different config:\n  " + "\n  ".join(refused) + "\nallowed: the same config, "
+                "trainer.allow_config_change=true to resume anyway, or trainer.resume=false or another "
+                "trainer.output_dir to start a new run")
         print(f"resuming from {path} (step {state['step']} of {self.config.trainer.total_steps})", flush=True)
-        if loop_changes or other_changes:
-            print("config changes since that checkpoint:\n  " + "\n  ".join(loop_changes + other_changes), flush=True)
+        if reported or refused:
+            print("config changes since that checkpoint:\n  " + "\n  ".join(reported + refused), flush=True)
         return path
 
     def _resume(self, path: Path) -> int:
