@@ -12,6 +12,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("hybridflow.trainers.cli:train_main", "RL training (PPO, GRPO, ReMax, ...) from a YAML config"),
     "sft": ("hybridflow.trainers.cli:sft_main", "supervised fine-tuning on prompt/response pairs"),
     "rm": ("hybridflow.trainers.cli:rm_main", "reward-model training on chosen/rejected pairs"),
+    "export": ("hybridflow.trainers.export:export_main", "a run's checkpoint -> Hugging Face directories (+ tokenizer)"),
     "data": ("hybridflow.data.cli:data_main", "write the built-in task's prompt/SFT/preference files"),
     "plan": ("hybridflow.mapping.cli:plan_main", "auto-mapping: placement, allocation and parallelism"),
     "calibrate": ("hybridflow.parallel.calibrate:calibrate_main", "measure this machine's FLOP/s and bandwidths"),

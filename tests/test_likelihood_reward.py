@@ -146,7 +146,7 @@ def _rm_overrides(tmp_path, *extra) -> list[str]:
     write_jsonl(tmp_path / "pairs_val.jsonl", preference_rows(8, split="eval", seed=0, config=TASK))
     return ["model.builtin=arithmetic", f"data.train_path={tmp_path / 'pairs.jsonl'}",
             f"data.val_path={tmp_path / 'pairs_val.jsonl'}", f"output_dir={tmp_path / 'rm'}", "batch_size=8",
-            "max_steps=3", "engine.optim.lr=3e-3", "progress_bar=false", *extra]
+            "max_steps=3", "engine.optim.lr=3e-3", "progress_bar=false", "eval_before_train=false", *extra]
 
 
 def test_rm_training_with_likelihood_rewards_exports_a_causal_lm_whose_scores_give_the_logged_margin(tmp_path):

@@ -208,7 +208,8 @@ def test_two_safe_rlhf_steps_train_both_critics_and_raise_lambda_while_the_cost_
         return compute_advantages(**kwargs)
 
     monkeypatch.setattr(ppo, "compute_advantages", recording_compute_advantages)
-    config = _config(assets, tmp_path / "run", "cost.limit=-2.0", "cost.lambda_lr=0.5", "trainer.val_every=2")
+    config = _config(assets, tmp_path / "run", "cost.limit=-2.0", "cost.lambda_lr=0.5", "trainer.val_every=2",
+                     "trainer.val_before_train=false")
     with local_mode():
         trainer = RLTrainer(config, tensorboard=False)
         try:

@@ -79,13 +79,15 @@ def test_ppo_steps_change_every_actor_and_critic_parameter(data_dir, tmp_path):
     for role in ("actor", "critic"):
         unchanged = [name for name, tensor in before[role].items() if torch.equal(tensor, after[role][name])]
         assert unchanged == [], f"{role} parameters not updated: {unchanged}"
-    assert [record["step"] for record in history] == [1, 2]
-    assert history[0]["kl/sequence_kl"] == 0.0  # the reference is the initial actor
-    assert history[1]["kl/sequence_kl"] != 0.0
-    assert 1.0 <= history[0]["response/length_mean"] <= 4.0
-    assert "val/score_mean" in history[1] and "val/function_mean" in history[1]
+    assert [record["step"] for record in history] == [0, 1, 2]  # step 0: validation before training
+    assert sorted(key for key in history[0] if not key.startswith("time/")) == [
+        "step", "val/function_mean", "val/response_length_mean", "val/score_mean"]
+    assert history[1]["kl/sequence_kl"] == 0.0  # the reference is the initial actor
+    assert history[2]["kl/sequence_kl"] != 0.0
+    assert 1.0 <= history[1]["response/length_mean"] <= 4.0
+    assert "val/score_mean" in history[2] and "val/function_mean" in history[2]
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(line)["step"] for line in lines] == [1, 2]
+    assert [json.loads(line)["step"] for line in lines] == [0, 1, 2]
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "rloo", "remax", "reinforce_plus_plus"])

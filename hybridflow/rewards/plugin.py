@@ -1,7 +1,11 @@
 """Rule-based rewards as plug-ins: load `module:function`, score batches naming failing samples, combine by weight.
 
 A reward function has the signature `fn(prompt: str, response: str, **extra_fields) -> float`,
-where extra_fields are the dataset row's other fields (e.g. `answer`, `tests`). It may carry a
+where extra_fields are the dataset row's other fields (e.g. `answer`, `tests`): the framework fills the
+first two parameters, and passes each row field the function can take (a parameter of that name, or
+`**kwargs`). Row fields never collide with the framework's arguments: a function with a `row` parameter
+gets the whole row as one dict; otherwise a field named like one of the first two parameters (e.g. a
+`response` field) arrives as `row_<name>` (`row_response`) through `**kwargs`. A function may carry a
 `preflight` attribute, a callable that raises ValueError when the function cannot run here
 (RuleReward calls it when built, before any model is loaded).
 Shape legend: B = samples.
@@ -14,6 +18,7 @@ import importlib.util
 import inspect
 import math
 import numbers
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -68,6 +73,10 @@ def load_reward_function(spec: str) -> Callable[..., float]:
 def _import_file(path: Path, spec: str):
     if not path.is_file():
         raise ValueError(f"reward function {spec!r}: file {str(path)!r} does not exist")
+    # modules next to the file import as they would in `python file.py` (appended: installed packages win)
+    directory = str(path.resolve().parent)
+    if directory not in sys.path:
+        sys.path.append(directory)
     module_spec = importlib.util.spec_from_file_location(f"hybridflow_user_reward_{path.stem}", path)
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
@@ -86,6 +95,43 @@ def _check_signature(function: Callable, spec: str) -> None:
             f"reward function {spec!r} must accept (prompt, response, **extra_fields); its signature is "
             f"{signature}: {error}"
         ) from None
+
+
+class _Binding:
+    """How one function's signature takes a row: which fields it accepts by name, whether it takes ``**kwargs``
+    or a ``row`` dict, which fields it requires, and the names of the two parameters the framework fills."""
+
+    def __init__(self, function: Callable) -> None:
+        try:
+            parameters = list(inspect.signature(function).parameters.values())
+        except (TypeError, ValueError):  # builtins without a signature: every field as a keyword
+            self.inspectable = False
+            return
+        self.inspectable = True
+        positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:2]
+        self.framework = {p.name for p in positional if p.kind is p.POSITIONAL_OR_KEYWORD}
+        keyword = [p for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                   and p not in positional]
+        self.takes_row = any(p.name == "row" for p in keyword)
+        self.named = {p.name for p in keyword if p.name != "row"}
+        self.required = sorted(p.name for p in keyword if p.name != "row" and p.default is p.empty)
+        self.var_keyword = any(p.kind is p.VAR_KEYWORD for p in parameters)
+
+    def keywords(self, fields: Mapping) -> dict:
+        """The keyword arguments for one row; ``KeyError`` listing required parameters the row lacks."""
+        if not self.inspectable:
+            return dict(fields)
+        keywords = {"row": dict(fields)} if self.takes_row else {}
+        for name, value in fields.items():
+            if name in self.framework or (name == "row" and self.takes_row):
+                if self.var_keyword and not self.takes_row:  # namespaced, never "got multiple values"
+                    keywords.setdefault(f"row_{name}", value)
+            elif name in self.named or self.var_keyword:
+                keywords[name] = value
+        missing = [name for name in self.required if name not in keywords]
+        if missing:
+            raise KeyError(missing)
+        return keywords
 
 
 def _excerpt(prompt: str) -> str:
@@ -113,6 +159,7 @@ class RuleReward:
         else:
             self.name = f"{getattr(function, '__module__', '?')}:{getattr(function, '__qualname__', repr(function))}"
             self.function = function
+        self.binding = _Binding(self.function)
         self.num_workers = num_workers
         self.timeout_s = timeout_s
         preflight = getattr(self.function, "preflight", None)
@@ -124,8 +171,17 @@ class RuleReward:
 
     def score_one(self, index: int, prompt: str, response: str, extra_fields: Mapping | None) -> float:
         """The reward of one sample; RewardError naming the sample when the function fails."""
+        fields = dict(extra_fields or {})
         try:
-            value = self.function(prompt, response, **dict(extra_fields or {}))
+            keywords = self.binding.keywords(fields)
+        except KeyError as error:
+            raise RewardError(
+                f"reward function {self.name!r} requires the row field(s) {error.args[0]} but sample {index}'s row "
+                f"has {sorted(fields)} (prompt {_excerpt(prompt)}); allowed: give those parameters a default, take "
+                f"**extra_fields or a `row` parameter, or add the fields to the dataset"
+            ) from None
+        try:
+            value = self.function(prompt, response, **keywords)
         except Exception as error:
             raise RewardError(
                 f"reward function {self.name!r} raised {type(error).__name__} on sample {index} "

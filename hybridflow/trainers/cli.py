@@ -37,15 +37,35 @@ def _importable_working_directory() -> None:
         sys.path.insert(0, "")
 
 
+def _read_config_file(path: str | None) -> None:
+    """A missing or malformed YAML file is reported before the config classes (and torch) are imported."""
+    if path is None:
+        return
+    from hybridflow.trainers.config_loader import load_yaml
+
+    try:
+        load_yaml(path)
+    except ValueError:
+        raise
+    except Exception as error:  # yaml's parser errors carry the line and column
+        raise ValueError(f"config file {path!r}: {error}") from None
+
+
 def train_main(argv: list[str]) -> int:
     """`hybridflow train`: RL training (PPO, GRPO, RLOO, ReMax, REINFORCE++) from an RLConfig."""
     import json
 
+    # arguments first: `--help` and a bad file answer before torch is imported
+    args = parse_job_args("hybridflow train", "RL training from a YAML config; the trained models are exported "
+                          "to OUTPUT_DIR/final/<role> (Hugging Face directories with tokenizer files).", argv)
+    _importable_working_directory()
+    try:
+        _read_config_file(args.config)
+    except ValueError as error:
+        return _fail("hybridflow train", error)
     from hybridflow.trainers.config import load_rl_config
     from hybridflow.trainers.config_loader import dump_yaml, to_plain
 
-    args = parse_job_args("hybridflow train", "RL training from a YAML config.", argv)
-    _importable_working_directory()
     try:
         config = load_rl_config(args.config, args.overrides)
     except ValueError as error:
@@ -66,20 +86,26 @@ def train_main(argv: list[str]) -> int:
         trainer.shutdown()
     last = history[-1] if history else {}
     summary = {key: value for key, value in last.items() if key.startswith(("val/", "reward/score_mean"))}
-    print(f"finished step {trainer.step}: {json.dumps(summary)}; metrics in {trainer.logger.path}")
+    print(f"finished step {trainer.step}: {json.dumps(summary)}; metrics in {trainer.logger.path}; "
+          f"models in {trainer.output_dir / 'final'}")
     return 0
 
 
 def _supervised_main(kind: str, argv: list[str]) -> int:
     import json
 
-    from hybridflow.trainers.config_loader import dump_yaml
-    from hybridflow.trainers.supervised import RMConfig, SFTConfig, load_supervised_config, run_supervised
-
     prog = f"hybridflow {kind}"
     description = ("Supervised fine-tuning (loss on response tokens)." if kind == "sft"
                    else "Reward-model training (Bradley-Terry on chosen/rejected pairs).")
     args = parse_job_args(prog, description, argv)
+    _importable_working_directory()
+    try:
+        _read_config_file(args.config)
+    except ValueError as error:
+        return _fail(prog, error)
+    from hybridflow.trainers.config_loader import dump_yaml
+    from hybridflow.trainers.supervised import RMConfig, SFTConfig, load_supervised_config, run_supervised
+
     try:
         config = load_supervised_config(SFTConfig if kind == "sft" else RMConfig, args.config, args.overrides)
     except ValueError as error:

@@ -225,14 +225,30 @@ class TrainerSection:
     """Validate every N steps (and after the last); 0 disables."""
     val_function: str | None = None
     """A rule function also scoring the validation responses (e.g. an exact checker), logged as ``val/function_mean``."""
+    val_before_train: bool = True
+    """With validation configured (``val_every`` > 0 and ``data.val_path``), validate once before the first
+    step and log it as step 0: the starting score."""
     save_every: int = 0
     """Checkpoint every N steps (and after the last); 0 disables."""
+    keep_last: int = 0
+    """Keep only the newest N checkpoints (older ones are deleted after each save); 0 keeps every one."""
+    keep_best: str | None = None
+    """A validation metric (e.g. ``val/function_mean``): each time it reaches a new best, the trained models are
+    exported as Hugging Face directories under ``output_dir/best`` (``best/best.json`` names the step); null: off."""
+    keep_best_mode: Literal["max", "min"] = "max"
+    """Whether a larger (``max``) or smaller (``min``) ``keep_best`` metric is better."""
     output_dir: str = "runs/hybridflow"
-    """Metrics (JSONL, TensorBoard) and checkpoints go here."""
+    """Metrics (JSONL, TensorBoard), checkpoints and the exported models (``output_dir/final/<role>``) go here."""
     resume: bool = True
-    """Continue from the latest complete checkpoint in ``output_dir`` when there is one."""
+    """Continue from the latest complete checkpoint in ``output_dir`` when there is one (announced on stdout)."""
+    allow_config_change: bool = False
+    """Resume even when the config differs from the checkpoint's in more than the loop keys (``total_steps``,
+    ``val_every``, ``save_every``, logging, ...); without it such a resume is refused with the differences listed."""
     progress_bar: bool = True
-    """Show a tqdm progress bar."""
+    """Show a tqdm progress bar when stderr is a terminal; otherwise (CI, nohup, files) one line every
+    ``log_every`` steps."""
+    log_every: int = 1
+    """When stderr is not a terminal (or ``progress_bar`` is false): print one metrics line every N steps."""
     tensorboard: bool = True
     """Write TensorBoard scalars under ``output_dir/tensorboard``."""
     wandb_project: str | None = None
@@ -242,6 +258,12 @@ class TrainerSection:
         require(self.total_steps >= 1, "total_steps", self.total_steps, "an integer >= 1")
         require(self.val_every >= 0, "val_every", self.val_every, "an integer >= 0")
         require(self.save_every >= 0, "save_every", self.save_every, "an integer >= 0")
+        require(self.keep_last >= 0, "keep_last", self.keep_last, "an integer >= 0 (0 keeps every checkpoint)")
+        require(self.log_every >= 1, "log_every", self.log_every, "an integer >= 1")
+        require(self.keep_best_mode in ("max", "min"), "keep_best_mode", self.keep_best_mode, "'max' or 'min'")
+        if self.keep_best is not None:
+            require(self.keep_best.startswith("val/") and self.val_every > 0, "keep_best", self.keep_best,
+                    "a validation metric name (val/score_mean, val/function_mean, ...) with val_every > 0, or null")
         if self.val_function is not None:
             require(bool(_FUNCTION_SPEC.match(self.val_function)), "val_function", self.val_function,
                      "'package.module:function', 'file.py:function' or a built-in name (math, code, arithmetic)")

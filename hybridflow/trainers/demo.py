@@ -260,7 +260,7 @@ def build_ppo_trainer(config: DemoConfig, files: dict[str, Path], root: Path, *,
         f"batch.samples_per_prompt={config.samples_per_prompt}", f"batch.mini_batch_size={config.mini_batch_size}",
         f"trainer.total_steps={config.ppo_steps}", f"trainer.val_every={config.val_every}",
         "trainer.val_function=arithmetic", f"trainer.output_dir={root / 'ppo'}", f"trainer.seed={config.seed}",
-        "trainer.resume=false"])
+        "trainer.resume=false", "trainer.val_before_train=false"])  # the SFT model's accuracy is measured above
     return RLTrainer(rl_config, mode=config.mode, tensorboard=tensorboard)
 
 

@@ -1,14 +1,18 @@
-"""MetricsLogger: one JSON line per step, TensorBoard scalars, and the history for plots and summaries."""
+"""MetricsLogger: one JSON line per step, TensorBoard scalars, and the history for plots and summaries;
+StepReporter: a progress bar on a terminal, one printed line per N steps elsewhere (CI, nohup, files)."""
 
 from __future__ import annotations
 
 import json
 import math
+import sys
+import time
 from pathlib import Path
 
 
 class MetricsLogger:
-    """Appends ``{"step": n, **metrics}`` to ``metrics.jsonl`` and TensorBoard under ``directory``.
+    """Appends ``{"step": n, "time/wall": unix seconds, **metrics}`` to ``metrics.jsonl`` and TensorBoard under
+    ``directory``.
 
     On resume the JSONL keeps the lines of steps before the resume point and drops later ones (they
     belong to the run that crashed after its last checkpoint), so the file reads as one clean run.
@@ -42,17 +46,19 @@ class MetricsLogger:
                                         resume="allow")
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        record = {"step": step, **{name: float(value) for name, value in metrics.items()}}
+        record = {"step": step, "time/wall": round(time.time(), 3),
+                  **{name: float(value) for name, value in metrics.items()}}
         self.history.append(record)
         with self.path.open("a") as handle:
             handle.write(json.dumps(record) + "\n")
         if self.writer is not None:
             for name, value in record.items():
-                if name != "step" and math.isfinite(value):
+                if name not in ("step", "time/wall") and math.isfinite(value):
                     self.writer.add_scalar(name, value, step)
             self.writer.flush()
         if self.wandb_run is not None:
-            self.wandb_run.log({name: value for name, value in record.items() if name != "step"}, step=step)
+            self.wandb_run.log({name: value for name, value in record.items() if name not in ("step", "time/wall")},
+                               step=step)
 
     def series(self, name: str) -> tuple[list[int], list[float]]:
         """(steps, values) of one metric over the logged steps that have it."""
@@ -64,3 +70,40 @@ class MetricsLogger:
             self.writer.close()
         if self.wandb_run is not None:
             self.wandb_run.finish()
+
+
+class StepReporter:
+    """Progress of a loop: a tqdm bar when ``stream`` is a terminal and ``progress_bar`` is on; otherwise one line
+    every ``every`` steps (and at the last), ``[name] step 3/10 | 1.52 s | loss 0.412 | val/nll 1.03``, flushed, so
+    logs of CI or nohup runs show progress without a bar's carriage returns."""
+
+    def __init__(self, name: str, *, total: int, initial: int = 0, progress_bar: bool = True, every: int = 1,
+                 keys: tuple[str, ...] = (), stream=None) -> None:
+        self.name, self.total, self.every, self.keys = name, total, every, keys
+        self.stream = stream if stream is not None else sys.stdout
+        self.bar = None
+        if progress_bar and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=initial, desc=name, unit="step")
+
+    def update(self, step: int, metrics: dict[str, float], *, advance: bool = True) -> None:
+        """Step ``step`` finished with ``metrics`` (``advance=False``: a record outside the loop, e.g. step 0)."""
+        shown = {key: metrics[key] for key in self.keys if key in metrics}
+        shown.update({key: value for key, value in metrics.items() if key.startswith("val/")})
+        if self.bar is not None:
+            if advance:
+                self.bar.update(1)
+            self.bar.set_postfix({key.split("/")[-1]: f"{value:.3g}" for key, value in shown.items()})
+            return
+        if advance and step % self.every and step != self.total:
+            return
+        parts = [f"[{self.name}] step {step}/{self.total}"]
+        if "time/step_s" in metrics:
+            parts.append(f"{metrics['time/step_s']:.2f} s")
+        parts += [f"{key} {value:.4g}" for key, value in shown.items()]
+        print(" | ".join(parts), file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

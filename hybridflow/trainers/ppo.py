@@ -10,6 +10,7 @@ cost advantages with the Lagrange multiplier, and updates the multiplier after e
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -24,10 +25,11 @@ from hybridflow.rewards import RuleReward
 from hybridflow.trainers.advantage import compute_advantages, sequence_kl, token_mean
 from hybridflow.trainers.auto_mapping import resolve_auto_mapping
 from hybridflow.trainers.build import build_worker_groups, role_specs
-from hybridflow.trainers.checkpoint import RunCheckpointer
+from hybridflow.trainers.checkpoint import RunCheckpointer, config_changes
 from hybridflow.trainers.config import RLConfig
-from hybridflow.trainers.config_loader import to_plain
-from hybridflow.trainers.metrics import MetricsLogger
+from hybridflow.trainers.config_loader import dump_yaml, to_plain
+from hybridflow.trainers.export import export_roles
+from hybridflow.trainers.metrics import MetricsLogger, StepReporter
 from hybridflow.trainers.redundant_passes import old_log_prob_is_redundant
 from hybridflow.trainers.scoring import RewardScorer
 
@@ -65,7 +67,8 @@ class RLTrainer:
                                                    horizon=algorithm.kl_horizon)
                               if algorithm.kl_controller == "adaptive" else FixedKLController(kl_coef=algorithm.kl_coef))
         self.output_dir = Path(config.trainer.output_dir)
-        self.checkpointer = RunCheckpointer(self.output_dir / "checkpoints")
+        self.checkpointer = RunCheckpointer(self.output_dir / "checkpoints", keep_last=config.trainer.keep_last)
+        resume_from = self._check_resume() if config.trainer.resume else None  # before any worker starts
         self.groups, self.pools = build_worker_groups(config, self.specs, mode=mode)
         self.actor = self.groups["actor"]
         self.reference = self.groups.get("reference")
@@ -81,7 +84,10 @@ class RLTrainer:
             ppo_epochs=config.actor.loss.ppo_epochs, mini_batches_per_epoch=self.derived.mini_batches_per_epoch,
             has_reference=self.reference is not None)
         self.step = 0
-        self.step = self._resume() if config.trainer.resume else 0
+        self.best: dict | None = None  # trainer.keep_best: {"metric", "value", "step"} of the best validation
+        self.step = self._resume(resume_from) if resume_from is not None else 0
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        (self.output_dir / "config.yaml").write_text(dump_yaml(self.user_config))
         self.logger = MetricsLogger(self.output_dir, resume_step=self.step,
                                     tensorboard=tensorboard and config.trainer.tensorboard,
                                     wandb_project=config.trainer.wandb_project, run_config=to_plain(config))
@@ -92,32 +98,64 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ the loop
     def fit(self, *, on_step=None) -> list[dict]:
-        """Run from the current step to ``trainer.total_steps``; returns the logged history."""
+        """Run from the current step to ``trainer.total_steps``, then export the trained models to
+        ``output_dir/final/<role>``; returns the logged history."""
         trainer = self.config.trainer
-        progress = None
-        if trainer.progress_bar:
-            from tqdm import tqdm
-
-            progress = tqdm(total=trainer.total_steps, initial=self.step, desc="rl", unit="step")
+        validates = bool(trainer.val_every) and self.val_data is not None
+        reporter = StepReporter("rl", total=trainer.total_steps, initial=self.step, progress_bar=trainer.progress_bar,
+                                every=trainer.log_every, keys=("reward/score_mean",))
         try:
+            if validates and trainer.val_before_train and self.step == 0:  # the starting score, as step 0
+                metrics = self._timed_validation()
+                self.logger.log(0, metrics)
+                self._keep_best(0, metrics)
+                reporter.update(0, metrics, advance=False)
             while self.step < trainer.total_steps:
+                started = time.perf_counter()
                 self.step += 1
                 metrics = self.train_step(self.loader.next_batch())
                 last = self.step == trainer.total_steps
-                if trainer.val_every and (self.step % trainer.val_every == 0 or last):
-                    metrics.update(self.validate())
+                if validates and (self.step % trainer.val_every == 0 or last):
+                    metrics.update(self._timed_validation())
+                metrics["time/step_s"] = time.perf_counter() - started
                 self.logger.log(self.step, metrics)
+                self._keep_best(self.step, metrics)
                 if trainer.save_every and (self.step % trainer.save_every == 0 or last):
                     self.save_checkpoint()
-                if progress is not None:
-                    progress.update(1)
-                    progress.set_postfix(score=f"{metrics['reward/score_mean']:.3f}")
+                reporter.update(self.step, metrics)
                 if on_step is not None:
                     on_step(self.step, metrics)
         finally:
-            if progress is not None:
-                progress.close()
+            reporter.close()
+        self.export(self.output_dir / "final")
         return self.logger.history
+
+    def _timed_validation(self) -> dict[str, float]:
+        started = time.perf_counter()
+        metrics = self.validate()
+        metrics["time/validate_s"] = time.perf_counter() - started
+        return metrics
+
+    def export(self, directory: str | Path) -> dict[str, Path]:
+        """The trained roles (actor; critic / cost critic where trained) as Hugging Face directories with their
+        tokenizer files: ``directory/<role>``."""
+        return export_roles(self.groups, self.config, directory)
+
+    def _keep_best(self, step: int, metrics: dict[str, float]) -> None:
+        """``trainer.keep_best``: export to ``output_dir/best`` when the metric reaches a new best."""
+        name, mode = self.config.trainer.keep_best, self.config.trainer.keep_best_mode
+        if name is None or not any(key.startswith("val/") for key in metrics):
+            return
+        if name not in metrics:
+            raise ValueError(f"config key trainer.keep_best got {name!r}; allowed: a metric validation logs: "
+                             f"{', '.join(sorted(key for key in metrics if key.startswith('val/')))}")
+        value = float(metrics[name])
+        if self.best is not None and not (value > self.best["value"] if mode == "max" else value < self.best["value"]):
+            return
+        self.best = {"metric": name, "value": value, "step": step}
+        best_dir = self.output_dir / "best"
+        self.export(best_dir)
+        (best_dir / "best.json").write_text(json.dumps(self.best))
 
     def train_step(self, prompts: DataProto) -> dict[str, float]:
         """One RL iteration on a batch of prompts; returns its metrics."""
@@ -238,16 +276,36 @@ class RLTrainer:
                 if role != "reference":  # never trained: rebuilt from its model on resume
                     group.save_checkpoint(str(directory / role))
 
-        state = {"loader": self.loader.state_dict(), "kl_controller": self.kl_controller.state_dict(),
+        state = {"config": to_plain(self.user_config), "best": self.best,
+                 "loader": self.loader.state_dict(), "kl_controller": self.kl_controller.state_dict(),
                  "ptx_loader": self.ptx_loader.state_dict() if self.ptx_loader is not None else None,
                  "lagrange": self.lagrange.state_dict() if self.lagrange is not None else None}
         return self.checkpointer.save(self.step, state, save_roles)
 
-    def _resume(self) -> int:
+    def _check_resume(self) -> Path | None:
+        """The checkpoint to resume from, announced with the config changes since it was written; a change beyond
+        the loop and layout keys is refused unless ``trainer.allow_config_change``."""
         path = self.checkpointer.latest()
         if path is None:
-            return 0
+            return None
         state = self.checkpointer.driver_state(path)
+        reported, refused = config_changes(state.get("config", {}), to_plain(self.user_config))
+        if "config" not in state:
+            refused = ["(the checkpoint records no config: it cannot be compared)"]
+        if refused and not self.config.trainer.allow_config_change:
+            raise ValueError(
+                f"trainer.output_dir {str(self.output_dir)!r} holds checkpoint {path.name} (step {state['step']}) of a "
+                f"run with a different config:\n  " + "\n  ".join(refused) + "\nallowed: the same config, "
+                "trainer.allow_config_change=true to resume anyway, or trainer.resume=false or another "
+                "trainer.output_dir to start a new run")
+        print(f"resuming from {path} (step {state['step']} of {self.config.trainer.total_steps})", flush=True)
+        if reported or refused:
+            print("config changes since that checkpoint:\n  " + "\n  ".join(reported + refused), flush=True)
+        return path
+
+    def _resume(self, path: Path) -> int:
+        state = self.checkpointer.driver_state(path)
+        self.best = state.get("best")
         for role, group in self.groups.items():
             if role != "reference":
                 group.load_checkpoint(str(path / role))

@@ -1,12 +1,15 @@
 """SFT and reward-model training: configs and the two short driver programs, writing Hugging Face directories.
 
 Both run one worker group (``SFTWorker`` / ``PreferenceWorker``) on one pool, draw global batches
-with a resumable seeded loader, evaluate on a held-out split, and export the final weights plus
-the tokenizer to ``<output_dir>/model`` so ``hybridflow train`` can load them as a ``path``.
+with a resumable seeded loader, evaluate on a held-out split (also before the first step), and export
+the final weights plus the tokenizer to ``<output_dir>/model`` so ``hybridflow train`` can load them as
+a ``path``. SFT with a ``val_function`` also scores greedy answers to the held-out prompts.
 """
 
 from __future__ import annotations
 
+import shutil
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -21,7 +24,7 @@ from hybridflow.models.config import ModelConfig
 from hybridflow.trainers.build import engine_config_of, model_config_of, tokenizer_of
 from hybridflow.trainers.config import default_engine, require
 from hybridflow.trainers.config_loader import apply_overrides, build_dataclass, load_yaml
-from hybridflow.trainers.metrics import MetricsLogger
+from hybridflow.trainers.metrics import MetricsLogger, StepReporter
 from hybridflow.workers import EngineSpec
 from hybridflow.workers.supervised import PreferenceWorker, SFTWorker
 
@@ -72,6 +75,8 @@ class SupervisedRun:
     """Stop after this many optimizer steps; 0 means epochs x (rows // batch_size)."""
     eval_every: int = 0
     """Evaluate every N optimizer steps (and at the end); 0: only at the end."""
+    eval_before_train: bool = True
+    """With a ``data.val_path``, evaluate once before the first step too, logged as step 0 (the starting score)."""
     devices: list[int] = field(default_factory=lambda: [1])
     """Devices per node of the training pool."""
     seed: int = 0
@@ -79,9 +84,12 @@ class SupervisedRun:
     output_dir: str = "runs/supervised"
     """Metrics and the exported model (``<output_dir>/model``)."""
     progress_bar: bool = True
-    """Show a tqdm progress bar."""
+    """Show a tqdm progress bar when stderr is a terminal; otherwise one line every ``log_every`` steps."""
+    log_every: int = 1
+    """When stderr is not a terminal (or ``progress_bar`` is false): print one metrics line every N steps."""
 
     def __post_init__(self) -> None:
+        require(self.log_every >= 1, "log_every", self.log_every, "an integer >= 1")
         require(self.batch_size >= 1, "batch_size", self.batch_size, "an integer >= 1")
         require(self.epochs >= 1, "epochs", self.epochs, "an integer >= 1")
         require(self.eval_every >= 0, "eval_every", self.eval_every, "an integer >= 0")
@@ -99,6 +107,20 @@ class SFTConfig(SupervisedRun):
 
     data: SFTData
     """Prompt/response rows."""
+    val_function: str | None = None
+    """A rule reward ``module:function`` (or ``file.py:function``, or a built-in name) scoring greedy answers to
+    the ``data.val_path`` prompts at each evaluation: ``val/function_mean``, plus ``val/exact_match`` (answer ==
+    the row's response, stripped). The answers are generated in this process with ``transformers`` from the
+    current weights (meant for models that fit one device)."""
+    val_max_new_tokens: int = 64
+    """Longest greedy answer for ``val_function``."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.val_max_new_tokens >= 1, "val_max_new_tokens", self.val_max_new_tokens, "an integer >= 1")
+        if self.val_function is not None:
+            require(self.data.val_path is not None, "val_function", self.val_function,
+                    "null unless data.val_path is set (it scores answers to the validation prompts)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -150,6 +172,38 @@ def _evaluate(config: SupervisedRun, group: WorkerGroup, dataset) -> dict[str, f
     return {"val/accuracy": float((margins > 0).float().mean()), "val/margin": float(margins.mean())}
 
 
+def _greedy_answer_metrics(config: SFTConfig, group: WorkerGroup, tokenizer, rule, output_dir: Path) -> dict[str, float]:
+    """``val/function_mean`` and ``val/exact_match`` of greedy answers to the validation prompts, generated with
+    transformers from the group's current weights (exported to a scratch directory)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as transformers_logging
+
+    from hybridflow.data import PromptDataset
+
+    transformers_logging.disable_progress_bar()  # a "Loading weights" bar per evaluation would flood the log
+
+    scratch = output_dir / "eval_model.tmp"
+    group.export_hf(str(scratch))
+    model = AutoModelForCausalLM.from_pretrained(str(scratch)).eval()
+    prompts = PromptDataset(config.data.val_path, tokenizer, max_prompt_tokens=config.data.max_prompt_tokens,
+                            prompt_key=config.data.prompt_key)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    scores, matches = [], []
+    for batch in prompts.batches_in_order(config.batch_size):
+        input_ids_BP = batch["input_ids"]
+        with torch.no_grad():
+            output_BS = model.generate(input_ids=input_ids_BP, attention_mask=batch["attention_mask"], do_sample=False,
+                                       max_new_tokens=config.val_max_new_tokens, pad_token_id=pad_id,
+                                       eos_token_id=tokenizer.eos_token_id)
+        answers = tokenizer.batch_decode(output_BS[:, input_ids_BP.shape[1]:], skip_special_tokens=True)
+        fields = list(batch["extra_fields"])
+        scores.append(rule.score_batch(list(batch["raw_prompt"]), answers, fields))
+        matches += [float(answer.strip() == str(row.get(config.data.response_key, "")).strip())
+                    for answer, row in zip(answers, fields)]
+    shutil.rmtree(scratch, ignore_errors=True)
+    return {"val/function_mean": float(torch.cat(scores).mean()), "val/exact_match": sum(matches) / len(matches)}
+
+
 def run_supervised(config: SFTConfig | RMConfig, *, mode: str | None = None, tensorboard: bool = True) -> dict:
     """Train, evaluate, export; returns ``{"history": [...], "model_dir": str, "final": metrics}``."""
     is_sft = isinstance(config, SFTConfig)
@@ -173,28 +227,42 @@ def run_supervised(config: SFTConfig | RMConfig, *, mode: str | None = None, ten
     loader = BatchLoader(train_data, batch_size=config.batch_size, seed=config.seed)
     output_dir = Path(config.output_dir)
     logger = MetricsLogger(output_dir, tensorboard=tensorboard)
-    progress = None
-    if config.progress_bar:
-        from tqdm import tqdm
+    rule = None
+    if is_sft and config.val_function is not None:
+        from hybridflow.rewards import RuleReward
 
-        progress = tqdm(total=total_steps, desc="sft" if is_sft else "rm", unit="step")
+        rule = RuleReward(config.val_function)
+
+    def evaluate() -> dict[str, float]:
+        started = time.perf_counter()
+        metrics = _evaluate(config, group, val_data)
+        if rule is not None:
+            metrics.update(_greedy_answer_metrics(config, group, tokenizer, rule, output_dir))
+        metrics["time/validate_s"] = time.perf_counter() - started
+        return metrics
+
+    reporter = StepReporter("sft" if is_sft else "rm", total=total_steps, progress_bar=config.progress_bar,
+                            every=config.log_every, keys=("loss",))
     try:
         final: dict[str, float] = {}
+        if val_data is not None and config.eval_before_train:
+            final = evaluate()
+            logger.log(0, final)
+            reporter.update(0, final, advance=False)
         for step in range(1, total_steps + 1):
+            started = time.perf_counter()
             metrics = group.train_batch(loader.next_batch())[0]
             if val_data is not None and (step == total_steps or (config.eval_every and step % config.eval_every == 0)):
-                metrics.update(_evaluate(config, group, val_data))
+                metrics.update(evaluate())
+            metrics["time/step_s"] = time.perf_counter() - started
             logger.log(step, metrics)
             final = metrics
-            if progress is not None:
-                progress.update(1)
-                progress.set_postfix(loss=f"{metrics['loss']:.3f}")
+            reporter.update(step, metrics)
         model_dir = output_dir / "model"
         group.export_hf(str(model_dir))
         tokenizer.save_pretrained(str(model_dir))
     finally:
-        if progress is not None:
-            progress.close()
+        reporter.close()
         logger.close()
         group.shutdown()
         pool.release()

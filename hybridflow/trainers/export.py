@@ -1,0 +1,112 @@
+"""What a run leaves behind: its trained models as Hugging Face directories with their tokenizer files.
+
+``hybridflow train`` ends by writing ``<output_dir>/final/<role>`` for every trained role (actor, and
+critic / cost_critic where the algorithm trains one); ``trainer.keep_best`` adds ``<output_dir>/best``;
+``hybridflow export RUN_DIR [--step N] [--out DIR]`` turns any checkpoint of a run into the same
+directories. Each loads with ``from_pretrained`` and as a ``model.path`` of the next ``hybridflow`` stage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+# Roles whose weights change during RL (the reference, reward and cost models are frozen).
+TRAINED_ROLES = ("actor", "critic", "cost_critic")
+
+
+def role_tokenizer(config, role: str):
+    """The tokenizer of a trained role's model (a critic's backbone defaults to the actor's model)."""
+    from hybridflow.trainers.build import tokenizer_of
+
+    source = config.section_of(role).model or config.actor.model
+    return tokenizer_of(source).load()
+
+
+def export_roles(groups: dict, config, directory: str | Path) -> dict[str, Path]:
+    """Write ``directory/<role>`` (config, safetensors, tokenizer files) for every trained role in ``groups``."""
+    written = {}
+    for role in TRAINED_ROLES:
+        if role in groups:
+            target = Path(directory) / role
+            groups[role].export_hf(str(target))
+            role_tokenizer(config, role).save_pretrained(str(target))
+            written[role] = target
+    return written
+
+
+def _single_process_config(plain: dict) -> dict:
+    """A run's config with every role on one device (tp = pp = 1): the checkpoint loads into any layout."""
+    plain = {**plain, "placement": {"pools": {"global": [1]}, "roles": {}, "mapping": "manual"}}
+    for key in ("actor", "critic", "reference", "reward"):
+        section = plain.get(key)
+        if isinstance(section, dict) and isinstance(section.get("engine"), dict):
+            plain[key] = {**section, "engine": {**section["engine"], "tp_size": 1, "pp_size": 1}}
+    actor = plain["actor"]
+    if isinstance(actor.get("hybrid_engine"), dict):
+        plain["actor"] = {**actor, "hybrid_engine": {**actor["hybrid_engine"], "tp_size": 1, "pp_size": 1}}
+    cost = plain.get("cost")
+    if isinstance(cost, dict):
+        critic = cost.get("critic") or {}
+        engine = {**(critic.get("engine") or {}), "tp_size": 1, "pp_size": 1}
+        plain["cost"] = {**cost, "engine": {**(cost.get("engine") or {}), "tp_size": 1, "pp_size": 1},
+                         "critic": {**critic, "engine": engine}}
+    return plain
+
+
+def export_checkpoint(run_dir: str | Path, *, step: int | None = None, out: str | Path | None = None) -> dict[str, Path]:
+    """Load checkpoint ``step`` (None: the latest) of the run in ``run_dir`` into this process and export its
+    trained roles to ``out`` (default ``run_dir/export/step_N``)."""
+    from hybridflow.controller import ResourcePool, WorkerGroup
+    from hybridflow.trainers.build import COST_CRITIC_PREFIX, role_specs
+    from hybridflow.trainers.checkpoint import RunCheckpointer
+    from hybridflow.trainers.config import RLConfig
+    from hybridflow.trainers.config_loader import build_dataclass
+    from hybridflow.workers import ActorWorker, CriticWorker
+
+    checkpointer = RunCheckpointer(Path(run_dir) / "checkpoints")
+    path = checkpointer.at_step(step)
+    state = checkpointer.driver_state(path)
+    if "config" not in state:
+        raise ValueError(f"checkpoint {path} has no config in driver.json (written by an older hybridflow); "
+                         f"export it from a run that saves its config")
+    config = build_dataclass(RLConfig, _single_process_config(state["config"]))
+    specs = role_specs(config)
+    arguments = {"actor": (ActorWorker, (specs.actor,), {}), "critic": (CriticWorker, specs.critic, {}),
+                 "cost_critic": (CriticWorker, specs.cost_critic, {"prefix": COST_CRITIC_PREFIX})}
+    target = Path(out) if out is not None else Path(run_dir) / "export" / path.name
+    written = {}
+    for role in TRAINED_ROLES:
+        if not (path / role).is_dir():
+            continue
+        worker_class, args, kwargs = arguments[role]
+        pool = ResourcePool([1], mode="local")  # one role at a time: only one model in memory
+        group = WorkerGroup(pool, worker_class, *args, name=role, **kwargs)
+        try:
+            group.load_checkpoint(str(path / role))
+            written.update(export_roles({role: group}, config, target))
+        finally:
+            group.shutdown()
+            pool.release()
+    return written
+
+
+def export_main(argv: list[str]) -> int:
+    """`hybridflow export RUN_DIR [--step N] [--out DIR]`."""
+    parser = argparse.ArgumentParser(
+        prog="hybridflow export",
+        description="Turn a checkpoint of a `hybridflow train` run into Hugging Face directories (one per trained "
+                    "role, with tokenizer files), loadable by from_pretrained and as a model.path of the next stage.")
+    parser.add_argument("run_dir", help="the run's trainer.output_dir (it holds checkpoints/)")
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step to export (default: the latest)")
+    parser.add_argument("--out", default=None, help="output directory (default: RUN_DIR/export/step_N)")
+    args = parser.parse_args(argv)
+    try:
+        written = export_checkpoint(args.run_dir, step=args.step, out=args.out)
+    except ValueError as error:
+        print(f"hybridflow export: error: {error}", file=sys.stderr)
+        return 2
+    for role, directory in written.items():
+        print(f"{role}: {directory}")
+    return 0
