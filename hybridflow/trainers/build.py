@@ -159,5 +159,6 @@ def build_worker_groups(config: RLConfig, specs: RoleSpecs, *,
     pools = []
     for pool_name, roles in by_pool.items():
         pools.append(ResourcePool(list(config.placement.pools[pool_name]), mode=mode))
-        groups.update(WorkerGroup.colocate(pools[-1], roles))
+        groups.update(WorkerGroup.colocate(pools[-1], roles, timeout_s=config.trainer.worker_timeout_s,
+                                           watchdog_s=config.trainer.watchdog_s))
     return groups, pools

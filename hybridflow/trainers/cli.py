@@ -80,8 +80,14 @@ def train_main(argv: list[str]) -> int:
         trainer = RLTrainer(config, mode="local" if args.local else None)
     except ValueError as error:  # datasets, reward function specs, model directories
         return _fail("hybridflow train", error)
+    from hybridflow.controller.errors import WorkerError, WorkerTimeoutError, user_message
+    from hybridflow.rewards.plugin import RewardError
+
     try:
         history = trainer.fit()
+    except (WorkerError, WorkerTimeoutError, RewardError) as error:
+        # one line naming role, rank, method and cause; the full remote traceback goes to a file
+        return _fail("hybridflow train", user_message(error, trainer.output_dir / "errors"))
     finally:
         trainer.shutdown()
     last = history[-1] if history else {}

@@ -33,6 +33,11 @@ ROLES = ("actor", "reference", "critic", "reward", "cost", "cost_critic")
 _FUNCTION_SPEC = re.compile(r"^([^:\s]+:[A-Za-z_][\w.]*|[A-Za-z_]\w*)$")
 
 
+def _finite_positive(value: Any) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and value > 0)
+
+
 def require(condition: bool, key: str, value: Any, allowed: str) -> None:
     """ValueError naming the key (relative to its section; the loader prefixes the path), the value and what is allowed."""
     if not condition:
@@ -107,6 +112,9 @@ class RewardSection:
     the working directory; ``file.py:function`` and built-in names (math, code, arithmetic) work too."""
     function_weight: float = 1.0
     """Weight of the function's reward in the total reward."""
+    function_timeout_s: float = 300.0
+    """Seconds one batch of the reward function may take; past it the step fails with an error naming the
+    function and the samples still running (a function that never returns cannot hang training)."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """Inference layout, micro-batch budget and precision of the reward model (its ``optim`` is unused)."""
 
@@ -118,6 +126,8 @@ class RewardSection:
         if self.function is not None:
             require(bool(_FUNCTION_SPEC.match(self.function)), "function", self.function,
                      "'package.module:function', 'file.py:function' or a built-in name (math, code, arithmetic)")
+        require(_finite_positive(self.function_timeout_s), "function_timeout_s", self.function_timeout_s,
+                "a number of seconds > 0")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -253,6 +263,12 @@ class TrainerSection:
     """Write TensorBoard scalars under ``output_dir/tensorboard``."""
     wandb_project: str | None = None
     """Also log to Weights & Biases under this project (needs ``pip install wandb``); null: off."""
+    worker_timeout_s: float = 3600.0
+    """Seconds one worker call (a generation, an update, ...) may take before the run fails with an error
+    naming the role, method and the ranks still running (a frozen worker cannot hang the run)."""
+    watchdog_s: float = 120.0
+    """While a worker call runs longer than this, log every this many seconds which role, method and
+    ranks it is waiting for."""
 
     def __post_init__(self) -> None:
         require(self.total_steps >= 1, "total_steps", self.total_steps, "an integer >= 1")
@@ -260,6 +276,9 @@ class TrainerSection:
         require(self.save_every >= 0, "save_every", self.save_every, "an integer >= 0")
         require(self.keep_last >= 0, "keep_last", self.keep_last, "an integer >= 0 (0 keeps every checkpoint)")
         require(self.log_every >= 1, "log_every", self.log_every, "an integer >= 1")
+        require(_finite_positive(self.worker_timeout_s), "worker_timeout_s", self.worker_timeout_s,
+                "a number of seconds > 0")
+        require(_finite_positive(self.watchdog_s), "watchdog_s", self.watchdog_s, "a number of seconds > 0")
         require(self.keep_best_mode in ("max", "min"), "keep_best_mode", self.keep_best_mode, "'max' or 'min'")
         if self.keep_best is not None:
             require(self.keep_best.startswith("val/") and self.val_every > 0, "keep_best", self.keep_best,

@@ -59,10 +59,12 @@ class RLTrainer:
                                   shuffle=config.data.shuffle)
         self.scorer = RewardScorer(tokenizer=self.tokenizer, function=config.reward.function,
                                    function_weight=config.reward.function_weight,
-                                   model_weight=config.reward.model_weight, uses_model=config.reward.model is not None)
+                                   model_weight=config.reward.model_weight, uses_model=config.reward.model is not None,
+                                   timeout_s=config.reward.function_timeout_s)
         algorithm = config.algorithm
         val_function = config.trainer.val_function or config.reward.function
-        self.val_rule = RuleReward(val_function) if val_function is not None else None
+        self.val_rule = (RuleReward(val_function, timeout_s=config.reward.function_timeout_s)
+                         if val_function is not None else None)
         self.kl_controller = (AdaptiveKLController(init_kl_coef=algorithm.kl_coef, target_kl=algorithm.kl_target,
                                                    horizon=algorithm.kl_horizon)
                               if algorithm.kl_controller == "adaptive" else FixedKLController(kl_coef=algorithm.kl_coef))

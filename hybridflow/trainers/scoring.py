@@ -19,9 +19,9 @@ class RewardScorer:
     """Combines ``rm_scores`` (from the RewardWorker) and a rule function into the ``scores`` PPO optimizes."""
 
     def __init__(self, *, tokenizer, function: str | None, function_weight: float, model_weight: float,
-                 uses_model: bool) -> None:
+                 uses_model: bool, timeout_s: float = 300.0) -> None:
         self.tokenizer = tokenizer
-        self.rule = RuleReward(function) if function is not None else None
+        self.rule = RuleReward(function, timeout_s=timeout_s) if function is not None else None
         self.function_weight, self.model_weight, self.uses_model = function_weight, model_weight, uses_model
 
     def rule_scores(self, data: DataProto, rule: RuleReward | None = None) -> Tensor:

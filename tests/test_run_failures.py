@@ -1,0 +1,65 @@
+"""A run never hangs silently and reports failures in one line: reward timeouts, worker timeouts from the
+config, and the CLI's one-line message for errors raised while training."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hybridflow.controller import local_mode
+from hybridflow.data import write_jsonl
+from hybridflow.data.builtin import ArithmeticTaskConfig, prompt_rows
+from hybridflow.rewards import RewardError
+from hybridflow.trainers.config import load_rl_config
+from hybridflow.trainers.ppo import RLTrainer
+
+
+def slow_reward(prompt: str, response: str, **extra_fields) -> float:
+    time.sleep(30)
+    return 0.0
+
+
+def crashing_reward(prompt: str, response: str, **extra_fields) -> float:
+    raise RuntimeError("checker crashed")
+
+
+def _overrides(tmp_path, reward: str, *extra: str) -> list[str]:
+    write_jsonl(tmp_path / "train.jsonl", prompt_rows(8, split="train", seed=0, config=ArithmeticTaskConfig(max_digits=1)))
+    return [f"data.train_path={tmp_path / 'train.jsonl'}", "actor.model.builtin=arithmetic",
+            f"reward.function={__file__}:{reward}", "algorithm.advantage_estimator=grpo",
+            "actor.generation.max_new_tokens=3", "batch.prompts_per_step=2", "batch.samples_per_prompt=2",
+            "batch.mini_batch_size=4", "trainer.total_steps=1", "trainer.progress_bar=false",
+            "trainer.val_before_train=false", f"trainer.output_dir={tmp_path / 'run'}", *extra]
+
+
+@pytest.mark.parametrize("key, value", [("reward.function_timeout_s", "0"), ("trainer.worker_timeout_s", "-1"),
+                                        ("trainer.watchdog_s", ".inf")])
+def test_timeouts_must_be_finite_positive_seconds_and_the_error_names_the_key(tmp_path, key, value):
+    with pytest.raises(ValueError, match=key.split(".")[1]):
+        load_rl_config(None, _overrides(tmp_path, "crashing_reward", f"{key}={value}"))
+
+
+def test_a_reward_function_that_never_returns_fails_the_step_within_its_timeout_naming_it(tmp_path):
+    config = load_rl_config(None, _overrides(tmp_path, "slow_reward", "reward.function_timeout_s=1"))
+    assert config.trainer.worker_timeout_s == 3600.0 and config.trainer.watchdog_s == 120.0
+    start = time.monotonic()
+    with local_mode():
+        trainer = RLTrainer(config, tensorboard=False)
+        try:
+            with pytest.raises(RewardError, match="slow_reward"):
+                trainer.fit()
+        finally:
+            trainer.shutdown()
+    assert time.monotonic() - start < 25  # not the 30 s the function sleeps
+
+
+def test_the_train_command_reports_a_failing_reward_in_one_line_with_exit_code_2(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "hybridflow.cli", "train", *_overrides(tmp_path, "crashing_reward"),
+                             "--local"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("hybridflow train: error: reward function") and "checker crashed" in last
+    assert "Traceback" not in result.stderr
