@@ -123,3 +123,25 @@ def test_fsdp_with_bf16_compute_gathers_bf16_keeps_fp32_master_weights_and_match
     assert dtypes == {torch.float32}
     assert loss_a == loss_b
     assert loss_a == pytest.approx(want, rel=2e-2)
+
+
+@pytest.mark.parametrize("meta", [False, True])
+def test_an_inference_only_engine_holds_bf16_weights_without_optimizer_and_checkpoints_round_trip(tmp_path, meta):
+    path = _save(tmp_path / "model")
+    config = EngineConfig(micro_batch_tokens=64, dtype="bfloat16")
+    model_config = ModelConfig(path=path)
+    frozen = (TrainingEngine(config, lambda: build_model(model_config, device="meta"), weights_path=path,
+                             trainable=False) if meta
+              else TrainingEngine(config, lambda: build_model(model_config), trainable=False))
+    trained = TrainingEngine(config, lambda: build_model(model_config))
+    assert {p.dtype for p in frozen.model.parameters()} == {torch.bfloat16}
+    assert frozen.optimizer is None and not any(p.requires_grad for p in frozen.model.parameters())
+    want = trained.forward(_batch(), outputs=("logprobs",))["logprobs"]
+    got = frozen.forward(_batch(), outputs=("logprobs",))["logprobs"]
+    torch.testing.assert_close(got, want, rtol=0, atol=0.1)  # bf16 weights vs fp32 masters under bf16 autocast
+    with pytest.raises(ValueError, match=r"reference was built for inference only"):
+        frozen.train_step(_batch(), _loss, context="reference")
+    frozen.save_checkpoint(str(tmp_path / "ckpt"))
+    again = TrainingEngine(config, lambda: build_model(ModelConfig(tiny={}, seed=99)), trainable=False)
+    again.load_checkpoint(str(tmp_path / "ckpt"))
+    assert all(torch.equal(a, b) for a, b in zip(again.model.parameters(), frozen.model.parameters()))

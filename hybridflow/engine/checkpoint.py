@@ -80,8 +80,9 @@ EMBEDDING, OUTPUT_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 def _state(engine: "TrainingEngine") -> tuple[dict, dict]:
     """(DCP state keyed by HF names, optimizer template); a tied embedding appears once, as EMBEDDING."""
     # get_optimizer_state_dict creates the (zero) optimizer state if no step ran yet, so the same
-    # keys exist before loading as after saving
-    optim_state = get_optimizer_state_dict(engine.model, engine.optimizer)
+    # keys exist before loading as after saving; an inference-only engine has no optimizer
+    optim_state = (get_optimizer_state_dict(engine.model, engine.optimizer) if engine.optimizer is not None
+                   else {"state": {}, "param_groups": []})
     model_state = get_model_state_dict(engine.model)
     optim_tensors = dict(optim_state["state"])
     if engine.ties_embeddings:
@@ -89,7 +90,8 @@ def _state(engine: "TrainingEngine") -> tuple[dict, dict]:
         head = model_state.pop(OUTPUT_HEAD, None)
         if EMBEDDING not in model_state and head is not None:
             model_state[EMBEDDING] = head
-            optim_tensors[EMBEDDING] = optim_tensors.pop(OUTPUT_HEAD)
+            if OUTPUT_HEAD in optim_tensors:
+                optim_tensors[EMBEDDING] = optim_tensors.pop(OUTPUT_HEAD)
     return {"model": model_state, "optim": optim_tensors}, optim_state
 
 
@@ -131,9 +133,10 @@ def load_checkpoint(engine: "TrainingEngine", directory: str) -> None:
     # strict=False: with tied embeddings at pp=1 the head shares the embedding's tensor
     set_model_state_dict(engine.model, _local_names(engine, state["model"]),
                          options=StateDictOptions(strict=False))
-    set_optimizer_state_dict(engine.model, engine.optimizer,
-                             {"state": _local_names(engine, state["optim"]),
-                              "param_groups": optim_template["param_groups"]})
+    if engine.optimizer is not None:
+        set_optimizer_state_dict(engine.model, engine.optimizer,
+                                 {"state": _local_names(engine, state["optim"]),
+                                  "param_groups": optim_template["param_groups"]})
     engine.step = int(record["step"])
 
 

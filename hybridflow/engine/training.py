@@ -39,14 +39,16 @@ class TrainingEngine:
     """A model laid out over this process group, trained and queried in token-budget micro-batches."""
 
     def __init__(self, config: EngineConfig, build_model: Callable[[], nn.Module], *, head: str = "lm",
-                 weights_path: str | None = None, head_seed: int = 0):
+                 weights_path: str | None = None, head_seed: int = 0, trainable: bool = True):
         """``build_model()`` returns the full model; with ``weights_path`` it returns the architecture on the
         meta device, and each rank allocates only its shards and reads them from that Hugging Face
         directory (``engine/weights.py``). ``head_seed`` initialises a value/score head the checkpoint lacks.
+        ``trainable=False`` (reference, reward and cost models): parameters are held in the compute dtype
+        (bf16 on GPUs: half the memory of fp32 masters), without gradients and without an optimizer.
         """
         if head not in HEADS:
             raise ValueError(f"head must be one of {HEADS}, got {head!r}")
-        self.config, self.head = config, head
+        self.config, self.head, self.trainable = config, head, trainable
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(config.seed)
             full_model = build_model()
@@ -69,9 +71,11 @@ class TrainingEngine:
             if weights_path is None:
                 raise ValueError("build_model() returned a model on the meta device but no weights_path was given")
             self._materialize(weights_path, head_seed)
+        if not trainable:
+            self.model.requires_grad_(False)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self._tied_group, self._tied_param = self._build_tied_embedding_sync()
-        self.optimizer = build_optimizer(self.model, config.optim)
+        self.optimizer = build_optimizer(self.model, config.optim) if trainable else None
         self._pipeline_stage = None  # built on first use (3d layout with pp_size > 1)
         self.last_batch_stats: dict[str, int] = {}
         """This rank's last batch: micro_batches, real_tokens, computed_tokens (packed, with filler),
@@ -104,7 +108,8 @@ class TrainingEngine:
         # fp32 master weights whatever dtype the model was built in; compute runs in config.dtype (autocast).
         # A meta model stays on meta through sharding and is allocated shard by shard in _materialize.
         on_meta = all(p.device.type == "meta" for p in model.parameters())
-        model.to(dtype=torch.float32) if on_meta else model.to(device=self.device, dtype=torch.float32)
+        dtype = torch.float32 if self.trainable else self.config.compute_dtype
+        model.to(dtype=dtype) if on_meta else model.to(device=self.device, dtype=dtype)
         model.train()
         stage = build_stage(model, head=self.head, pp_size=self.layout.pp_size, pp_rank=self.coords.pp_rank)
         if self.layout.tp_size > 1:
@@ -127,15 +132,15 @@ class TrainingEngine:
             stage.lm_head.weight = stage.model.embed_tokens.weight  # to_empty allocated the two separately
 
     @classmethod
-    def from_model_config(cls, config: EngineConfig, model_config) -> "TrainingEngine":
+    def from_model_config(cls, config: EngineConfig, model_config, *, trainable: bool = True) -> "TrainingEngine":
         """The engine of a ``ModelConfig``: a local checkpoint is read shard by shard onto meta-initialised
         stages (no rank ever holds the whole model); a tiny random model is built whole (it is tiny)."""
         from hybridflow.models import build_model
 
         if model_config.path is None or not cls.meta_init_supported(config, model_config):
-            return cls(config, lambda: build_model(model_config), head=model_config.head)
+            return cls(config, lambda: build_model(model_config), head=model_config.head, trainable=trainable)
         return cls(config, lambda: build_model(model_config, device="meta"), head=model_config.head,
-                   weights_path=model_config.path, head_seed=model_config.seed)
+                   weights_path=model_config.path, head_seed=model_config.seed, trainable=trainable)
 
     @staticmethod
     def meta_init_supported(config: EngineConfig, model_config) -> bool:
@@ -315,6 +320,9 @@ class TrainingEngine:
         returns the metrics with ``skipped_non_finite = 1`` (the step counter does not advance).
         """
         check_non_finite_action(on_non_finite)
+        if not self.trainable:
+            raise ValueError(f"{context or 'this engine'} was built for inference only (trainable=False): it holds "
+                             f"no gradients or optimizer, so train_step is not available")
         outputs = self._check_outputs(outputs or OUTPUTS_OF_HEAD[self.head])
         batch, packed, num_columns = self._prepare(batch, group_size)
         normalisers = self._normalisers(batch)

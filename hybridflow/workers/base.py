@@ -22,12 +22,16 @@ def tensors_of(data: DataProto, keys: tuple[str, ...] | None = None) -> dict[str
 class ModelWorker(Worker):
     """Base of the role workers: one TrainingEngine over this worker group, checkpoint and export methods."""
 
+    TRAINABLE = True
+    """False for roles that only score (reference, reward, cost): their engine holds the weights in the
+    compute dtype with no gradients or optimizer."""
+
     def __init__(self, spec: EngineSpec) -> None:
         self.spec = spec
         if spec.engine.num_threads:
             torch.set_num_threads(spec.engine.num_threads)
         # a checkpoint is read shard by shard onto meta-initialised stages: no rank holds the whole model
-        self.engine = TrainingEngine.from_model_config(spec.engine, spec.model)
+        self.engine = TrainingEngine.from_model_config(spec.engine, spec.model, trainable=self.TRAINABLE)
         self.set_parallel_layout(self.engine.layout)
 
     @register("ONE_TO_ALL")

@@ -10,6 +10,8 @@ from hybridflow.workers.base import ModelWorker
 class ReferenceWorker(ModelWorker):
     """Log-probs of the responses under the reference weights (never trained)."""
 
+    TRAINABLE = False
+
     @register("3D_PROTO")
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         """``ref_logprobs`` [B, T] aligned to ``responses``."""

@@ -24,6 +24,8 @@ from hybridflow.workers.spec import RewardSpec
 class RewardWorker(ModelWorker):
     """Sequence scores from a reward model, re-tokenizing when its tokenizer is not the actor's."""
 
+    TRAINABLE = False
+
     def __init__(self, spec: RewardSpec) -> None:
         super().__init__(spec.engine)
         self.reward_spec = spec
