@@ -239,3 +239,40 @@ def test_a_non_finite_critic_loss_names_the_role_and_rl_step_or_is_skipped(data_
                                 tmp_path / "skip", role="critic")
     assert [record["critic/skipped_non_finite"] for record in history] == [1.0, 1.0]
     assert len(unchanged) == unchanged.total > 0  # both steps skipped: no critic weight written
+
+
+def starts_with_5(prompt: str, response: str, **extra_fields) -> float:
+    """A prompt-independent habit the random tiny model can learn in a few steps: answer starting with 5."""
+    return float(response.startswith("5"))
+
+
+RISING = {
+    "grpo": (),
+    "dapo": ("algorithm.kl_mode=none", "actor.loss.clip_ratio_high=0.28", "algorithm.dynamic_sampling=true",
+             "algorithm.max_sampling_rounds=3", "algorithm.overlong_buffer_length=2",
+             "algorithm.overlong_penalty_factor=0.1", "algorithm.overlong_filter=true"),
+    "dr_grpo": ("algorithm.advantage_estimator=dr_grpo", "actor.loss.loss_aggregation=seq-mean-token-sum-norm"),
+    "gspo": ("actor.loss.policy_loss=gspo", "actor.loss.clip_ratio_low=3e-4", "actor.loss.clip_ratio_high=4e-4",
+             "actor.loss.loss_aggregation=seq-mean-token-mean"),
+    "cispo": ("actor.loss.policy_loss=cispo", "actor.loss.clip_ratio_low=1.0", "actor.loss.clip_ratio_high=0.28"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", list(RISING))
+def test_reward_rises_within_twenty_steps(data_dir, tmp_path, algorithm):
+    config = _config(data_dir, tmp_path / "run", f"reward.function={__file__}:starts_with_5",
+                     "batch.prompts_per_step=8", "batch.samples_per_prompt=4", "batch.mini_batch_size=16",
+                     "trainer.total_steps=20", *RISING[algorithm])
+    with local_mode():
+        trainer = RLTrainer(config, tensorboard=False)
+        try:
+            history = trainer.fit()
+        finally:
+            trainer.shutdown()
+    _assert_finite(history)
+    # the score before the dynamic-sampling filter is not logged; reward/function_mean is of the kept batch,
+    # so DAPO is judged on the same metric as the others (its kept groups are biased towards mixed outcomes)
+    first = np.mean([record["reward/function_mean"] for record in history[:4]])
+    last = np.mean([record["reward/function_mean"] for record in history[-4:]])
+    assert last > first + 0.3, (first, last)
