@@ -184,7 +184,7 @@ class AlgorithmSection:
     @property
     def kl_in_reward(self) -> bool:
         """Whether the KL penalty shapes the reward (``kl_mode`` reward, or auto for a non-GRPO estimator)."""
-        return self.kl_mode == "reward" or (self.kl_mode == "auto" and not ESTIMATORS[self.advantage_estimator].kl_in_loss)
+        return self.kl_mode == "reward" or (self.kl_mode == "auto" and not self.kl_in_loss)
 
     @property
     def kl_in_loss(self) -> bool:

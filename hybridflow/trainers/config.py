@@ -302,7 +302,8 @@ class RLConfig:
                     "false unless batch.samples_per_prompt >= 2 (a group of one always ties)")
         max_new_tokens = self.actor.generation.max_new_tokens
         require(self.algorithm.overlong_buffer_length <= max_new_tokens, "algorithm.overlong_buffer_length",
-                self.algorithm.overlong_buffer_length, f"an integer <= actor.generation.max_new_tokens = {max_new_tokens}")
+                self.algorithm.overlong_buffer_length,
+                f"an integer <= actor.generation.max_new_tokens = {max_new_tokens}")
         self.derived()  # raises on inconsistent sizes before any worker starts
 
     @property

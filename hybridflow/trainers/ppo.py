@@ -185,7 +185,8 @@ class RLTrainer:
         for round_index in range(algorithm.max_sampling_rounds if algorithm.dynamic_sampling else 1):
             if round_index > 0:
                 prompts = self.loader.next_batch()
-            prompts.meta_info.update(seed=seed + 7919 * round_index, samples_per_prompt=self.config.batch.samples_per_prompt)
+            prompts.meta_info.update(seed=seed + 7919 * round_index,
+                                     samples_per_prompt=self.config.batch.samples_per_prompt)
             # samples of one prompt form a group (GRPO, RLOO); ids stay unique across rounds
             prompts["uid"] = np.arange(len(prompts)) + round_index * need
             with _timer(timing, "generate"):
