@@ -69,8 +69,9 @@ def sft_policy(out: Path) -> tuple[str, dict]:
     return str(policy), files
 
 
-def run_one(name: str, policy_dir: str, files: dict, out: Path, steps: int) -> dict:
-    """``steps`` RL steps of one algorithm; held-out accuracy before and after, seconds per step."""
+def run_one(name: str, policy_dir: str, files: dict, out: Path, steps: int, val_at: list[int]) -> dict:
+    """``steps`` RL steps of one algorithm; held-out accuracy before, after the ``val_at`` steps and at the end;
+    seconds per RL step (validation excluded)."""
     from hybridflow.controller import local_mode
     from hybridflow.trainers.config import load_rl_config
     from hybridflow.trainers.ppo import RLTrainer
@@ -83,19 +84,27 @@ def run_one(name: str, policy_dir: str, files: dict, out: Path, steps: int) -> d
         f"batch.mini_batch_size={MINI_BATCH}", f"trainer.total_steps={steps}", "trainer.val_every=0",
         "trainer.val_function=arithmetic", f"trainer.output_dir={out / 'runs' / name}", "trainer.resume=false",
         "trainer.progress_bar=false", *ALGORITHMS[name]])
-    step_ends: list[float] = []
+    seconds: list[float] = []
+    accuracy: dict[int, float] = {}
+    clock = {"start": 0.0}
+
+    def on_step(step: int, metrics: dict) -> None:
+        seconds.append(time.perf_counter() - clock["start"])
+        if step in val_at:
+            accuracy[step] = trainer.validate()["val/function_mean"]
+        clock["start"] = time.perf_counter()
+
     with local_mode():
         trainer = RLTrainer(config, tensorboard=False)
         try:
             before = trainer.validate()["val/function_mean"]
-            start = time.perf_counter()
-            history = trainer.fit(on_step=lambda step, metrics: step_ends.append(time.perf_counter()))
+            clock["start"] = time.perf_counter()
+            history = trainer.fit(on_step=on_step)
             after = trainer.validate()["val/function_mean"]
         finally:
             trainer.shutdown()
-    seconds = [end - begin for begin, end in zip([start] + step_ends[:-1], step_ends)]
     result = {"name": name, "keys": list(ALGORITHMS[name]), "steps": steps, "accuracy_before": before,
-              "accuracy_after": after, "seconds_per_step": sum(seconds) / len(seconds),
+              "accuracy_at": accuracy, "accuracy_after": after, "seconds_per_step": sum(seconds) / len(seconds),
               "train_score_first": history[0]["reward/score_mean"],
               "train_score_last": history[-1]["reward/score_mean"]}
     if "sampling/prompts_drawn" in history[0]:
@@ -108,7 +117,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True, help="working directory (the SFT policy is cached here)")
     parser.add_argument("--runs", default=",".join(ALGORITHMS), help=f"comma-separated subset of {list(ALGORITHMS)}")
     parser.add_argument("--steps", type=int, default=STEPS, help="RL steps per algorithm")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument("--val-at", default="5,10", help="also measure held-out accuracy after these steps")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: no oversubscription on a "
+                                                                 "shared machine)")
     args = parser.parse_args()
     import torch
 
@@ -117,14 +128,17 @@ def main() -> None:
     policy_dir, files = sft_policy(args.out)
     results = []
     print(f"load average at start: {os.getloadavg()}")
-    print("| algorithm | held-out accuracy before -> after | train reward step 1 -> last | s/step |")
-    print("|---|---|---|---|")
+    val_at = [int(step) for step in args.val_at.split(",") if step]
+    after = " | ".join(f"after {step}" for step in val_at + [args.steps])
+    print(f"| algorithm | held-out accuracy before | {after} | train reward step 1 -> last | s/step |")
+    print("|---|---|" + "---|" * (len(val_at) + 1) + "---|---|")
     for name in args.runs.split(","):
-        result = run_one(name, policy_dir, files, args.out, args.steps)
+        result = run_one(name, policy_dir, files, args.out, args.steps, val_at)
         results.append(result)
         drawn = (f" ({result['prompts_drawn_per_step']:.0f} prompts drawn/step)"
                  if "prompts_drawn_per_step" in result else "")
-        print(f"| {name} | {result['accuracy_before']:.1%} -> {result['accuracy_after']:.1%} | "
+        accuracies = " | ".join(f"{result['accuracy_at'][step]:.1%}" for step in val_at if step in result["accuracy_at"])
+        print(f"| {name} | {result['accuracy_before']:.1%} | {accuracies} | {result['accuracy_after']:.1%} | "
               f"{result['train_score_first']:.2f} -> {result['train_score_last']:.2f} | "
               f"{result['seconds_per_step']:.2f}{drawn} |", flush=True)
     print(f"load average at end: {os.getloadavg()}")

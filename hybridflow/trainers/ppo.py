@@ -137,7 +137,8 @@ class RLTrainer:
             batch["cost_returns"] = result.cost_returns_BT
         mask_BT = batch["response_mask"]
         if self.config.algorithm.overlong_filter:  # DAPO: truncated responses leave the loss
-            batch["response_mask"] = mask_BT * self._not_truncated(batch)[:, None].to(mask_BT.dtype)
+            not_truncated_B = self._not_truncated(batch)
+            batch["response_mask"] = mask_BT * not_truncated_B[:, None].to(mask_BT.dtype)
         batch.meta_info.update(seed=seed, step=self.step)
         metrics = {}
         with _timer(timing, "update"):
@@ -156,7 +157,7 @@ class RLTrainer:
         if self.config.algorithm.overlong_buffer_length:
             metrics["reward/overlong_penalty_mean"] = float(overlong_penalty_B.mean())
         if self.config.algorithm.overlong_filter:
-            metrics["response/overlong_filtered_fraction"] = float(1 - self._not_truncated(batch).float().mean())
+            metrics["response/overlong_filtered_fraction"] = float(1 - not_truncated_B.float().mean())
         metrics.update({
             "kl/sequence_kl": current_kl, "kl/coef": self.kl_controller.value,
             "response/length_mean": float(lengths_B.mean()), "response/length_max": float(lengths_B.max()),
