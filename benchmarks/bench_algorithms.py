@@ -9,7 +9,7 @@ algorithm keys differ (ALGORITHMS below). Accuracy: greedy answers to 256 eval-s
 exact checker, before and after. Seconds per step: mean wall time of the RL steps (validation
 excluded), local mode (every role in one process).
 
-    python benchmarks/bench_algorithms.py --out /tmp/bench_algorithms                # all, ~10 min on 2 cores
+    python benchmarks/bench_algorithms.py --out /tmp/bench_algorithms --val-at 1,2,3,5,10   # all; ~5 min SFT + ~5 min
     python benchmarks/bench_algorithms.py --out /tmp/bench_algorithms --runs grpo,dapo --steps 10
 
 The SFT policy is cached in --out (delete it to retrain). Prints a markdown table; also writes
@@ -137,8 +137,8 @@ def main() -> None:
         results.append(result)
         drawn = (f" ({result['prompts_drawn_per_step']:.0f} prompts drawn/step)"
                  if "prompts_drawn_per_step" in result else "")
-        accuracies = " | ".join(f"{result['accuracy_at'][step]:.1%}" for step in val_at if step in result["accuracy_at"])
-        print(f"| {name} | {result['accuracy_before']:.1%} | {accuracies} | {result['accuracy_after']:.1%} | "
+        accuracies = "".join(f"{result['accuracy_at'][step]:.1%} | " for step in val_at if step in result["accuracy_at"])
+        print(f"| {name} | {result['accuracy_before']:.1%} | {accuracies}{result['accuracy_after']:.1%} | "
               f"{result['train_score_first']:.2f} -> {result['train_score_last']:.2f} | "
               f"{result['seconds_per_step']:.2f}{drawn} |", flush=True)
     print(f"load average at end: {os.getloadavg()}")
