@@ -6,6 +6,8 @@ the reward with the KL penalty and computes advantages; the critic and the actor
 estimators differ only in ``hybridflow.trainers.advantage`` and in which roles exist.
 Safe-RLHF (a ``cost`` section) adds a cost model and a cost critic to the scoring, mixes reward and
 cost advantages with the Lagrange multiplier, and updates the multiplier after each step.
+DAPO's sample-level pieces change only the generate-and-score step (dynamic sampling draws more
+prompts), the scores (overlong penalty) and the update's loss mask (overlong filter).
 """
 
 from __future__ import annotations
