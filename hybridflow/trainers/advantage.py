@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from hybridflow.algorithms import (
+    dr_grpo_advantages,
     gae_advantages,
     grpo_advantages,
     kl_shaped_rewards,
@@ -75,6 +76,8 @@ class Estimator:
     """Whether it reads critic values (the critic role runs only then)."""
     normalized: bool = False
     """Whether its advantages are already normalized (then ``whiten_advantages`` is not applied again)."""
+    kl_in_loss: bool = False
+    """Where ``kl_mode: auto`` puts the KL to the reference: in the loss (GRPO's paper) or in the reward."""
 
 
 def _gae(rewards_BT: Tensor, mask_BT: Tensor, inputs: EstimatorInputs) -> tuple[Tensor, Tensor]:
@@ -105,7 +108,9 @@ def _outcome(group_advantages) -> Estimate:
 
 ESTIMATORS: dict[str, Estimator] = {
     "gae": Estimator(_gae, needs_critic=True),
-    "grpo": Estimator(_outcome(grpo_advantages), normalized=True),
+    "grpo": Estimator(_outcome(grpo_advantages), normalized=True, kl_in_loss=True),
+    # Dr. GRPO: no std normalization, and no whitening after it either (that would put the std back)
+    "dr_grpo": Estimator(_outcome(dr_grpo_advantages), normalized=True, kl_in_loss=True),
     "remax": Estimator(_remax),
     "rloo": Estimator(_outcome(rloo_advantages)),
     "reinforce_plus_plus": Estimator(_reinforce_plus_plus, normalized=True),
@@ -123,16 +128,19 @@ def _require(condition: bool, key: str, value, allowed: str) -> None:
 class AlgorithmSection:
     """Advantage estimator and KL regularization."""
 
-    advantage_estimator: Literal["gae", "grpo", "remax", "rloo", "reinforce_plus_plus"] = "gae"
-    """``gae`` (PPO, needs a critic) or a critic-free group/baseline estimator."""
+    advantage_estimator: Literal["gae", "grpo", "dr_grpo", "remax", "rloo", "reinforce_plus_plus"] = "gae"
+    """``gae`` (PPO, needs a critic) or a critic-free group/baseline estimator (``dr_grpo``: GRPO without the std
+    normalization, never whitened)."""
     gamma: float = 1.0
     """Discount factor."""
     lam: float = 0.95
     """GAE lambda."""
     whiten_advantages: bool = True
-    """Normalize advantages over the step's response tokens."""
-    kl_mode: Literal["reward", "loss", "none"] = "reward"
-    """Where the KL to the reference goes: shaped into the reward, added to the actor loss, or nowhere."""
+    """Normalize advantages over the step's response tokens (not applied to grpo, dr_grpo, reinforce_plus_plus)."""
+    kl_mode: Literal["auto", "reward", "loss", "none"] = "auto"
+    """Where the KL to the reference goes: shaped into the reward, added to the actor loss (estimator
+    ``actor.loss.kl_loss_estimator``, default k3), or nowhere. ``auto``: the loss for grpo and dr_grpo (as in
+    the GRPO paper), the reward for the others."""
     kl_coef: float = 0.05
     """Initial KL coefficient (beta)."""
     kl_controller: Literal["fixed", "adaptive"] = "fixed"
@@ -141,6 +149,20 @@ class AlgorithmSection:
     """Target KL per sequence for the adaptive controller."""
     kl_horizon: int = 10000
     """Adaptive controller horizon in samples."""
+    dynamic_sampling: bool = False
+    """DAPO: drop prompts whose samples all score the same (zero advantage) and draw more prompts until the
+    step holds ``batch.prompts_per_step`` prompts with varied scores (needs samples_per_prompt >= 2)."""
+    max_sampling_rounds: int = 4
+    """Dynamic sampling: at most this many generation rounds per step; if the batch is still short, the
+    missing prompts are filled with dropped ones (logged as ``sampling/filled_groups``)."""
+    overlong_buffer_length: int = 0
+    """DAPO's overlong reward shaping: responses longer than max_new_tokens - this get a linear penalty up to
+    ``overlong_penalty_factor`` at the limit; 0: off."""
+    overlong_penalty_factor: float = 1.0
+    """The overlong penalty at the length limit."""
+    overlong_filter: bool = False
+    """DAPO's overlong filtering: truncated responses (hit max_new_tokens without an end token) are masked out
+    of the loss."""
 
     def __post_init__(self) -> None:
         _require(self.advantage_estimator in ESTIMATORS, "advantage_estimator", self.advantage_estimator,
@@ -150,6 +172,24 @@ class AlgorithmSection:
         _require(self.kl_coef >= 0, "kl_coef", self.kl_coef, "a float >= 0")
         _require(self.kl_target > 0, "kl_target", self.kl_target, "a float > 0")
         _require(self.kl_horizon >= 1, "kl_horizon", self.kl_horizon, "an integer >= 1")
+        _require(self.kl_mode in ("auto", "reward", "loss", "none"), "kl_mode", self.kl_mode,
+                 "auto, reward, loss, none")
+        _require(isinstance(self.max_sampling_rounds, int) and self.max_sampling_rounds >= 1, "max_sampling_rounds",
+                 self.max_sampling_rounds, "an integer >= 1")
+        _require(isinstance(self.overlong_buffer_length, int) and self.overlong_buffer_length >= 0,
+                 "overlong_buffer_length", self.overlong_buffer_length, "an integer >= 0 (0: off)")
+        _require(self.overlong_penalty_factor >= 0, "overlong_penalty_factor", self.overlong_penalty_factor,
+                 "a float >= 0")
+
+    @property
+    def kl_in_reward(self) -> bool:
+        """Whether the KL penalty shapes the reward (``kl_mode`` reward, or auto for a non-GRPO estimator)."""
+        return self.kl_mode == "reward" or (self.kl_mode == "auto" and not self.kl_in_loss)
+
+    @property
+    def kl_in_loss(self) -> bool:
+        """Whether the KL to the reference is a term of the actor loss (``kl_mode`` loss, or auto for GRPO)."""
+        return self.kl_mode == "loss" or (self.kl_mode == "auto" and ESTIMATORS[self.advantage_estimator].kl_in_loss)
 
     @property
     def uses_critic(self) -> bool:
@@ -173,7 +213,7 @@ def compute_advantages(
     cost_values_BT: Tensor | None = None,
     lagrange_multiplier: float | None = None,
 ) -> AdvantageResult:
-    """Shape the rewards with the KL penalty (when ``kl_mode == 'reward'``) and run the configured estimator
+    """Shape the rewards with the KL penalty (when ``algorithm.kl_in_reward``) and run the configured estimator
     (``ESTIMATORS[algorithm.advantage_estimator]``).
 
     ``scores_B`` is credited on each response's last token; ``dense_rewards_BT`` (optional, e.g. a
@@ -185,7 +225,7 @@ def compute_advantages(
     mask_BT = response_mask_BT.to(old_logprobs_BT.dtype)
     scores_B = scores_B.to(old_logprobs_BT.dtype)
     if ref_logprobs_BT is not None:
-        shaping_coef = kl_coef if algorithm.kl_mode == "reward" else 0.0
+        shaping_coef = kl_coef if algorithm.kl_in_reward else 0.0
         rewards_BT, kl_BT = kl_shaped_rewards(scores_B, old_logprobs_BT, ref_logprobs_BT, mask_BT, shaping_coef)
     else:
         rewards_BT, kl_BT = scores_on_last_token(scores_B, mask_BT), torch.zeros_like(mask_BT)

@@ -98,7 +98,8 @@ def role_specs(config: RLConfig) -> RoleSpecs:
         hybrid_engine=config.actor.hybrid_engine,
         generation=generation_config_of(config, actor_tokenizer.load()),
         loss=replace(actor_loss, mini_batch_size=config.batch.mini_batch_size,
-                     kl_loss_coef=config.algorithm.kl_coef if config.algorithm.kl_mode == "loss" else 0.0))
+                     kl_loss_coef=config.algorithm.kl_coef if config.algorithm.kl_in_loss else 0.0,
+                     max_response_length=config.actor.generation.max_new_tokens))
     reference = critic = reward = None
     if "reference" in roles:
         source = config.reference.model or config.actor.model
@@ -127,7 +128,8 @@ def _critic_specs(config: RLConfig, section: CriticSection, *,
     return (EngineSpec(model=model_config_of(source, head="value", seed=seed),
                        engine=engine_config_of(section.engine, seed=seed,
                                                optimizer_steps=optimizer_steps * section.loss.ppo_epochs)),
-            replace(section.loss, mini_batch_size=config.batch.mini_batch_size))
+            replace(section.loss, mini_batch_size=config.batch.mini_batch_size,
+                    max_response_length=config.actor.generation.max_new_tokens))
 
 
 def _scorer_spec(source: ModelConfig, engine: EngineConfig, *, head: str, seed: int,

@@ -336,6 +336,15 @@ class RLConfig:
             require(self.algorithm.advantage_estimator == "gae", "algorithm.advantage_estimator",
                     self.algorithm.advantage_estimator, "'gae' when a cost section is set (Safe-RLHF trains a cost "
                     "critic; remove cost or use gae)")
+        if self.algorithm.dynamic_sampling:
+            require(self.algorithm.advantage_estimator in ("grpo", "dr_grpo", "rloo"), "algorithm.dynamic_sampling",
+                    True, "false unless advantage_estimator is a group estimator (grpo, dr_grpo, rloo)")
+            require(self.batch.samples_per_prompt >= 2, "algorithm.dynamic_sampling", True,
+                    "false unless batch.samples_per_prompt >= 2 (a group of one always ties)")
+        max_new_tokens = self.actor.generation.max_new_tokens
+        require(self.algorithm.overlong_buffer_length <= max_new_tokens, "algorithm.overlong_buffer_length",
+                self.algorithm.overlong_buffer_length,
+                f"an integer <= actor.generation.max_new_tokens = {max_new_tokens}")
         self.derived()  # raises on inconsistent sizes before any worker starts
 
     @property

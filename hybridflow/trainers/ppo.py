@@ -6,6 +6,8 @@ the reward with the KL penalty and computes advantages; the critic and the actor
 estimators differ only in ``hybridflow.trainers.advantage`` and in which roles exist.
 Safe-RLHF (a ``cost`` section) adds a cost model and a cost critic to the scoring, mixes reward and
 cost advantages with the Lagrange multiplier, and updates the multiplier after each step.
+DAPO's sample-level pieces change only the generate-and-score step (dynamic sampling draws more
+prompts), the scores (overlong penalty) and the update's loss mask (overlong filter).
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hybridflow.algorithms import AdaptiveKLController, FixedKLController
+from hybridflow.algorithms import (AdaptiveKLController, FixedKLController, dynamic_sampling_keep_mask,
+                                   first_kept_groups, overlong_filter_mask, overlong_reward_penalty)
 from hybridflow.algorithms.lagrangian import LagrangeController
 from hybridflow.data import BatchLoader, PromptDataset, SFTDataset
 from hybridflow.protocol import DataProto
@@ -163,13 +166,10 @@ class RLTrainer:
         """One RL iteration on a batch of prompts; returns its metrics."""
         timing: dict[str, float] = {}
         seed = self.config.trainer.seed * 1_000_003 + self.step
-        prompts.meta_info.update(seed=seed, samples_per_prompt=self.config.batch.samples_per_prompt)
-        prompts["uid"] = np.arange(len(prompts))  # samples of one prompt form a group (GRPO, RLOO)
-        with _timer(timing, "generate"):
-            batch = self.actor.generate_sequences(prompts)
-        with _timer(timing, "score"):
-            batch = self._score(batch)
+        batch, sampling_metrics = self._generate_and_score(prompts, seed, timing)
         sequence_scores_B, dense_rewards_BT, reward_metrics = self.scorer.token_rewards(batch)
+        overlong_penalty_B = self._overlong_penalty(batch)  # DAPO's soft overlong punishment (0 when off)
+        sequence_scores_B = sequence_scores_B + overlong_penalty_B
         baseline_B = self._greedy_baseline(prompts) if self.config.algorithm.advantage_estimator == "remax" else None
         result = compute_advantages(
             algorithm=self.config.algorithm, scores_B=sequence_scores_B, response_mask_BT=batch["response_mask"],
@@ -182,7 +182,11 @@ class RLTrainer:
         batch["advantages"], batch["returns"] = result.advantages_BT, result.returns_BT
         if result.cost_returns_BT is not None:
             batch["cost_returns"] = result.cost_returns_BT
-        batch.meta_info["seed"] = seed
+        mask_BT = batch["response_mask"]
+        if self.config.algorithm.overlong_filter:  # DAPO: truncated responses leave the loss
+            not_truncated_B = self._not_truncated(batch)
+            batch["response_mask"] = mask_BT * not_truncated_B[:, None].to(mask_BT.dtype)
+        batch.meta_info.update(seed=seed, step=self.step)
         metrics = {}
         with _timer(timing, "update"):
             critic_updates = [critic.update_critic.future(batch) for critic in (self.critic, self.cost_critic)
@@ -192,11 +196,15 @@ class RLTrainer:
                 metrics.update(_first(self.actor.update_actor_ptx(self.ptx_loader.next_batch())))
             for critic_update in critic_updates:
                 metrics.update(_first(critic_update.get()))
-        mask_BT = batch["response_mask"]
         current_kl = sequence_kl(result.kl_BT, mask_BT)
         self.kl_controller.update(current_kl, self.derived.samples_per_step)
         lengths_B = mask_BT.sum(-1).float()
         metrics.update(reward_metrics)
+        metrics.update(sampling_metrics)
+        if self.config.algorithm.overlong_buffer_length:
+            metrics["reward/overlong_penalty_mean"] = float(overlong_penalty_B.mean())
+        if self.config.algorithm.overlong_filter:
+            metrics["response/overlong_filtered_fraction"] = float(1 - not_truncated_B.float().mean())
         metrics.update({
             "kl/sequence_kl": current_kl, "kl/coef": self.kl_controller.value,
             "response/length_mean": float(lengths_B.mean()), "response/length_max": float(lengths_B.max()),
@@ -217,6 +225,60 @@ class RLTrainer:
                             "cost_return/mean": token_mean(result.cost_returns_BT, mask_BT),
                             "cost_critic/values_before_mean": token_mean(batch["cost_values"], mask_BT)})
         return metrics
+
+    def _generate_and_score(self, prompts: DataProto, seed: int, timing: dict) -> tuple[DataProto, dict[str, float]]:
+        """Generate and score the step's samples. With DAPO's dynamic sampling, draw more prompts (up to
+        ``max_sampling_rounds`` rounds) until ``prompts_per_step`` groups have scores that are not all equal."""
+        algorithm, need = self.config.algorithm, self.config.batch.prompts_per_step
+        rounds, round_scores = [], []
+        for round_index in range(algorithm.max_sampling_rounds if algorithm.dynamic_sampling else 1):
+            if round_index > 0:
+                prompts = self.loader.next_batch()
+            prompts.meta_info.update(seed=seed + 7919 * round_index,
+                                     samples_per_prompt=self.config.batch.samples_per_prompt)
+            # samples of one prompt form a group (GRPO, RLOO); ids stay unique across rounds
+            prompts["uid"] = np.arange(len(prompts)) + round_index * need
+            with _timer(timing, "generate"):
+                batch = self.actor.generate_sequences(prompts)
+            with _timer(timing, "score"):
+                batch = self._score(batch)
+            if not algorithm.dynamic_sampling:
+                return batch, {}
+            rounds.append(batch)
+            round_scores.append(self.scorer.score(batch)[0] + self._overlong_penalty(batch))
+            ids = np.concatenate([part["uid"] for part in rounds]).tolist()
+            keep_B = dynamic_sampling_keep_mask(torch.cat(round_scores), ids)
+            rows_R, groups_kept = first_kept_groups(keep_B, ids, num_groups=need)
+            if groups_kept >= need:
+                break
+        batch = _concat_rounds(rounds, pad_token_id=self.specs.actor.generation.pad_token_id)
+        rows = rows_R.tolist()
+        if groups_kept < need:  # round limit reached: fill up with tied groups (zero advantage) to a full batch
+            tied_ids = list(dict.fromkeys(ids[row] for row in np.flatnonzero(~keep_B.numpy())))[:need - groups_kept]
+            rows = sorted(rows + [row for row, uid in enumerate(ids) if uid in set(tied_ids)])
+        metrics = {"sampling/rounds": float(len(rounds)), "sampling/prompts_drawn": float(len(rounds) * need),
+                   "sampling/kept_group_fraction": groups_kept / (len(rounds) * need),
+                   "sampling/filled_groups": float(max(need - groups_kept, 0))}
+        return batch[np.asarray(rows)], metrics
+
+    def _overlong_penalty(self, batch: DataProto) -> torch.Tensor:
+        """DAPO's soft overlong punishment of each response -> penalty_B (<= 0; zeros when off)."""
+        algorithm = self.config.algorithm
+        lengths_B = batch["response_mask"].sum(-1)
+        if not algorithm.overlong_buffer_length:
+            return torch.zeros(len(lengths_B))
+        return overlong_reward_penalty(lengths_B, max_response_length=self.specs.actor.generation.max_new_tokens,
+                                       buffer_length=algorithm.overlong_buffer_length,
+                                       penalty_factor=algorithm.overlong_penalty_factor)
+
+    def _not_truncated(self, batch: DataProto) -> torch.Tensor:
+        """keep_B: False for responses that hit max_new_tokens without an end token (DAPO's overlong filter)."""
+        generation = self.specs.actor.generation
+        lengths_B = batch["response_mask"].sum(-1)
+        last_token_B = batch["responses"].gather(1, (lengths_B - 1).clamp(min=0)[:, None].long())[:, 0]
+        end_ids = torch.tensor(sorted(set(generation.eos_token_ids) | set(generation.stop_token_ids)))
+        return overlong_filter_mask(lengths_B, max_response_length=generation.max_new_tokens,
+                                    ended_B=torch.isin(last_token_B.cpu(), end_ids))
 
     def _score(self, batch: DataProto) -> DataProto:
         """Old log-probs, reference log-probs, values and reward-model scores (and Safe-RLHF's costs and cost
@@ -341,4 +403,20 @@ class _timer:
         self.start = time.perf_counter()
 
     def __exit__(self, *exc):
-        self.timing[self.name] = time.perf_counter() - self.start
+        self.timing[self.name] = self.timing.get(self.name, 0.0) + time.perf_counter() - self.start
+
+
+def _concat_rounds(rounds: list[DataProto], *, pad_token_id: int) -> DataProto:
+    """The rows of several generation rounds as one batch: prompts left-padded to the widest round's."""
+    widths = [len(batch["input_ids"][0]) - len(batch["responses"][0]) for batch in rounds]
+    padded = []
+    for batch, width in zip(rounds, widths):
+        extra = max(widths) - width
+        if extra:
+            batch = batch[np.arange(len(batch))]  # a copy: the round's own tensors stay as they were
+            fills = {"input_ids": pad_token_id, "prompts": pad_token_id, "attention_mask": 0, "position_ids": 0}
+            for key, fill in fills.items():
+                if key in batch:
+                    batch[key] = torch.nn.functional.pad(batch[key], (extra, 0), value=fill)
+        padded.append(batch)
+    return DataProto.concat(padded)

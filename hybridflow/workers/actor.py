@@ -10,38 +10,59 @@ import dataclasses
 import numpy as np
 from torch import Tensor
 
-from hybridflow.algorithms import aggregate_loss, kl_estimate, masked_mean, ppo_policy_loss
+from hybridflow.algorithms import (POLICY_LOSSES, aggregate_loss, kl_estimate, masked_mean,
+                                   truncated_importance_weights)
 from hybridflow.controller import register
 from hybridflow.engine.hybrid_engine import HybridEngine, training_shards
 from hybridflow.protocol import DataProto
-from hybridflow.workers.base import SEQUENCE_KEYS, ModelWorker, tensors_of
+from hybridflow.workers.base import SEQUENCE_KEYS, ModelWorker, step_context, tensors_of
 from hybridflow.workers.spec import ActorSpec, PolicyLossConfig
 
 UPDATE_KEYS = SEQUENCE_KEYS + ("old_logprobs", "advantages", "ref_logprobs")
+BEHAVIOUR_KEY = "logprobs"  # the rollout's sampled log-probs (TIS)
 GENERATION_OVERRIDES = ("greedy", "samples_per_prompt", "seed", "max_new_tokens")
 
 
 def policy_loss_fn(spec: PolicyLossConfig):
-    """The per-micro-batch PPO loss the training engine calls: clipped surrogate - entropy bonus + KL loss."""
+    """The per-micro-batch policy loss the training engine calls: the configured objective (x TIS weights),
+    aggregated as configured, - entropy bonus + KL-to-reference loss.
+
+    TIS reads the rollout's own sampled log-probs (``logprobs``, the behaviour policy) next to the
+    recomputed ``old_logprobs``.
+    """
+    objective = POLICY_LOSSES[spec.policy_loss]
 
     def loss_fn(outputs: dict[str, Tensor], batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
         mask_BT = batch["response_mask"]
-        num_tokens = batch["num_tokens_global"]
+
+        def aggregate(loss_BT: Tensor) -> Tensor:
+            # clamp: a mini-batch whose every response was filtered (overlong filter) has 0 tokens, loss 0
+            return aggregate_loss(loss_BT, mask_BT, aggregation=spec.loss_aggregation,
+                                  num_tokens_global=batch["num_tokens_global"].clamp(min=1),
+                                  num_sequences_global=batch["num_sequences_global"],
+                                  constant_normalizer=spec.max_response_length)
+
         # no old log-probs: the trainer skipped their pass as redundant (they equal the current ones)
         old_logprobs_BT = batch["old_logprobs"] if "old_logprobs" in batch else outputs["logprobs"].detach()
-        policy = ppo_policy_loss(outputs["logprobs"], old_logprobs_BT, batch["advantages"],
-                                 clip_ratio_low=spec.clip_ratio, clip_ratio_high=spec.clip_ratio)
-        loss = aggregate_loss(policy.loss_BT, mask_BT, num_tokens_global=num_tokens)
-        metrics = {"pg_loss": loss.detach(),
-                   "clip_fraction": masked_mean(policy.clipped_BT.float(), mask_BT),
-                   "approx_kl": masked_mean(policy.approx_kl_BT, mask_BT)}
+        policy = objective(outputs["logprobs"], old_logprobs_BT, batch["advantages"],
+                           clip_ratio_low=spec.clip_low, clip_ratio_high=spec.clip_high, mask_BT=mask_BT)
+        loss_BT = policy.loss_BT
+        metrics = {}
+        if spec.tis_cap is not None:
+            tis = truncated_importance_weights(old_logprobs_BT, batch["logprobs"], mask_BT, cap=spec.tis_cap)
+            loss_BT = loss_BT * tis.weights_BT
+            metrics["tis_cap_fraction"] = tis.cap_fraction
+        loss = aggregate(loss_BT)
+        metrics.update({"pg_loss": loss.detach(),
+                        "clip_fraction": masked_mean(policy.clipped_BT.float(), mask_BT),
+                        "approx_kl": masked_mean(policy.approx_kl_BT, mask_BT)})
         if spec.entropy_coef > 0:
-            entropy = aggregate_loss(outputs["entropy"], mask_BT, num_tokens_global=num_tokens)
-            loss = loss - spec.entropy_coef * entropy
+            loss = loss - spec.entropy_coef * aggregate(outputs["entropy"])
             metrics["entropy"] = masked_mean(outputs["entropy"].detach(), mask_BT)
         if spec.kl_loss_coef > 0:
-            kl_BT = kl_estimate(outputs["logprobs"], batch["ref_logprobs"], estimator="low_var_kl")
-            kl = aggregate_loss(kl_BT, mask_BT, num_tokens_global=num_tokens)
+            kl_BT = kl_estimate(outputs["logprobs"], batch["ref_logprobs"], estimator=spec.kl_loss_estimator,
+                                mask_BT=mask_BT)
+            kl = aggregate(kl_BT)
             loss = loss + spec.kl_loss_coef * kl
             metrics["kl_loss"] = kl.detach()
         return loss, metrics
@@ -116,9 +137,14 @@ class ActorWorker(ModelWorker):
         """PPO epochs over the step's samples in mini-batches; ``meta_info['seed']`` seeds the shuffling."""
         spec = self.actor_spec.loss
         outputs = ("logprobs", "entropy") if spec.entropy_coef > 0 else ("logprobs",)
-        metrics = self._train_epochs(data, keys=UPDATE_KEYS, loss_fn=policy_loss_fn(spec), outputs=outputs,
+        keys = UPDATE_KEYS + (BEHAVIOUR_KEY,) if spec.tis_cap is not None else UPDATE_KEYS
+        if spec.tis_cap is not None and BEHAVIOUR_KEY not in data:
+            raise ValueError("actor.loss.tis_cap needs the rollout's sampled log-probs ('logprobs') in the batch; "
+                             f"got keys {data.keys()}")
+        metrics = self._train_epochs(data, keys=keys, loss_fn=policy_loss_fn(spec), outputs=outputs,
                                      ppo_epochs=spec.ppo_epochs, mini_batch_size=spec.mini_batch_size,
-                                     seed=int(data.meta_info.get("seed", 0)))
+                                     seed=int(data.meta_info.get("seed", 0)), on_non_finite=spec.on_non_finite,
+                                     context=step_context("actor", data))
         return {f"actor/{name}": value for name, value in metrics.items()}
 
     @register("DP_METRICS")

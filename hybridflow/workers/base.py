@@ -19,6 +19,12 @@ def tensors_of(data: DataProto, keys: tuple[str, ...] | None = None) -> dict[str
     return {name: data[name] for name in names}
 
 
+def step_context(role: str, data: DataProto) -> str:
+    """How a non-finite training step names where it happened: the role and the driver's RL step."""
+    step = data.meta_info.get("step")
+    return role if step is None else f"{role} at RL step {step},"
+
+
 class ModelWorker(Worker):
     """Base of the role workers: one TrainingEngine over this worker group, checkpoint and export methods."""
 
@@ -58,7 +64,8 @@ class ModelWorker(Worker):
         return self.engine.forward(tensors_of(data, SEQUENCE_KEYS), outputs=outputs)
 
     def _train_epochs(self, data: DataProto, *, keys: tuple[str, ...], loss_fn, outputs: tuple[str, ...],
-                      ppo_epochs: int, mini_batch_size: int, seed: int) -> dict[str, float]:
+                      ppo_epochs: int, mini_batch_size: int, seed: int, on_non_finite: str = "raise",
+                      context: str = "") -> dict[str, float]:
         """Several epochs of optimizer steps over this rank's rows in shuffled mini-batches; mean metrics.
 
         ``mini_batch_size`` is global: each data-parallel rank takes mini_batch_size / dp of its rows
@@ -76,7 +83,8 @@ class ModelWorker(Worker):
             order = torch.randperm(num_rows, generator=generator)
             for start in range(0, num_rows, local_mini_batch):
                 rows = order[start:start + local_mini_batch]
-                metrics = self.engine.train_step({k: v[rows] for k, v in batch.items()}, loss_fn, outputs=outputs)
+                metrics = self.engine.train_step({k: v[rows] for k, v in batch.items()}, loss_fn, outputs=outputs,
+                                                 on_non_finite=on_non_finite, context=context)
                 for name, value in metrics.items():
                     totals[name] = totals.get(name, 0.0) + value
                 count += 1

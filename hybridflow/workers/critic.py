@@ -13,7 +13,7 @@ from torch import Tensor
 from hybridflow.algorithms import aggregate_loss, masked_mean, value_loss
 from hybridflow.controller import register
 from hybridflow.protocol import DataProto
-from hybridflow.workers.base import SEQUENCE_KEYS, ModelWorker
+from hybridflow.workers.base import SEQUENCE_KEYS, ModelWorker, step_context
 from hybridflow.workers.spec import EngineSpec, ValueLossConfig
 
 
@@ -26,8 +26,11 @@ def value_loss_fn(spec: ValueLossConfig, *, prefix: str = ""):
     def loss_fn(outputs: dict[str, Tensor], batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
         mask_BT = batch["response_mask"]
         loss_BT, clipped_BT = value_loss(outputs["values"], batch[old_values_key], batch[returns_key],
-                                         clip_range=clip_range)
-        loss = aggregate_loss(loss_BT, mask_BT, num_tokens_global=batch["num_tokens_global"])
+                                         clip_range=clip_range, mask_BT=mask_BT)
+        loss = aggregate_loss(loss_BT, mask_BT, aggregation=spec.loss_aggregation,
+                              num_tokens_global=batch["num_tokens_global"].clamp(min=1),
+                              num_sequences_global=batch["num_sequences_global"],
+                              constant_normalizer=spec.max_response_length)
         return loss, {"value_clip_fraction": masked_mean(clipped_BT.float(), mask_BT),
                       "values_mean": masked_mean(outputs["values"].detach(), mask_BT)}
 
@@ -54,5 +57,7 @@ class CriticWorker(ModelWorker):
         keys = SEQUENCE_KEYS + (f"{self.prefix}values", f"{self.prefix}returns")
         metrics = self._train_epochs(data, keys=keys, loss_fn=value_loss_fn(self.loss, prefix=self.prefix),
                                      outputs=("values",), ppo_epochs=self.loss.ppo_epochs,
-                                     mini_batch_size=self.loss.mini_batch_size, seed=int(data.meta_info.get("seed", 0)))
+                                     mini_batch_size=self.loss.mini_batch_size, seed=int(data.meta_info.get("seed", 0)),
+                                     on_non_finite=self.loss.on_non_finite,
+                                     context=step_context(f"{self.prefix}critic", data))
         return {f"{self.prefix}critic/{name}": value for name, value in metrics.items()}

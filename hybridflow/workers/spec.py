@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
+from hybridflow.algorithms import KL_ESTIMATORS, LOSS_AGGREGATIONS, NON_FINITE_ACTIONS, POLICY_LOSSES
 from hybridflow.engine.config import EngineConfig
 from hybridflow.engine.generation import GenerationConfig
 from hybridflow.engine.hybrid_engine import HybridEngineConfig
@@ -60,28 +62,76 @@ class EngineSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class PolicyLossConfig:
-    """The actor's PPO update (the RL config's ``actor.loss``)."""
+    """The actor's update (the RL config's ``actor.loss``): objective, clip range, aggregation, KL loss, TIS."""
 
     ppo_epochs: int = 1
     """Passes over each step's samples."""
+    policy_loss: Literal["ppo", "gspo", "cispo"] = "ppo"
+    """Policy objective (``hybridflow.algorithms.POLICY_LOSSES``): ``ppo`` clipped surrogate, ``gspo``
+    sequence-level ratio and clip (set its clip range to ~3e-4/4e-4), ``cispo`` clipped-IS-weight REINFORCE."""
     clip_ratio: float = 0.2
-    """PPO ratio clip epsilon."""
+    """Symmetric ratio clip epsilon: the default of ``clip_ratio_low`` and ``clip_ratio_high``."""
+    clip_ratio_low: float | None = None
+    """Lower clip: ratios below 1 - low are clipped; null means ``clip_ratio``."""
+    clip_ratio_high: float | None = None
+    """Upper clip: ratios above 1 + high are clipped; null means ``clip_ratio``. DAPO's clip-higher: 0.28 with
+    low 0.2."""
+    loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                              "seq-mean-token-sum-norm"] = "token-mean"
+    """How per-token losses become one number (``LOSS_AGGREGATIONS``): ``token-mean`` (PPO, DAPO),
+    ``seq-mean-token-mean`` (DeepSeekMath's GRPO, GSPO), ``seq-mean-token-sum``, ``seq-mean-token-sum-norm``
+    (Dr. GRPO: divided by sequences x the maximum response length)."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus in the policy loss."""
+    kl_loss_estimator: Literal["k1", "abs", "k2", "mse", "k3", "low_var_kl"] = "k3"
+    """Per-token estimator of KL(pi || pi_ref) in the loss when ``algorithm.kl_mode`` is ``loss`` (GRPO: k3)."""
+    tis_cap: float | None = None
+    """Truncated importance sampling against the rollout's (behaviour) log-probs: each token's policy loss is
+    weighted by min(pi_old / pi_behaviour, tis_cap); null: off. Logs ``actor/tis_cap_fraction``."""
+    on_non_finite: Literal["raise", "skip"] = "raise"
+    """A NaN/inf loss or gradient norm: ``raise`` stops the run naming the role, RL step and quantity; ``skip``
+    drops that optimizer step (logged as ``actor/skipped_non_finite``). The weights are never written."""
     ptx_coef: float = 0.0
     """Weight of the pretraining (ptx) next-token loss step (``update_actor_ptx``); needs ``data.ptx_path``."""
     mini_batch_size: int = field(default=8, metadata={"derived": "batch.mini_batch_size"})
     """Samples per optimizer update (global; each data-parallel rank takes its share)."""
-    kl_loss_coef: float = field(default=0.0, metadata={"derived": "algorithm.kl_coef when algorithm.kl_mode is loss"})
-    """Weight of the low-variance KL to the reference added to the loss (``kl_mode: loss``)."""
+    kl_loss_coef: float = field(default=0.0, metadata={"derived": "algorithm.kl_coef when the KL goes in the loss"})
+    """Weight of the KL to the reference added to the loss (``kl_mode: loss``, GRPO's default)."""
+    max_response_length: int | None = field(default=None, metadata={"derived": "actor.generation.max_new_tokens"})
+    """The constant normaliser of ``seq-mean-token-sum-norm`` (null: the batch's response width)."""
 
     def __post_init__(self) -> None:
         _require(isinstance(self.ppo_epochs, int) and self.ppo_epochs >= 1, "ppo_epochs", self.ppo_epochs,
                  "an integer >= 1")
+        _require(self.policy_loss in POLICY_LOSSES, "policy_loss", self.policy_loss, ", ".join(POLICY_LOSSES))
         _require(self.clip_ratio > 0, "clip_ratio", self.clip_ratio, "a float > 0")
+        for name in ("clip_ratio_low", "clip_ratio_high"):
+            value = getattr(self, name)
+            _require(value is None or value > 0, name, value, "a float > 0, or null for clip_ratio")
+        _require(self.clip_low <= 1, "clip_ratio_low", self.clip_low,
+                 "a float in (0, 1] (1 - low is the smallest unclipped ratio; 1: no lower bound)")
+        _require(self.loss_aggregation in LOSS_AGGREGATIONS, "loss_aggregation", self.loss_aggregation,
+                 ", ".join(LOSS_AGGREGATIONS))
         _require(self.entropy_coef >= 0, "entropy_coef", self.entropy_coef, "a float >= 0")
+        _require(self.kl_loss_estimator in KL_ESTIMATORS, "kl_loss_estimator", self.kl_loss_estimator,
+                 ", ".join(KL_ESTIMATORS))
+        _require(self.tis_cap is None or self.tis_cap >= 1, "tis_cap", self.tis_cap, "a float >= 1, or null (off)")
+        _require(self.on_non_finite in NON_FINITE_ACTIONS, "on_non_finite", self.on_non_finite,
+                 ", ".join(NON_FINITE_ACTIONS))
         _require(self.ptx_coef >= 0, "ptx_coef", self.ptx_coef, "a float >= 0")
         _require(self.mini_batch_size >= 1, "mini_batch_size", self.mini_batch_size, "an integer >= 1")
+        _require(self.max_response_length is None or self.max_response_length >= 1, "max_response_length",
+                 self.max_response_length, "an integer >= 1 or null")
+
+    @property
+    def clip_low(self) -> float:
+        """The lower clip in use (``clip_ratio_low``, else ``clip_ratio``)."""
+        return self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low
+
+    @property
+    def clip_high(self) -> float:
+        """The upper clip in use (``clip_ratio_high``, else ``clip_ratio``)."""
+        return self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,14 +142,27 @@ class ValueLossConfig:
     """Passes over each step's samples."""
     value_clip: float = 0.2
     """Clip of new values around the old ones in the value loss; 0 disables clipping."""
+    loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                              "seq-mean-token-sum-norm"] = "token-mean"
+    """How per-token value losses become one number (as ``actor.loss.loss_aggregation``)."""
+    on_non_finite: Literal["raise", "skip"] = "raise"
+    """A NaN/inf loss or gradient norm: ``raise`` (naming the role and RL step) or ``skip`` the optimizer step."""
     mini_batch_size: int = field(default=8, metadata={"derived": "batch.mini_batch_size"})
     """Samples per optimizer update (global)."""
+    max_response_length: int | None = field(default=None, metadata={"derived": "actor.generation.max_new_tokens"})
+    """The constant normaliser of ``seq-mean-token-sum-norm`` (null: the batch's response width)."""
 
     def __post_init__(self) -> None:
         _require(isinstance(self.ppo_epochs, int) and self.ppo_epochs >= 1, "ppo_epochs", self.ppo_epochs,
                  "an integer >= 1")
         _require(self.value_clip >= 0, "value_clip", self.value_clip, "a float >= 0")
+        _require(self.loss_aggregation in LOSS_AGGREGATIONS, "loss_aggregation", self.loss_aggregation,
+                 ", ".join(LOSS_AGGREGATIONS))
+        _require(self.on_non_finite in NON_FINITE_ACTIONS, "on_non_finite", self.on_non_finite,
+                 ", ".join(NON_FINITE_ACTIONS))
         _require(self.mini_batch_size >= 1, "mini_batch_size", self.mini_batch_size, "an integer >= 1")
+        _require(self.max_response_length is None or self.max_response_length >= 1, "max_response_length",
+                 self.max_response_length, "an integer >= 1 or null")
 
 
 def _require(condition: bool, key: str, value, allowed: str) -> None:
