@@ -56,3 +56,16 @@ def test_skipped_old_log_prob_pass_is_reported_and_gives_ratio_one(tmp_path):
     assert metrics["actor/clip_fraction"] == 0.0
     history = _grpo_history(tmp_path, mini_batch_size=4)
     assert history[0]["perf/old_log_prob_skipped"] == 0.0
+
+
+def test_detached_current_log_probs_as_old_give_the_plain_policy_gradient():
+    import torch
+
+    from hybridflow.algorithms import ppo_policy_loss
+
+    generator = torch.Generator().manual_seed(0)
+    logprobs = torch.randn(4, 6, generator=generator).requires_grad_(True)
+    advantages = torch.randn(4, 6, generator=generator)
+    result = ppo_policy_loss(logprobs, logprobs.detach(), advantages, clip_ratio_low=0.2, clip_ratio_high=0.2)
+    (grad,) = torch.autograd.grad(result.loss_BT.sum(), logprobs)
+    torch.testing.assert_close(grad, -advantages, rtol=0, atol=0)

@@ -5,9 +5,9 @@ b = rows of one micro-batch, N = packed tokens of one micro-batch (real tokens, 
 
 A micro-batch holds whole rows (whole groups of ``group_size`` consecutive rows, e.g. the
 chosen/rejected pair of a reward model). Its real tokens are concatenated into one row ``[1, N]``
-with position ids restarting at each sequence; attention is block-diagonal causal (built from the
-position ids by ``hybridflow.parallel.pipeline.packed_attention_bias``), so packing is exact: each
-sequence sees only itself.
+with position ids restarting at each sequence; each sequence attends only to itself, found from
+the position ids without an N x N mask (``hybridflow.models.packed_attention``), so packing is
+exact and its cost does not grow with the token budget.
 """
 
 from __future__ import annotations
