@@ -36,7 +36,7 @@ def _grpo_history(directory, mini_batch_size: int, steps: int = 1) -> list[dict]
         f"data.train_path={directory / 'train.jsonl'}", "actor.model.builtin=arithmetic",
         "reward.function=arithmetic", "algorithm.advantage_estimator=grpo", "algorithm.kl_mode=none",
         "actor.generation.max_new_tokens=4",
-        "actor.optim.lr=1e-3", "batch.prompts_per_step=4", "batch.samples_per_prompt=2",
+        "actor.engine.optim.lr=1e-3", "batch.prompts_per_step=4", "batch.samples_per_prompt=2",
         f"batch.mini_batch_size={mini_batch_size}", f"trainer.total_steps={steps}", "trainer.progress_bar=false",
         f"trainer.output_dir={directory / str(mini_batch_size)}"])
     with local_mode():
