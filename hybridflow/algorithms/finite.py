@@ -8,8 +8,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-NON_FINITE_ACTIONS = ("raise", "skip")
-"""What a training step does when its loss or gradient norm is not finite."""
+from hybridflow.algorithms.names import NON_FINITE_ACTIONS
 
 
 class NonFiniteError(FloatingPointError):

@@ -1,6 +1,14 @@
 """Per-model engines: training and inference under the fsdp or 3d layout (generation lives beside them)."""
 
-from hybridflow.engine.config import EngineConfig, OptimConfig
-from hybridflow.engine.training import TrainingEngine
+from hybridflow._lazy import lazy_exports
 
+# submodules are imported on first use: the light config modules of this package then load without
+# torch, transformers or Ray (see hybridflow/_lazy.py)
+_EXPORTS = {
+    "EngineConfig": "hybridflow.engine.config",
+    "OptimConfig": "hybridflow.engine.config",
+    "TrainingEngine": "hybridflow.engine.training",
+}
 __all__ = ["EngineConfig", "OptimConfig", "TrainingEngine"]
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

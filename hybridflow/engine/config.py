@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from hybridflow.device import default_dtype
 
 LAYOUTS = ("fsdp", "3d")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 PIPELINE_SCHEDULES = ("1f1b", "gpipe")
-DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # names only: this module stays importable without torch
 
 
 def _check_positive_int(name: str, value: object) -> None:
@@ -136,6 +136,10 @@ class EngineConfig:
             raise ValueError(f"engine.optim must be an OptimConfig, got {type(self.optim).__name__}")
 
     @property
-    def compute_dtype(self) -> torch.dtype:
+    def compute_dtype(self) -> "torch.dtype":
         """The dtype forward/backward compute in (resolves 'auto' on this device)."""
-        return DTYPES[self.dtype] or default_dtype()
+        import torch
+
+        from hybridflow.device import default_dtype
+
+        return default_dtype() if self.dtype == "auto" else getattr(torch, self.dtype)

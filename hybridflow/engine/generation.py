@@ -13,110 +13,13 @@ S = P + T, V vocabulary, H hidden size.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from hybridflow.engine.decoder import DecoderStage
-
-
-@dataclass(frozen=True, kw_only=True)
-class GenerationConfig:
-    """How to sample responses.
-
-    The recorded ``logprobs`` are those of the tempered distribution softmax(logits / temperature), the
-    one a training engine recomputes; top-k/top-p, ``repetition_penalty``, ``suppress_tokens`` and
-    ``min_new_tokens`` only shape which token is drawn (as vLLM does).
-    """
-
-    max_new_tokens: int = 64
-    """T: the most tokens generated per response; responses are right-padded to exactly T."""
-    min_new_tokens: int = 0
-    """End tokens (EOS, stop tokens) cannot be sampled before this many response tokens."""
-    temperature: float = 1.0
-    """Logits are divided by it before top-k/top-p and sampling (ignored when greedy)."""
-    top_k: int = 0
-    """Sample among the k most likely tokens only; 0 turns it off."""
-    top_p: float = 1.0
-    """Nucleus sampling: the smallest set of tokens whose probability reaches top_p; 1.0 turns it off."""
-    repetition_penalty: float = 1.0
-    """CTRL-style penalty on tokens already in the prompt or response: positive logits are divided by it,
-    negative ones multiplied; 1.0 turns it off."""
-    greedy: bool = False
-    """Take the most likely token at every step (temperature, top_k, top_p and seed are ignored)."""
-    suppress_tokens: tuple[int, ...] = ()
-    """Token ids never sampled (added to the model's ``suppress_tokens`` when ``use_model_defaults``)."""
-    stop: tuple[str, ...] = ()
-    """Strings that end a response (kept in it); the trainer encodes them into ``stop_sequences``."""
-    stop_token_ids: tuple[int, ...] = ()
-    """Further tokens that end a response, e.g. an end-of-turn token; kept like EOS."""
-    use_model_defaults: bool = True
-    """Read the model directory's ``generation_config.json``: its EOS ids and ``suppress_tokens`` are added,
-    and its temperature, top_k, top_p and repetition_penalty replace the ones left at their defaults here."""
-    memory_budget_gib: float | None = None
-    """Memory one wave of rows may take (KV cache plus prefill activations, estimated per row); rows
-    beyond it wait for the next wave. None: 80% of the device's free memory on CUDA, unbounded on CPU.
-    Greedy outputs do not depend on the waves; sampled ones are reproducible for a given budget."""
-    samples_per_prompt: int = field(default=1, metadata={"derived": "batch.samples_per_prompt"})
-    """Responses generated per prompt; output rows are prompt-major (prompt 0's samples first)."""
-    eos_token_ids: tuple[int, ...] = field(default=(), metadata={"derived": "the tokenizer (and generation_config.json)"})
-    """Tokens that end a response (kept in it, response_mask 1)."""
-    stop_sequences: tuple[tuple[int, ...], ...] = field(default=(), metadata={"derived": "stop, encoded"})
-    """Token sequences that end a response when the response ends with one of them."""
-    pad_token_id: int = field(default=0, metadata={"derived": "the tokenizer"})
-    """Fills responses after their end."""
-    seed: int = field(default=0, metadata={"derived": "trainer.seed"})
-    """Seed of the sampling generator: same prompts, weights and config give the same responses."""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
-        if not isinstance(self.min_new_tokens, int) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
-            raise ValueError(f"min_new_tokens must be an integer in [0, max_new_tokens={self.max_new_tokens}], "
-                             f"got {self.min_new_tokens!r}")
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature!r}; use greedy=True for argmax")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not self.repetition_penalty > 0:
-            raise ValueError(f"repetition_penalty must be > 0 (1.0 = off), got {self.repetition_penalty!r}")
-        if self.memory_budget_gib is not None and (isinstance(self.memory_budget_gib, bool)
-                                                   or not isinstance(self.memory_budget_gib, (int, float))
-                                                   or not self.memory_budget_gib > 0):
-            raise ValueError(f"memory_budget_gib must be a number > 0 or null (automatic), got "
-                             f"{self.memory_budget_gib!r}")
-        if not isinstance(self.samples_per_prompt, int) or self.samples_per_prompt < 1:
-            raise ValueError(f"samples_per_prompt must be a positive integer, got {self.samples_per_prompt!r}")
-        for name in ("eos_token_ids", "stop_token_ids", "suppress_tokens"):
-            ids = getattr(self, name)
-            if not isinstance(ids, tuple) or not all(isinstance(i, int) and i >= 0 for i in ids):
-                raise ValueError(f"{name} must be a tuple of non-negative token ids, got {ids!r}")
-        if not isinstance(self.stop, tuple) or not all(isinstance(text, str) and text for text in self.stop):
-            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
-        if not all(isinstance(seq, tuple) and seq and all(isinstance(i, int) and i >= 0 for i in seq)
-                   for seq in self.stop_sequences):
-            raise ValueError(f"stop_sequences must hold non-empty token-id sequences, got {self.stop_sequences!r}")
-
-    def with_model_defaults(self, model_defaults: dict, *, encode=None) -> "GenerationConfig":
-        """This config with a model's ``generation_config.json`` (a dict) applied per ``use_model_defaults``,
-        and ``stop`` encoded into ``stop_sequences`` by ``encode`` (text -> token ids)."""
-        changes: dict = {}
-        if encode is not None and self.stop:
-            changes["stop_sequences"] = tuple(tuple(encode(text)) for text in self.stop)
-        if self.use_model_defaults and model_defaults:
-            eos = model_defaults.get("eos_token_id")
-            eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-            changes["eos_token_ids"] = tuple(dict.fromkeys([*self.eos_token_ids, *eos]))
-            suppress = list(model_defaults.get("suppress_tokens") or [])
-            changes["suppress_tokens"] = tuple(dict.fromkeys([*self.suppress_tokens, *suppress]))
-            defaults = {f.name: f.default for f in fields(self)}
-            for name in ("temperature", "top_k", "top_p", "repetition_penalty"):
-                if model_defaults.get(name) is not None and getattr(self, name) == defaults[name]:
-                    changes[name] = type(defaults[name])(model_defaults[name])
-        return replace(self, **changes)
+from hybridflow.engine.generation_config import GenerationConfig
 
 
 def process_logits(logits_BV: torch.Tensor, config: GenerationConfig, *, history_BL: torch.Tensor | None,

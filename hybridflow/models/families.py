@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
-from transformers import LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config
+from typing import TYPE_CHECKING
 
-# model_type (as written in config.json) -> the transformers config class of that family.
-FAMILY_CONFIGS: dict[str, type[PretrainedConfig]] = {
-    "llama": LlamaConfig,
-    "mistral": MistralConfig,
-    "qwen2": Qwen2Config,
-}
-SUPPORTED_FAMILIES: tuple[str, ...] = tuple(sorted(FAMILY_CONFIGS))
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+# model_type (as written in config.json); transformers is imported only by family_config_class, so that
+# configs naming a family validate without it
+SUPPORTED_FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2")
+
+
+def family_config_class(family: str) -> "type[PretrainedConfig]":
+    """The transformers config class of a supported ``family``."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    return {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}[check_family(family)]
 
 
 def check_family(family: str, *, source: str = "model") -> str:
@@ -18,7 +24,7 @@ def check_family(family: str, *, source: str = "model") -> str:
 
     ``source`` says where the family came from (a path, "ModelConfig.family"), for the message.
     """
-    if family not in FAMILY_CONFIGS:
+    if family not in SUPPORTED_FAMILIES:
         raise ValueError(
             f"model family {family!r} ({source}) is not supported yet; "
             f"supported: {', '.join(SUPPORTED_FAMILIES)}"
@@ -26,6 +32,6 @@ def check_family(family: str, *, source: str = "model") -> str:
     return family
 
 
-def family_of(hf_config: PretrainedConfig, *, source: str = "model") -> str:
+def family_of(hf_config: "PretrainedConfig", *, source: str = "model") -> str:
     """The supported family of a loaded Hugging Face config (its ``model_type``), else ValueError."""
     return check_family(getattr(hf_config, "model_type", "<unknown>"), source=source)

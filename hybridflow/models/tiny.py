@@ -9,7 +9,7 @@ import torch
 from huggingface_hub.errors import StrictDataclassError
 from transformers import PretrainedConfig
 
-from hybridflow.models.families import FAMILY_CONFIGS, check_family
+from hybridflow.models.families import check_family, family_config_class
 
 # Small enough to train in seconds on one CPU core, shaped like a real decoder: grouped-query
 # attention (4 query heads share 2 key/value heads), a gated MLP, rotary positions. The head counts,
@@ -37,7 +37,7 @@ def tiny_config(family: str = "llama", **overrides: Any) -> PretrainedConfig:
     Overrides are any fields of that family's transformers config (e.g. ``num_hidden_layers=2``,
     ``tie_word_embeddings=True``); an unknown field is a ValueError.
     """
-    config_cls = FAMILY_CONFIGS[check_family(family, source="tiny_config(family=...)")]
+    config_cls = family_config_class(check_family(family, source="tiny_config(family=...)"))
     known = set(config_cls().to_dict())
     unknown = sorted(set(overrides) - known)
     if unknown:

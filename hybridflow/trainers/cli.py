@@ -110,7 +110,7 @@ def _supervised_main(kind: str, argv: list[str]) -> int:
     except ValueError as error:
         return _fail(prog, error)
     from hybridflow.trainers.config_loader import dump_yaml
-    from hybridflow.trainers.supervised import RMConfig, SFTConfig, load_supervised_config, run_supervised
+    from hybridflow.trainers.supervised_config import RMConfig, SFTConfig, load_supervised_config
 
     try:
         config = load_supervised_config(SFTConfig if kind == "sft" else RMConfig, args.config, args.overrides)
@@ -119,6 +119,8 @@ def _supervised_main(kind: str, argv: list[str]) -> int:
     if args.print_config:
         print(dump_yaml(config), end="")
         return 0
+    from hybridflow.trainers.supervised import run_supervised
+
     try:
         result = run_supervised(config, mode="local" if args.local else None)
     except ValueError as error:

@@ -19,10 +19,10 @@ from typing import Any, Literal
 
 from hybridflow.data.config import PromptFiles
 from hybridflow.engine.config import EngineConfig, OptimConfig
-from hybridflow.engine.generation import GenerationConfig
-from hybridflow.engine.hybrid_engine import HybridEngineConfig
+from hybridflow.engine.generation_config import GenerationConfig
+from hybridflow.engine.hybrid_engine_config import HybridEngineConfig
 from hybridflow.models.config import ModelConfig
-from hybridflow.trainers.advantage import AlgorithmSection
+from hybridflow.trainers.algorithm_config import AlgorithmSection
 from hybridflow.trainers.config_loader import apply_overrides, build_dataclass, load_yaml
 from hybridflow.workers.spec import PolicyLossConfig, ValueLossConfig
 

@@ -1,14 +1,26 @@
 """Role workers (one role per class): actor, reference, critic, reward and cost, each a thin adapter over an engine."""
 
-from hybridflow.workers.actor import ActorWorker
-from hybridflow.workers.base import ModelWorker
-from hybridflow.workers.critic import CriticWorker
-from hybridflow.workers.reference import ReferenceWorker
-from hybridflow.workers.reward import CostWorker, RewardWorker
-from hybridflow.workers.spec import (ActorSpec, EngineSpec, PolicyLossConfig, RewardSpec, TokenizerSource,
-                                     ValueLossConfig)
+from hybridflow._lazy import lazy_exports
 
+# submodules are imported on first use: the light config modules of this package then load without
+# torch, transformers or Ray (see hybridflow/_lazy.py)
+_EXPORTS = {
+    "ActorWorker": "hybridflow.workers.actor",
+    "ModelWorker": "hybridflow.workers.base",
+    "CriticWorker": "hybridflow.workers.critic",
+    "ReferenceWorker": "hybridflow.workers.reference",
+    "CostWorker": "hybridflow.workers.reward",
+    "RewardWorker": "hybridflow.workers.reward",
+    "ActorSpec": "hybridflow.workers.spec",
+    "EngineSpec": "hybridflow.workers.spec",
+    "PolicyLossConfig": "hybridflow.workers.spec",
+    "RewardSpec": "hybridflow.workers.spec",
+    "TokenizerSource": "hybridflow.workers.spec",
+    "ValueLossConfig": "hybridflow.workers.spec",
+}
 __all__ = [
     "ActorSpec", "ActorWorker", "CostWorker", "CriticWorker", "EngineSpec", "ModelWorker", "PolicyLossConfig",
     "ReferenceWorker", "RewardSpec", "RewardWorker", "TokenizerSource", "ValueLossConfig",
 ]
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from hybridflow.algorithms import KL_ESTIMATORS, LOSS_AGGREGATIONS, NON_FINITE_ACTIONS, POLICY_LOSSES
+from hybridflow.algorithms.names import (KL_ESTIMATOR_NAMES, LOSS_AGGREGATION_NAMES, NON_FINITE_ACTIONS,
+                                         POLICY_LOSS_NAMES)
 from hybridflow.engine.config import EngineConfig
-from hybridflow.engine.generation import GenerationConfig
-from hybridflow.engine.hybrid_engine import HybridEngineConfig
+from hybridflow.engine.generation_config import GenerationConfig
+from hybridflow.engine.hybrid_engine_config import HybridEngineConfig
 from hybridflow.models.config import ModelConfig
 
 
@@ -103,18 +104,18 @@ class PolicyLossConfig:
     def __post_init__(self) -> None:
         _require(isinstance(self.ppo_epochs, int) and self.ppo_epochs >= 1, "ppo_epochs", self.ppo_epochs,
                  "an integer >= 1")
-        _require(self.policy_loss in POLICY_LOSSES, "policy_loss", self.policy_loss, ", ".join(POLICY_LOSSES))
+        _require(self.policy_loss in POLICY_LOSS_NAMES, "policy_loss", self.policy_loss, ", ".join(POLICY_LOSS_NAMES))
         _require(self.clip_ratio > 0, "clip_ratio", self.clip_ratio, "a float > 0")
         for name in ("clip_ratio_low", "clip_ratio_high"):
             value = getattr(self, name)
             _require(value is None or value > 0, name, value, "a float > 0, or null for clip_ratio")
         _require(self.clip_low <= 1, "clip_ratio_low", self.clip_low,
                  "a float in (0, 1] (1 - low is the smallest unclipped ratio; 1: no lower bound)")
-        _require(self.loss_aggregation in LOSS_AGGREGATIONS, "loss_aggregation", self.loss_aggregation,
-                 ", ".join(LOSS_AGGREGATIONS))
+        _require(self.loss_aggregation in LOSS_AGGREGATION_NAMES, "loss_aggregation", self.loss_aggregation,
+                 ", ".join(LOSS_AGGREGATION_NAMES))
         _require(self.entropy_coef >= 0, "entropy_coef", self.entropy_coef, "a float >= 0")
-        _require(self.kl_loss_estimator in KL_ESTIMATORS, "kl_loss_estimator", self.kl_loss_estimator,
-                 ", ".join(KL_ESTIMATORS))
+        _require(self.kl_loss_estimator in KL_ESTIMATOR_NAMES, "kl_loss_estimator", self.kl_loss_estimator,
+                 ", ".join(KL_ESTIMATOR_NAMES))
         _require(self.tis_cap is None or self.tis_cap >= 1, "tis_cap", self.tis_cap, "a float >= 1, or null (off)")
         _require(self.on_non_finite in NON_FINITE_ACTIONS, "on_non_finite", self.on_non_finite,
                  ", ".join(NON_FINITE_ACTIONS))
@@ -156,8 +157,8 @@ class ValueLossConfig:
         _require(isinstance(self.ppo_epochs, int) and self.ppo_epochs >= 1, "ppo_epochs", self.ppo_epochs,
                  "an integer >= 1")
         _require(self.value_clip >= 0, "value_clip", self.value_clip, "a float >= 0")
-        _require(self.loss_aggregation in LOSS_AGGREGATIONS, "loss_aggregation", self.loss_aggregation,
-                 ", ".join(LOSS_AGGREGATIONS))
+        _require(self.loss_aggregation in LOSS_AGGREGATION_NAMES, "loss_aggregation", self.loss_aggregation,
+                 ", ".join(LOSS_AGGREGATION_NAMES))
         _require(self.on_non_finite in NON_FINITE_ACTIONS, "on_non_finite", self.on_non_finite,
                  ", ".join(NON_FINITE_ACTIONS))
         _require(self.mini_batch_size >= 1, "mini_batch_size", self.mini_batch_size, "an integer >= 1")
