@@ -181,11 +181,7 @@ class GenerationEngine:
         device = self.stage.device
         B, P = prompts_BP.shape
         T = config.max_new_tokens
-        responses_BT = torch.full((B, T), config.pad_token_id, dtype=prompts_BP.dtype, device=device)
-        logprobs_BT = torch.zeros((B, T), dtype=torch.float32, device=device)
-        response_mask_BT = torch.zeros((B, T), dtype=prompt_mask_BP.dtype, device=device)
-        stops = torch.tensor(sorted(set(config.eos_token_ids) | set(config.stop_token_ids)), dtype=torch.long,
-                             device=device)
+        responses_BT, logprobs_BT, response_mask_BT, stops = _wave_buffers(prompts_BP, prompt_mask_BP, config)
 
         rows_B = torch.arange(B, device=device)  # output row of each active row
         cache = self.stage.new_cache(batch=B, max_len=P + T)
@@ -205,10 +201,7 @@ class GenerationEngine:
             logprobs_BT[rows_B, step] = logprobs_B
             response_mask_BT[rows_B, step] = 1
             finished_B = torch.isin(tokens_B, stops)
-            for sequence in config.stop_sequences:
-                if len(sequence) <= step + 1:
-                    tail_BL = responses_BT[rows_B, step + 1 - len(sequence):step + 1]
-                    finished_B |= (tail_BL == torch.tensor(sequence, device=device)).all(dim=1)
+            finished_B |= _ends_with_stop_sequence(responses_BT[rows_B], step, config)
             if step == T - 1 or bool(finished_B.all()):
                 break
             key_valid_BS[:, P + step] = True
@@ -222,16 +215,7 @@ class GenerationEngine:
             stats.decode_steps += 1
             stats.rows_decoded += len(rows_B)
         del cache  # the KV cache lives only inside this call
-        attention_mask_BS = torch.cat([prompt_mask_BP, response_mask_BT], dim=1)
-        return {
-            "prompts": prompts_BP,
-            "responses": responses_BT,
-            "response_mask": response_mask_BT,
-            "input_ids": torch.cat([prompts_BP, responses_BT], dim=1),
-            "attention_mask": attention_mask_BS,
-            "position_ids": (attention_mask_BS.cumsum(dim=1) - 1).clamp(min=0),
-            "logprobs": logprobs_BT,
-        }
+        return _wave_output(prompts_BP, prompt_mask_BP, responses_BT, response_mask_BT, logprobs_BT)
 
     def _generate_wave_static(self, prompts_BP: torch.Tensor, prompt_mask_BP: torch.Tensor,
                               config: GenerationConfig, generator: torch.Generator,
@@ -241,11 +225,7 @@ class GenerationEngine:
         device = self.stage.device
         B, P = prompts_BP.shape
         T = config.max_new_tokens
-        responses_BT = torch.full((B, T), config.pad_token_id, dtype=prompts_BP.dtype, device=device)
-        logprobs_BT = torch.zeros((B, T), dtype=torch.float32, device=device)
-        response_mask_BT = torch.zeros((B, T), dtype=prompt_mask_BP.dtype, device=device)
-        stops = torch.tensor(sorted(set(config.eos_token_ids) | set(config.stop_token_ids)), dtype=torch.long,
-                             device=device)
+        responses_BT, logprobs_BT, response_mask_BT, stops = _wave_buffers(prompts_BP, prompt_mask_BP, config)
         cache = self.stage.new_cache(batch=B, max_len=P + T)
         key_valid_BL = torch.zeros((B, P + T), dtype=torch.bool, device=device)
         key_valid_BL[:, :P] = prompt_mask_BP.bool()
@@ -267,10 +247,7 @@ class GenerationEngine:
             logprobs_BT[:, step] = torch.where(active_B, logprobs_B, 0.0)
             response_mask_BT[:, step] = active_B.to(response_mask_BT.dtype)
             ends_B = torch.isin(tokens_B, stops)
-            for sequence in config.stop_sequences:
-                if len(sequence) <= step + 1:
-                    tail_BL = responses_BT[:, step + 1 - len(sequence):step + 1]
-                    ends_B |= (tail_BL == torch.tensor(sequence, device=device)).all(dim=1)
+            ends_B |= _ends_with_stop_sequence(responses_BT, step, config)
             finished_B = finished_B | (active_B & ends_B)
             # one host sync every few steps instead of several per step
             if step == T - 1 or ((step + 1) % STATIC_END_CHECK_EVERY == 0 and bool(finished_B.all())):
@@ -285,16 +262,7 @@ class GenerationEngine:
             stats.decode_steps += 1
             stats.rows_decoded += B
         del cache, step_fn
-        attention_mask_BS = torch.cat([prompt_mask_BP, response_mask_BT], dim=1)
-        return {
-            "prompts": prompts_BP,
-            "responses": responses_BT,
-            "response_mask": response_mask_BT,
-            "input_ids": torch.cat([prompts_BP, responses_BT], dim=1),
-            "attention_mask": attention_mask_BS,
-            "position_ids": (attention_mask_BS.cumsum(dim=1) - 1).clamp(min=0),
-            "logprobs": logprobs_BT,
-        }
+        return _wave_output(prompts_BP, prompt_mask_BP, responses_BT, response_mask_BT, logprobs_BT)
 
     def _decode_at(self, ids_B1: torch.Tensor, positions_B1: torch.Tensor, cache, key_valid_BL: torch.Tensor,
                    index_1: torch.Tensor) -> torch.Tensor:
@@ -340,6 +308,41 @@ class GenerationEngine:
             dist.broadcast(packed, src=p.ranks[self.head_stage], group=p.group)
             tokens_B, logprobs_B = packed[0].long(), packed[1].float()
         return tokens_B, logprobs_B
+
+
+def _wave_buffers(prompts_BP: torch.Tensor, prompt_mask_BP: torch.Tensor, config: GenerationConfig):
+    """(responses_BT filled with padding, logprobs_BT zeros, response_mask_BT zeros, the end-token ids)."""
+    (B, _), T, device = prompts_BP.shape, config.max_new_tokens, prompts_BP.device
+    responses_BT = torch.full((B, T), config.pad_token_id, dtype=prompts_BP.dtype, device=device)
+    logprobs_BT = torch.zeros((B, T), dtype=torch.float32, device=device)
+    response_mask_BT = torch.zeros((B, T), dtype=prompt_mask_BP.dtype, device=device)
+    stops = torch.tensor(sorted(set(config.eos_token_ids) | set(config.stop_token_ids)), dtype=torch.long,
+                         device=device)
+    return responses_BT, logprobs_BT, response_mask_BT, stops
+
+
+def _ends_with_stop_sequence(responses_BT: torch.Tensor, step: int, config: GenerationConfig) -> torch.Tensor:
+    """[B] bool: the response (tokens 0..step) now ends with one of ``config.stop_sequences``."""
+    ends_B = torch.zeros(responses_BT.shape[0], dtype=torch.bool, device=responses_BT.device)
+    for sequence in config.stop_sequences:
+        if len(sequence) <= step + 1:
+            tail_BL = responses_BT[:, step + 1 - len(sequence):step + 1]
+            ends_B |= (tail_BL == torch.tensor(sequence, device=responses_BT.device)).all(dim=1)
+    return ends_B
+
+
+def _wave_output(prompts_BP, prompt_mask_BP, responses_BT, response_mask_BT, logprobs_BT) -> dict[str, torch.Tensor]:
+    """The shared batch conventions of one wave's result."""
+    attention_mask_BS = torch.cat([prompt_mask_BP, response_mask_BT], dim=1)
+    return {
+        "prompts": prompts_BP,
+        "responses": responses_BT,
+        "response_mask": response_mask_BT,
+        "input_ids": torch.cat([prompts_BP, responses_BT], dim=1),
+        "attention_mask": attention_mask_BS,
+        "position_ids": (attention_mask_BS.cumsum(dim=1) - 1).clamp(min=0),
+        "logprobs": logprobs_BT,
+    }
 
 
 STATIC_END_CHECK_EVERY = 8
