@@ -226,7 +226,8 @@ def test_a_plan_made_for_another_workload_is_refused_and_a_matching_one_is_appli
     from hybridflow.mapping import Plan, PoolPlan, RoleStrategy
     from hybridflow.trainers.auto_mapping import apply_plan, workload_of
 
-    config = load_rl_config(None, [*BASE, "algorithm.advantage_estimator=grpo", "batch.prompts_per_step=8"])
+    config = load_rl_config(None, [*BASE, "algorithm.advantage_estimator=grpo", "batch.prompts_per_step=8",
+                                          "batch.samples_per_prompt=2"])
     plan = Plan(pools=(PoolPlan(name="all", roles=("actor", "reference"), devices_per_node=(4,)),),
                 strategies={"actor": RoleStrategy(layout="3d", tp_size=2, generation_pp_size=1, generation_tp_size=1),
                             "reference": RoleStrategy(layout="fsdp")}, workload=workload_of(config))
