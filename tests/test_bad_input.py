@@ -156,10 +156,10 @@ def test_model_directories_are_checked_before_any_model_is_built(tmp_path, promp
     with pytest.raises(ValueError, match=rf"config key {key}: model directory '.*nowhere' does not exist"):
         _trainer(tmp_path, f"reference.model.path={tmp_path / 'nowhere'}")
     (model_dir / "tokenizer.json").unlink()
-    with pytest.raises(ValueError, match=rf"config key {key}: directory '.*model' has no tokenizer files \(one of "
-                                         rf"tokenizer\.json, .*\); copy the tokenizer there or set "
-                                         rf"reference\.model\.tokenizer_path"):
-        _trainer(tmp_path, f"reference.model.path={model_dir}")
+    with pytest.raises(ValueError, match=r"config key actor\.model\.path: directory '.*model' has no tokenizer files "
+                                         r"\(one of tokenizer\.json, .*\); copy the tokenizer there or set "
+                                         r"actor\.model\.tokenizer_path"):
+        _trainer(tmp_path, f"actor.model.path={model_dir}", "actor.model.builtin=null")
     shutil.copy(ASSETS_DIR / "tokenizer.json", model_dir)
     weights = model_dir / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:40])  # truncated: the header no longer fits

@@ -54,7 +54,8 @@ def test_wrong_type_names_the_key_the_value_and_the_allowed_type():
 
 
 def test_out_of_range_value_names_the_full_dotted_key():
-    with pytest.raises(ValueError, match=r"config key actor\.engine\.optim: optim\.lr must be a number > 0, got -1\.0"):
+    with pytest.raises(ValueError,
+                       match=r"config key actor\.engine\.optim: optim\.lr must be a finite number > 0, got -1\.0"):
         _load("actor.engine.optim.lr=-1")
     with pytest.raises(ValueError, match=r"config key actor\.generation: top_p must be in \(0, 1\], got 1\.5"):
         _load("actor.generation.top_p=1.5")

@@ -17,6 +17,8 @@ from hybridflow.models.config import ModelConfig
 from hybridflow.trainers.config import RLConfig
 
 # A Hugging Face tokenizer directory holds at least one of these (fast, SentencePiece or BPE/WordPiece vocabularies).
+# Roles whose tokenizer is loaded (the others read the actor's token ids).
+TOKENIZER_ROLES = ("actor", "reward", "cost")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 
 
@@ -29,8 +31,8 @@ def preflight(config: RLConfig) -> None:
             _check_prompt_file(f"data.{key}", getattr(data, key), data.prompt_key)
     if config.actor.loss.ptx_coef > 0 and data.ptx_path is not None:
         read_rows(data.ptx_path)
-    for key, model in _model_sections(config):
-        _check_model(key, model)
+    for role, key, model in _model_sections(config):
+        _check_model(key, model, needs_tokenizer=role in TOKENIZER_ROLES)
     if config.reward.function is not None:
         from hybridflow.rewards.plugin import load_reward_function
 
@@ -72,12 +74,13 @@ def max_positions(model: ModelConfig) -> int | None:
     return value if isinstance(value, int) else None
 
 
-def _model_sections(config: RLConfig) -> list[tuple[str, ModelConfig]]:
-    sections = [("actor.model", config.actor.model)]
+def _model_sections(config: RLConfig) -> list[tuple[str, str, ModelConfig]]:
+    """(role, config key, model section) of every active role with a model of its own."""
+    sections = [("actor", "actor.model", config.actor.model)]
     for role in config.active_roles:
         model = config.section_of(role).model
         if role != "actor" and model is not None:
-            sections.append((f"{config.section_key(role)}.model", model))
+            sections.append((role, f"{config.section_key(role)}.model", model))
     return sections
 
 
@@ -92,7 +95,7 @@ def _check_prompt_file(key: str, path: str, prompt_key: str) -> None:
                              f"{prompt_key!r} (data.prompt_key) nor 'messages'; fields present: {sorted(row)}")
 
 
-def _check_model(key: str, model: ModelConfig) -> None:
+def _check_model(key: str, model: ModelConfig, *, needs_tokenizer: bool) -> None:
     if model.path is not None:
         directory = Path(model.path)
         if not directory.is_dir():
@@ -108,7 +111,7 @@ def _check_model(key: str, model: ModelConfig) -> None:
         for weights in sorted(directory.glob("*.safetensors")):
             _check_safetensors_header(key, weights)
     tokenizer_dir = model.tokenizer_path if model.tokenizer_path is not None else model.path
-    if tokenizer_dir is not None:
+    if needs_tokenizer and tokenizer_dir is not None:
         tokenizer_key = f"{key}.tokenizer_path" if model.tokenizer_path is not None else f"{key}.path"
         directory = Path(tokenizer_dir)
         if not directory.is_dir():
