@@ -162,7 +162,12 @@ def test_model_directories_are_checked_before_any_model_is_built(tmp_path, promp
         _trainer(tmp_path, f"actor.model.path={model_dir}", "actor.model.builtin=null")
     shutil.copy(ASSETS_DIR / "tokenizer.json", model_dir)
     weights = model_dir / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[:40])  # truncated: the header no longer fits
+    whole = weights.read_bytes()  # one 2x2 float32 tensor: 16 bytes of data after the header
+    weights.write_bytes(whole[:-4])  # a copy cut short
+    with pytest.raises(ValueError, match=rf"config key {key}: weights file '.*model\.safetensors' is corrupt: its "
+                                         rf"header lists 16 bytes of tensors but 12 follow it \(truncated\); re-copy"):
+        _trainer(tmp_path, f"reference.model.path={model_dir}")
+    weights.write_bytes(whole[:40])  # cut inside the header
     with pytest.raises(ValueError, match=rf"config key {key}: weights file '.*model\.safetensors' is corrupt: its "
                                          rf"header length does not fit the file's 40 bytes"):
         _trainer(tmp_path, f"reference.model.path={model_dir}")

@@ -134,10 +134,23 @@ def _check_safetensors_header(key: str, path: Path) -> None:
         else:
             try:
                 header = json.loads(handle.read(length))
-                if not isinstance(header, dict):
-                    problem = "its header is not a JSON object"
             except (ValueError, UnicodeDecodeError) as error:
-                problem = f"its header is not valid JSON ({error})"
+                header, problem = None, f"its header is not valid JSON ({error})"
+            if header is not None:
+                problem = _safetensors_data_problem(header, size - 8 - length)
     if problem is not None:
         raise ValueError(f"config key {key}.path: weights file {str(path)!r} is corrupt: {problem}; re-copy or "
                          f"re-export the model")
+
+
+def _safetensors_data_problem(header: object, data_bytes: int) -> str | None:
+    """Why the tensors a safetensors header lists do not exactly cover the bytes after it (None when they do)."""
+    if not isinstance(header, dict):
+        return "its header is not a JSON object"
+    ends = [entry.get("data_offsets", [0, 0])[1] for name, entry in header.items()
+            if name != "__metadata__" and isinstance(entry, dict)]
+    needed = max(ends, default=0)
+    if needed != data_bytes:
+        return (f"its header lists {needed} bytes of tensors but {data_bytes} follow it "
+                f"({'truncated' if needed > data_bytes else 'trailing bytes'})")
+    return None
