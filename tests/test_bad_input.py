@@ -242,3 +242,19 @@ def test_an_unwritable_checkpoint_directory_is_reported_without_an_earlier_check
                                                   r"checkpoint exists, so a resume starts from step 0"):
         checkpointer.save(3, {}, read_only)
     assert checkpointer.latest() is None and checkpointer.steps() == {}
+
+
+def test_the_train_command_reports_a_checkpoint_it_cannot_write_in_one_line_with_exit_code_2(tmp_path, capsys):
+    write_jsonl(tmp_path / "train.jsonl", [{"prompt": "1+2="}, {"prompt": "3+4="}])
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "checkpoints").write_text("a file where the checkpoint directory should be")
+    argv = ["train", f"data.train_path={tmp_path / 'train.jsonl'}", "actor.model.builtin=arithmetic",
+            "reward.function=arithmetic", "actor.generation.max_new_tokens=3", "batch.prompts_per_step=2",
+            "batch.mini_batch_size=2", "trainer.total_steps=1", "trainer.save_every=1", "trainer.progress_bar=false",
+            "trainer.tensorboard=false", f"trainer.output_dir={tmp_path / 'run'}", "--local"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    partial = tmp_path / "run" / "checkpoints" / "step_000001.partial"
+    assert err == (f"hybridflow train: error: could not save the checkpoint of step 1 to '{partial}': NotADirectoryError: "
+                   f"[Errno 20] Not a directory: '{partial}'; no earlier checkpoint exists, so a resume starts from "
+                   f"step 0; free disk space or make '{tmp_path / 'run' / 'checkpoints'}' writable\n")
