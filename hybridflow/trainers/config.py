@@ -180,7 +180,7 @@ class BatchSection:
     prompts_per_step: int = 8
     """Prompts drawn from the dataset for one RL iteration."""
     samples_per_prompt: int = 1
-    """Responses generated per prompt."""
+    """Responses generated per prompt (at least 2 for the group estimators grpo, dr_grpo and rloo)."""
     mini_batch_size: int = 8
     """Samples per optimizer update."""
 
@@ -232,7 +232,7 @@ class TrainerSection:
     seed: int = 0
     """Seeds data order, model init (built-in models) and sampling."""
     val_every: int = 0
-    """Validate every N steps (and after the last); 0 disables."""
+    """Validate every N steps (and after the last); 0 disables; > 0 needs ``data.val_path``."""
     val_function: str | None = None
     """A rule function also scoring the validation responses (e.g. an exact checker), logged as ``val/function_mean``."""
     val_before_train: bool = True
