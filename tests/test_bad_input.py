@@ -258,3 +258,31 @@ def test_the_train_command_reports_a_checkpoint_it_cannot_write_in_one_line_with
     assert err == (f"hybridflow train: error: could not save the checkpoint of step 1 to '{partial}': NotADirectoryError: "
                    f"[Errno 20] Not a directory: '{partial}'; no earlier checkpoint exists, so a resume starts from "
                    f"step 0; free disk space or make '{tmp_path / 'run' / 'checkpoints'}' writable\n")
+
+
+@pytest.mark.parametrize("kind", ["sft", "rm"])
+def test_sft_and_rm_check_the_model_directory_before_loading_it_and_answer_in_one_line(kind, tmp_path, model_dir,
+                                                                                       capsys):
+    rows = tmp_path / "rows.jsonl"
+    write_jsonl(rows, [{"prompt": "1+2=", "response": "3", "chosen": "3", "rejected": "4"}])
+    argv = [kind, f"data.train_path={rows}", f"model.path={model_dir}", f"output_dir={tmp_path / 'out'}", "--local"]
+    (model_dir / "tokenizer.json").unlink()
+    assert main(argv) == 2
+    assert capsys.readouterr().err == (
+        f"hybridflow {kind}: error: config key model.path: directory '{model_dir}' has no tokenizer files (one of "
+        f"tokenizer.json, tokenizer.model, vocab.json, vocab.txt, spiece.model); copy the tokenizer there or set "
+        f"model.tokenizer_path\n")
+    shutil.copy(ASSETS_DIR / "tokenizer.json", model_dir)
+    weights = model_dir / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-4])
+    assert main(argv) == 2
+    assert capsys.readouterr().err == (
+        f"hybridflow {kind}: error: config key model.path: weights file '{weights}' is corrupt: its header lists 16 "
+        f"bytes of tensors but 12 follow it (truncated); re-copy or re-export the model\n")
+
+
+def test_a_directory_given_as_a_data_file_is_named_as_a_directory(tmp_path):
+    (tmp_path / "rows.jsonl").mkdir()
+    with pytest.raises(ValueError, match=r"dataset file '.*rows\.jsonl' is a directory; give a \.jsonl, \.json or "
+                                         r"\.parquet file"):
+        read_rows(tmp_path / "rows.jsonl")

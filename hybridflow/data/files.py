@@ -17,6 +17,8 @@ def read_rows(path: str | Path) -> list[dict]:
     line, or a file with no rows.
     """
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"dataset file {str(path)!r} is a directory; give a .jsonl, .json or .parquet file")
     if not path.is_file():
         raise ValueError(f"dataset file {str(path)!r} does not exist")
     suffix = path.suffix.lower()

@@ -32,7 +32,7 @@ def preflight(config: RLConfig) -> None:
     if config.actor.loss.ptx_coef > 0 and data.ptx_path is not None:
         read_rows(data.ptx_path)
     for role, key, model in _model_sections(config):
-        _check_model(key, model, needs_tokenizer=role in TOKENIZER_ROLES)
+        check_model(key, model, needs_tokenizer=role in TOKENIZER_ROLES)
     if config.reward.function is not None:
         from hybridflow.rewards.plugin import load_reward_function
 
@@ -95,7 +95,9 @@ def _check_prompt_file(key: str, path: str, prompt_key: str) -> None:
                              f"{prompt_key!r} (data.prompt_key) nor 'messages'; fields present: {sorted(row)}")
 
 
-def _check_model(key: str, model: ModelConfig, *, needs_tokenizer: bool) -> None:
+def check_model(key: str, model: ModelConfig, *, needs_tokenizer: bool) -> None:
+    """Raise ValueError naming ``key`` unless a ``path`` model directory holds config.json, sound safetensors
+    headers and (``needs_tokenizer``) tokenizer files."""
     if model.path is not None:
         directory = Path(model.path)
         if not directory.is_dir():
