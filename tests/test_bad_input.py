@@ -49,7 +49,8 @@ def test_a_group_estimator_with_one_sample_per_prompt_is_refused_naming_samples_
     with pytest.raises(ValueError, match=rf"config key batch\.samples_per_prompt got 1; allowed: an integer >= 2 with "
                                          rf"algorithm\.advantage_estimator='{estimator}'"):
         _load(f"algorithm.advantage_estimator={estimator}")
-    assert _load(f"algorithm.advantage_estimator={estimator}", "batch.samples_per_prompt=2").batch.samples_per_prompt == 2
+    config = _load(f"algorithm.advantage_estimator={estimator}", "batch.samples_per_prompt=2")
+    assert config.batch.samples_per_prompt == 2
 
 
 def test_val_every_without_a_validation_file_is_refused_naming_both_keys():
@@ -237,8 +238,9 @@ def test_an_unwritable_checkpoint_directory_is_reported_without_an_earlier_check
     def read_only(directory):
         raise PermissionError(errno.EACCES, "Permission denied", str(directory))
 
-    with pytest.raises(CheckpointSaveError, match=r"could not save the checkpoint of step 3 to '.*step_000003\.partial': "
-                                                  r"PermissionError: \[Errno 13\] Permission denied: .*; no earlier "
+    with pytest.raises(CheckpointSaveError, match=r"could not save the checkpoint of step 3 to "
+                                                  r"'.*step_000003\.partial': PermissionError: \[Errno 13\] "
+                                                  r"Permission denied: .*; no earlier "
                                                   r"checkpoint exists, so a resume starts from step 0"):
         checkpointer.save(3, {}, read_only)
     assert checkpointer.latest() is None and checkpointer.steps() == {}
@@ -255,8 +257,9 @@ def test_the_train_command_reports_a_checkpoint_it_cannot_write_in_one_line_with
     assert main(argv) == 2
     err = capsys.readouterr().err
     partial = tmp_path / "run" / "checkpoints" / "step_000001.partial"
-    assert err == (f"hybridflow train: error: could not save the checkpoint of step 1 to '{partial}': NotADirectoryError: "
-                   f"[Errno 20] Not a directory: '{partial}'; no earlier checkpoint exists, so a resume starts from "
+    assert err == (f"hybridflow train: error: could not save the checkpoint of step 1 to '{partial}': "
+                   f"NotADirectoryError: [Errno 20] Not a directory: '{partial}'; no earlier checkpoint exists, so a "
+                   f"resume starts from "
                    f"step 0; free disk space or make '{tmp_path / 'run' / 'checkpoints'}' writable\n")
 
 

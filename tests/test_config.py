@@ -121,7 +121,8 @@ def test_ptx_coefficient_needs_a_ptx_dataset():
 
 
 def test_critic_free_estimator_drops_the_critic_from_active_roles():
-    assert _load("algorithm.advantage_estimator=grpo", "batch.samples_per_prompt=2").active_roles == ("actor", "reference")
+    grpo = _load("algorithm.advantage_estimator=grpo", "batch.samples_per_prompt=2")
+    assert grpo.active_roles == ("actor", "reference")
     assert _load("algorithm.kl_mode=none").active_roles == ("actor", "critic")
     assert _load("reward.model.builtin=arithmetic").active_roles == ("actor", "reference", "critic", "reward")
 

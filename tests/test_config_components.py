@@ -109,7 +109,8 @@ def test_float16_compute_is_refused_for_want_of_loss_scaling():
 
 
 def test_grad_clip_zero_is_refused_in_favour_of_null():
-    with pytest.raises(ValueError, match=r"optim\.grad_clip must be a finite number > 0 or None \(no clipping\), got 0\.0"):
+    with pytest.raises(ValueError,
+                       match=r"optim\.grad_clip must be a finite number > 0 or None \(no clipping\), got 0\.0"):
         load_rl_config(None, [*BASE, "actor.engine.optim.grad_clip=0"])
     assert load_rl_config(None, [*BASE, "actor.engine.optim.grad_clip=null"]).actor.engine.optim.grad_clip is None
 
