@@ -28,7 +28,8 @@ def run(steps: int, workdir: Path, *, local: bool) -> list[dict[str, float]]:
     task = ArithmeticTaskConfig()
     write_jsonl(workdir / "train.jsonl", prompt_rows(512, split="train", seed=0, config=task))
     config = load_rl_config(EXAMPLE_CONFIG, [
-        f"data.train_path={workdir / 'train.jsonl'}", "data.val_path=null", f"trainer.output_dir={workdir / 'run'}",
+        f"data.train_path={workdir / 'train.jsonl'}", "data.val_path=null", "trainer.val_every=0",
+        f"trainer.output_dir={workdir / 'run'}",
         "algorithm.advantage_estimator=grpo", "algorithm.kl_mode=loss", f"batch.samples_per_prompt={SAMPLES_PER_PROMPT}",
         "batch.prompts_per_step=8", "trainer.progress_bar=false"])
     trainer = RLTrainer(config, mode="local" if local else None, tensorboard=False)

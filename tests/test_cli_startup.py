@@ -44,7 +44,9 @@ def test_a_malformed_or_missing_config_file_is_reported_without_importing_torch(
     (tmp_path / "bad.yaml").write_text("trainer: [\n")
     result = _probe("train", str(tmp_path / "bad.yaml"))
     assert result["code"] == 2 and result["heavy"] == []
-    assert result["err"].startswith(f"hybridflow train: error: config file '{tmp_path / 'bad.yaml'}': while parsing")
+    assert result["err"] == (f"hybridflow train: error: config file {tmp_path / 'bad.yaml'}:2:1: YAML syntax error: "
+                             f"expected the node content, but found '<stream end>' (while parsing a flow node at "
+                             f"line 2)\n")
     result = _probe("sft", str(tmp_path / "absent.yaml"))
     assert result["code"] == 2 and result["heavy"] == []
     assert result["err"] == f"hybridflow sft: error: config file '{tmp_path / 'absent.yaml'}' does not exist\n"

@@ -109,7 +109,8 @@ def test_float16_compute_is_refused_for_want_of_loss_scaling():
 
 
 def test_grad_clip_zero_is_refused_in_favour_of_null():
-    with pytest.raises(ValueError, match=r"optim\.grad_clip must be a number > 0 or None, got 0\.0"):
+    with pytest.raises(ValueError,
+                       match=r"optim\.grad_clip must be a finite number > 0 or None \(no clipping\), got 0\.0"):
         load_rl_config(None, [*BASE, "actor.engine.optim.grad_clip=0"])
     assert load_rl_config(None, [*BASE, "actor.engine.optim.grad_clip=null"]).actor.engine.optim.grad_clip is None
 
@@ -226,7 +227,8 @@ def test_a_plan_made_for_another_workload_is_refused_and_a_matching_one_is_appli
     from hybridflow.mapping import Plan, PoolPlan, RoleStrategy
     from hybridflow.trainers.auto_mapping import apply_plan, workload_of
 
-    config = load_rl_config(None, [*BASE, "algorithm.advantage_estimator=grpo", "batch.prompts_per_step=8"])
+    config = load_rl_config(None, [*BASE, "algorithm.advantage_estimator=grpo", "batch.prompts_per_step=8",
+                                          "batch.samples_per_prompt=2"])
     plan = Plan(pools=(PoolPlan(name="all", roles=("actor", "reference"), devices_per_node=(4,)),),
                 strategies={"actor": RoleStrategy(layout="3d", tp_size=2, generation_pp_size=1, generation_tp_size=1),
                             "reference": RoleStrategy(layout="fsdp")}, workload=workload_of(config))

@@ -293,7 +293,7 @@ def test_engine_config_rejects_bad_values_naming_field_given_and_allowed(kwargs,
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(lr=0), r"optim.lr must be a number > 0, got 0"),
+    (dict(lr=0), r"optim.lr must be a finite number > 0, got 0"),
     (dict(betas=(0.9, 1.0)), r"optim.betas must be two numbers in \[0, 1\)"),
     (dict(lr_schedule="step"), r"optim.lr_schedule must be one of"),
     (dict(warmup_steps=5, total_steps=2), r"optim.warmup_steps 5 exceeds optim.total_steps 2"),

@@ -145,7 +145,8 @@ def test_non_finite_reward_names_the_sample(data_dir, tmp_path):
 def test_dataset_without_the_prompt_field_fails_before_workers_start(data_dir, tmp_path):
     write_jsonl(tmp_path / "bad.jsonl", [{"question": "1+1="}])
     config = _config(data_dir, tmp_path, f"data.train_path={tmp_path / 'bad.jsonl'}")
-    with pytest.raises(ValueError, match=r"row 0 of .*bad\.jsonl' has neither a 'prompt' field nor a 'messages'"):
+    with pytest.raises(ValueError, match=r"config key data\.train_path: row 0 of .*bad\.jsonl' has neither the prompt "
+                                         r"field 'prompt' \(data\.prompt_key\) nor 'messages'"):
         RLTrainer(config, tensorboard=False)
 
 

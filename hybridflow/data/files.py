@@ -17,30 +17,53 @@ def read_rows(path: str | Path) -> list[dict]:
     line, or a file with no rows.
     """
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"dataset file {str(path)!r} is a directory; give a .jsonl, .json or .parquet file")
     if not path.is_file():
         raise ValueError(f"dataset file {str(path)!r} does not exist")
     suffix = path.suffix.lower()
-    if suffix == ".jsonl":
-        rows = _read_jsonl(path)
-    elif suffix == ".json":
-        rows = json.loads(path.read_text())
-        if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
-            raise ValueError(f"dataset file {str(path)!r}: a .json dataset must be a list of objects")
-    elif suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        rows = pq.read_table(path).to_pylist()
-    else:
-        raise ValueError(f"dataset file {str(path)!r} has suffix {suffix!r}; allowed: {', '.join(SUFFIXES)}")
+    try:
+        rows = _read_by_suffix(path, suffix)
+    except UnicodeDecodeError as error:
+        raise ValueError(f"dataset file {str(path)!r} is not UTF-8 text (byte {error.object[error.start]:#04x} at "
+                         f"offset {error.start}); re-save the file as UTF-8") from None
     if not rows:
         raise ValueError(f"dataset file {str(path)!r} holds no rows")
     return rows
 
 
+def _read_by_suffix(path: Path, suffix: str) -> list[dict]:
+    if suffix == ".jsonl":
+        rows = _read_jsonl(path)
+    elif suffix == ".json":
+        try:
+            rows = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as error:
+            raise ValueError(f"dataset file {str(path)!r} is not valid JSON: {error}") from None
+        if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
+            raise ValueError(f"dataset file {str(path)!r}: a .json dataset must be a list of objects")
+    elif suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            rows = pq.read_table(path).to_pylist()
+        except Exception as error:  # pyarrow's errors (ArrowInvalid, ...) do not name the file
+            raise ValueError(f"dataset file {str(path)!r} is not a readable parquet file: {error}") from None
+    else:
+        raise ValueError(f"dataset file {str(path)!r} has suffix {suffix!r}; allowed: {', '.join(SUFFIXES)}")
+    return rows
+
+
 def _read_jsonl(path: Path) -> list[dict]:
     rows = []
-    with path.open() as handle:
-        for line_number, line in enumerate(handle, start=1):
+    with path.open("rb") as handle:
+        for line_number, raw_line in enumerate(handle, start=1):
+            try:
+                line = raw_line.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise ValueError(f"dataset file {str(path)!r} line {line_number} is not UTF-8 text (byte "
+                                 f"{raw_line[error.start]:#04x} at column {error.start + 1}); re-save the file as "
+                                 f"UTF-8") from None
             if not line.strip():
                 continue
             try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -21,8 +22,13 @@ def _check_positive_int(name: str, value: object) -> None:
 
 
 def _check_non_negative(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+    if not _is_finite_number(value) or value < 0:
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+
+
+def _is_finite_number(value: object) -> bool:
+    """An int or float that is not a bool, inf or nan (``lr=.inf`` would otherwise pass ``lr > 0``)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,19 +61,18 @@ class OptimConfig:
                              f"given None, allowed: a positive integer")
 
     def __post_init__(self) -> None:
-        if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or self.lr <= 0:
-            raise ValueError(f"optim.lr must be a number > 0, got {self.lr!r}")
+        if not _is_finite_number(self.lr) or self.lr <= 0:
+            raise ValueError(f"optim.lr must be a finite number > 0, got {self.lr!r}")
         if (not isinstance(self.betas, (tuple, list)) or len(self.betas) != 2
-                or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in self.betas)):
+                or not all(_is_finite_number(b) and 0 <= b < 1 for b in self.betas)):
             raise ValueError(f"optim.betas must be two numbers in [0, 1), got {self.betas!r}")
         object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
         _check_non_negative("optim.weight_decay", self.weight_decay)
-        if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float)) or self.eps <= 0:
-            raise ValueError(f"optim.eps must be a number > 0, got {self.eps!r}")
-        if self.grad_clip is not None and (isinstance(self.grad_clip, bool)
-                                           or not isinstance(self.grad_clip, (int, float))
-                                           or self.grad_clip <= 0):
-            raise ValueError(f"optim.grad_clip must be a number > 0 or None, got {self.grad_clip!r}")
+        if not _is_finite_number(self.eps) or self.eps <= 0:
+            raise ValueError(f"optim.eps must be a finite number > 0, got {self.eps!r}")
+        if self.grad_clip is not None and (not _is_finite_number(self.grad_clip) or self.grad_clip <= 0):
+            raise ValueError(f"optim.grad_clip must be a finite number > 0 or None (no clipping), "
+                             f"got {self.grad_clip!r}")
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"optim.lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
         if not isinstance(self.warmup_steps, int) or isinstance(self.warmup_steps, bool) or self.warmup_steps < 0:

@@ -15,6 +15,10 @@ import shutil
 from pathlib import Path
 
 
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint could not be written (disk full, unwritable directory, ...); the previous one is untouched."""
+
+
 class RunCheckpointer:
     """Saves and finds run checkpoints in ``directory``."""
 
@@ -26,11 +30,15 @@ class RunCheckpointer:
         """Write ``driver_state`` and call ``save_roles(partial_dir)`` (it fills one directory per role)."""
         final = self.directory / f"step_{step:06d}"
         partial = self.directory / f"step_{step:06d}.partial"
-        if partial.exists():
-            shutil.rmtree(partial)
-        partial.mkdir(parents=True)
-        save_roles(partial)
-        (partial / "driver.json").write_text(json.dumps({"step": step, **driver_state}))
+        try:
+            if partial.exists():
+                shutil.rmtree(partial)
+            partial.mkdir(parents=True)
+            save_roles(partial)
+            (partial / "driver.json").write_text(json.dumps({"step": step, **driver_state}))
+        except Exception as error:  # ENOSPC, EACCES, EROFS, or a worker's OSError reported as WorkerError
+            shutil.rmtree(partial, ignore_errors=True)  # give the space back; `latest` never named it
+            raise CheckpointSaveError(self._save_failure(step, partial, error)) from error
         if final.exists():
             shutil.rmtree(final)
         os.replace(partial, final)
@@ -39,6 +47,14 @@ class RunCheckpointer:
         os.replace(pointer, self.directory / "latest")
         self._prune()
         return final
+
+    def _save_failure(self, step: int, partial: Path, error: Exception) -> str:
+        previous = self.latest()
+        kept = (f"the previous checkpoint {str(previous)!r} is intact and a resume starts from it"
+                if previous is not None else "no earlier checkpoint exists, so a resume starts from step 0")
+        cause = str(error).strip().splitlines()[-1] if str(error).strip() else ""
+        return (f"could not save the checkpoint of step {step} to {str(partial)!r}: {type(error).__name__}: {cause}; "
+                f"{kept}; free disk space or make {str(self.directory)!r} writable")
 
     def steps(self) -> dict[int, Path]:
         """Every complete checkpoint by step, oldest first."""

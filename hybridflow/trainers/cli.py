@@ -82,9 +82,12 @@ def train_main(argv: list[str]) -> int:
         return _fail("hybridflow train", error)
     from hybridflow.controller.errors import WorkerError, WorkerTimeoutError, user_message
     from hybridflow.rewards.plugin import RewardError
+    from hybridflow.trainers.checkpoint import CheckpointSaveError
 
     try:
         history = trainer.fit()
+    except CheckpointSaveError as error:
+        return _fail("hybridflow train", error)
     except (WorkerError, WorkerTimeoutError, RewardError) as error:
         # one line naming role, rank, method and cause; the full remote traceback goes to a file
         return _fail("hybridflow train", user_message(error, trainer.output_dir / "errors"))

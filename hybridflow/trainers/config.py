@@ -180,7 +180,7 @@ class BatchSection:
     prompts_per_step: int = 8
     """Prompts drawn from the dataset for one RL iteration."""
     samples_per_prompt: int = 1
-    """Responses generated per prompt."""
+    """Responses generated per prompt (at least 2 for the group estimators grpo, dr_grpo and rloo)."""
     mini_batch_size: int = 8
     """Samples per optimizer update."""
 
@@ -232,7 +232,7 @@ class TrainerSection:
     seed: int = 0
     """Seeds data order, model init (built-in models) and sampling."""
     val_every: int = 0
-    """Validate every N steps (and after the last); 0 disables."""
+    """Validate every N steps (and after the last); 0 disables; > 0 needs ``data.val_path``."""
     val_function: str | None = None
     """A rule function also scoring the validation responses (e.g. an exact checker), logged as ``val/function_mean``."""
     val_before_train: bool = True
@@ -341,6 +341,13 @@ class RLConfig:
                     True, "false unless advantage_estimator is a group estimator (grpo, dr_grpo, rloo)")
             require(self.batch.samples_per_prompt >= 2, "algorithm.dynamic_sampling", True,
                     "false unless batch.samples_per_prompt >= 2 (a group of one always ties)")
+        if self.algorithm.advantage_estimator in ("grpo", "dr_grpo", "rloo"):
+            require(self.batch.samples_per_prompt >= 2, "batch.samples_per_prompt", self.batch.samples_per_prompt,
+                    f"an integer >= 2 with algorithm.advantage_estimator={self.algorithm.advantage_estimator!r} "
+                    f"(its baseline is the mean over each prompt's group of samples; a group of one has none)")
+        if self.trainer.val_every > 0:
+            require(self.data.val_path is not None, "trainer.val_every", self.trainer.val_every,
+                    "0 unless data.val_path is set (validation needs held-out prompts)")
         max_new_tokens = self.actor.generation.max_new_tokens
         require(self.algorithm.overlong_buffer_length <= max_new_tokens, "algorithm.overlong_buffer_length",
                 self.algorithm.overlong_buffer_length,

@@ -35,14 +35,31 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"config file {str(path)!r} does not exist")
-    with path.open() as handle:
-        data = yaml.safe_load(handle)
+    try:
+        with path.open(encoding="utf-8") as handle:
+            data = yaml.safe_load(handle)
+    except yaml.MarkedYAMLError as error:
+        raise ValueError(_yaml_error_line(path, error)) from None
+    except (yaml.YAMLError, UnicodeDecodeError) as error:
+        raise ValueError(f"config file {str(path)!r} is not valid YAML: {' '.join(str(error).split())}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise ValueError(f"config file {str(path)!r} must hold a mapping at the top level, "
                          f"got {type(data).__name__}")
     return data
+
+
+def _yaml_error_line(path: Path, error: yaml.MarkedYAMLError) -> str:
+    """yaml's several-line parser message as one line: ``file:line:column: problem (context at line N)``."""
+    mark = error.problem_mark or error.context_mark
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+    problem = error.problem or error.context or "invalid YAML"
+    context = ""
+    if error.context and error.problem:
+        context_line = f" at line {error.context_mark.line + 1}" if error.context_mark is not None else ""
+        context = f" ({error.context}{context_line})"
+    return f"config file {where}: YAML syntax error: {problem}{context}"
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:

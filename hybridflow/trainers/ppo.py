@@ -33,6 +33,7 @@ from hybridflow.trainers.config import RLConfig
 from hybridflow.trainers.config_loader import dump_yaml, to_plain
 from hybridflow.trainers.export import export_roles
 from hybridflow.trainers.metrics import MetricsLogger, StepReporter
+from hybridflow.trainers.preflight import check_sequence_length, preflight
 from hybridflow.trainers.redundant_passes import old_log_prob_is_redundant
 from hybridflow.trainers.scoring import RewardScorer
 
@@ -42,6 +43,7 @@ class RLTrainer:
 
     def __init__(self, config: RLConfig, *, mode: str | None = None, tensorboard: bool = True) -> None:
         self.user_config = config
+        preflight(config)  # data files, model directories, reward function: before anything is built
         config, self.plan = resolve_auto_mapping(config)
         if self.plan is not None:
             print(f"auto-mapping chose:\n{self.plan.describe()}")
@@ -51,6 +53,8 @@ class RLTrainer:
         self.tokenizer = self.specs.actor_tokenizer.load()
         self.train_data = self._dataset(config.data.train_path)
         self.val_data = self._dataset(config.data.val_path) if config.data.val_path else None
+        check_sequence_length(config, max(len(example.input_ids) for data in (self.train_data, self.val_data)
+                                          if data is not None for example in data.examples))
         self.ptx_loader = None
         if config.actor.loss.ptx_coef > 0:
             ptx_data = SFTDataset(config.data.ptx_path, self.tokenizer, max_prompt_tokens=config.data.max_prompt_tokens,

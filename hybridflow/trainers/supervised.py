@@ -81,6 +81,9 @@ def _greedy_answer_metrics(config: SFTConfig, group: WorkerGroup, tokenizer, rul
 def run_supervised(config: SFTConfig | RMConfig, *, mode: str | None = None, tensorboard: bool = True) -> dict:
     """Train, evaluate, export; returns ``{"history": [...], "model_dir": str, "final": metrics}``."""
     is_sft = isinstance(config, SFTConfig)
+    from hybridflow.trainers.preflight import check_model
+
+    check_model("model", config.model, needs_tokenizer=True)  # before the tokenizer and the model load
     tokenizer = tokenizer_of(config.model).load()
     train_data, val_data = _datasets(config, tokenizer)
     if config.batch_size > len(train_data):
