@@ -41,6 +41,17 @@ def checkpoint_files(path: str) -> dict[str, str]:
         return {name: single for name in handle.keys()}
 
 
+def read_safetensors(path: str) -> dict[str, torch.Tensor]:
+    """Every tensor of the Hugging Face directory ``path`` (one ``model.safetensors``, or the files of a sharded
+    export with its index) as one CPU state dict."""
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for file in sorted(set(checkpoint_files(path).values())):
+        state.update(load_file(file))
+    return state
+
+
 def _reset_rotary_buffers(stage: nn.Module, device: torch.device) -> None:
     """Rotary inverse frequencies are non-persistent buffers computed at construction: recompute them."""
     for name, module in list(stage.named_modules()):
