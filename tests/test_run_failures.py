@@ -63,3 +63,22 @@ def test_the_train_command_reports_a_failing_reward_in_one_line_with_exit_code_2
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("hybridflow train: error: reward function") and "checker crashed" in last
     assert "Traceback" not in result.stderr
+
+
+def test_the_sft_command_reports_a_worker_error_in_one_line_with_the_traceback_in_a_file(tmp_path):
+    from pathlib import Path
+
+    from hybridflow.data.builtin import sft_rows
+
+    write_jsonl(tmp_path / "sft.jsonl", sft_rows(16, split="train", seed=0, config=ArithmeticTaskConfig()))
+    example = Path(__file__).resolve().parents[1] / "examples" / "sft.yaml"
+    result = subprocess.run(
+        [sys.executable, "-m", "hybridflow.cli", "sft", str(example), "--local", "data.train_path=sft.jsonl",
+         "engine.optim.lr=1e30", "engine.optim.lr_schedule=constant", "engine.optim.warmup_steps=0",
+         "batch_size=8", "output_dir=out"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("hybridflow sft: error: sft.train_batch failed on rank 0:") and "is nan" in last
+    trace = Path(tmp_path, last.split("(full traceback: ")[1].rstrip(")"))
+    assert trace.is_file() and "Traceback" in trace.read_text()
+    assert "Traceback" not in result.stderr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 USAGE_EPILOG = ("Overrides are dotted keys parsed as YAML, anywhere on the line, e.g. actor.engine.optim.lr=1e-5 "
                 "batch.prompts_per_step=64 placement.pools='{train: [8]}'. docs/config.md lists every key.")
@@ -122,10 +123,14 @@ def _supervised_main(kind: str, argv: list[str]) -> int:
     if args.print_config:
         print(dump_yaml(config), end="")
         return 0
+    from hybridflow.controller.errors import WorkerError, WorkerTimeoutError, user_message
     from hybridflow.trainers.supervised import run_supervised
 
     try:
         result = run_supervised(config, mode="local" if args.local else None)
+    except (WorkerError, WorkerTimeoutError) as error:
+        # one line naming role, rank, method and cause; the full remote traceback goes to a file
+        return _fail(prog, user_message(error, Path(config.output_dir) / "errors"))
     except ValueError as error:
         return _fail(prog, error)
     print(f"{kind} finished: {json.dumps(result['final'])}; model in {result['model_dir']}")
