@@ -50,7 +50,7 @@ def main() -> None:
         f"reward.function={Path(__file__).parent / 'reward.py'}:addition_reward",
         "algorithm.advantage_estimator=grpo", "algorithm.kl_mode=none",
         f"actor.generation.max_new_tokens={args.max_new_tokens}", "actor.generation.temperature=1.0",
-        f"actor.optim.lr={args.lr}", f"batch.prompts_per_step={args.prompts_per_step}",
+        f"actor.engine.optim.lr={args.lr}", f"batch.prompts_per_step={args.prompts_per_step}",
         f"batch.samples_per_prompt={args.samples_per_prompt}", f"batch.mini_batch_size={samples}",
         f"trainer.total_steps={args.steps}", "trainer.progress_bar=false", f"trainer.output_dir={args.output_dir}"])
     peak = {"worker": 0.0}
