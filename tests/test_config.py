@@ -146,7 +146,7 @@ def test_auto_mapping_places_every_active_role_within_the_given_devices():
     from hybridflow.trainers.auto_mapping import resolve_auto_mapping
 
     config = _load("reward.model.builtin=arithmetic", "placement.pools={cluster: [8]}", "placement.mapping=auto",
-                   "batch.prompts_per_step=64", "batch.mini_batch_size=16")
+                   "placement.hardware=a100-80g", "batch.prompts_per_step=64", "batch.mini_batch_size=16")
     resolved, plan = resolve_auto_mapping(config)
     assert plan is not None and config.placement.mapping == "auto"  # the user's config is untouched
     assert resolved.placement.mapping == "manual"

@@ -104,3 +104,33 @@ def test_mapping_package_imports_neither_torch_nor_ray():
     code = "import sys, hybridflow.mapping, hybridflow.mapping.cli; print('torch' in sys.modules, 'ray' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.split() == ["False", "False"]
+
+
+def _auto_config(*overrides: str):
+    from hybridflow.trainers.config import load_rl_config
+
+    return load_rl_config(None, ["data.train_path=train.jsonl", "actor.model.builtin=arithmetic",
+                                 "reward.model.builtin=arithmetic", "placement.pools={cluster: [4]}",
+                                 "placement.mapping=auto", "batch.prompts_per_step=16", "batch.mini_batch_size=16",
+                                 *overrides])
+
+
+def test_auto_mapping_with_local_hardware_refuses_until_calibrate_has_run_then_uses_the_measured_profile(
+        tmp_path, monkeypatch):
+    import hybridflow.device
+    from hybridflow.mapping.hardware import HardwareProfile
+    from hybridflow.trainers.auto_mapping import hardware_of, resolve_auto_mapping
+
+    monkeypatch.setenv("HYBRIDFLOW_HOME", str(tmp_path))
+    monkeypatch.setattr(hybridflow.device, "device_type", lambda: "cpu")
+    config = _auto_config()
+    assert config.placement.hardware == "local"  # the default: never another machine's numbers silently
+    with pytest.raises(ValueError, match=r"placement.hardware='local'.*'cpu-local'.*run `hybridflow calibrate`"):
+        resolve_auto_mapping(config)
+    measured = HardwareProfile(**(load_hardware("a100-80g").to_dict() | {"name": "cpu-local", "peak_flops": 1e11}))
+    measured.save(tmp_path / "hardware" / "cpu-local.json")
+    assert hardware_of(config) == load_hardware("cpu-local")
+    assert hardware_of(config).peak_flops == 1e11
+    resolved, plan_used = resolve_auto_mapping(config)
+    assert plan_used is not None and resolved.placement.mapping == "manual"
+    assert hardware_of(_auto_config("placement.hardware=h100-80g")).name == "h100-80g"

@@ -44,7 +44,7 @@ def test_auto_mapping_places_the_cost_model_and_the_cost_critic_too():
     from hybridflow.trainers.auto_mapping import resolve_auto_mapping
 
     config = load_rl_config(None, BASE + ["placement.pools={cluster: [8]}", "placement.mapping=auto",
-                                          "batch.prompts_per_step=64", "batch.mini_batch_size=16"])
+                                          "placement.hardware=a100-80g", "batch.prompts_per_step=64", "batch.mini_batch_size=16"])
     resolved, plan = resolve_auto_mapping(config)
     assert set(plan.strategies) == set(config.active_roles) >= {"cost", "cost_critic"}
     assert set(resolved.placement.roles) == set(config.active_roles)

@@ -11,6 +11,9 @@ from dataclasses import replace
 
 from hybridflow.trainers.config import RLConfig
 
+LOCAL_HARDWARE = "local"
+"""``placement.hardware`` value meaning: the profile `hybridflow calibrate` measured on this machine."""
+
 ROLE_KINDS = {"actor": "actor", "critic": "critic", "reference": "inference", "reward": "inference",
               "cost": "inference", "cost_critic": "critic"}
 
@@ -58,11 +61,33 @@ def apply_plan(config: RLConfig, plan) -> RLConfig:
     return replace(config, placement=placement, **sections)  # one replace: validated once, as a whole
 
 
+def hardware_of(config: RLConfig):
+    """The ``HardwareProfile`` of ``placement.hardware``. ``local`` is the profile ``hybridflow calibrate``
+    measured on this machine for the device hybridflow.device picks (cpu-local or cuda-local); without one
+    it refuses instead of planning with another machine's numbers."""
+    from hybridflow.mapping import load_hardware
+    from hybridflow.mapping.hardware import LOCAL_PROFILE_NAMES, builtin_profile_names, local_profile_dir
+
+    name = config.placement.hardware
+    if name != LOCAL_HARDWARE:
+        return load_hardware(name)
+    from hybridflow.device import device_type
+
+    local = LOCAL_PROFILE_NAMES[device_type()]
+    path = local_profile_dir() / f"{local}.json"
+    if not path.is_file():
+        raise ValueError(f"placement.hardware={LOCAL_HARDWARE!r} plans with this machine's measured profile "
+                         f"{local!r}, which does not exist yet (no {path}); run `hybridflow calibrate` once on "
+                         f"this machine, or set placement.hardware to a built-in profile "
+                         f"({', '.join(builtin_profile_names())}) or a profile JSON file")
+    return load_hardware(local)
+
+
 def resolve_auto_mapping(config: RLConfig):
     """(the config with the auto-mapped placement, the Plan); the config itself when mapping is manual."""
     if config.placement.mapping != "auto":
         return config, None
-    from hybridflow.mapping import Cluster, Dataflow, load_hardware, plan
+    from hybridflow.mapping import Cluster, Dataflow, plan
 
     roles = config.active_roles
     flow = Dataflow(name=config.algorithm.advantage_estimator, roles={role: ROLE_KINDS[role] for role in roles},
@@ -70,7 +95,7 @@ def resolve_auto_mapping(config: RLConfig):
     workload = workload_of(config)
     devices_per_node = [count for counts in config.placement.pools.values() for count in counts]
     cluster = Cluster(num_devices=sum(devices_per_node), devices_per_node=max(devices_per_node),
-                      hardware=load_hardware(config.placement.hardware))
+                      hardware=hardware_of(config))
     best = replace(plan(flow, {role: _model_of(config, role) for role in roles}, workload, cluster), workload=workload)
     return apply_plan(config, best), best
 

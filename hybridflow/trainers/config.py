@@ -202,8 +202,9 @@ class PlacementSection:
     """Role (actor, reference, critic, reward, cost, cost_critic) -> pool name; roles left out go to the first pool."""
     mapping: Literal["manual", "auto"] = "manual"
     """``auto``: the pools' devices form the cluster and hybridflow.mapping picks pools, roles and parallel sizes."""
-    hardware: str = "a100-80g"
-    """Hardware profile for ``mapping: auto``: a built-in name, ``cpu-local`` (after calibrate) or a JSON file."""
+    hardware: str = "local"
+    """Hardware profile for ``mapping: auto``: ``local`` (this machine as ``hybridflow calibrate`` measured it:
+    cpu-local or cuda-local; an error until it has run), a built-in name (a100-80g, ...) or a JSON file."""
 
     def __post_init__(self) -> None:
         require(len(self.pools) > 0, "pools", self.pools, "at least one pool")
