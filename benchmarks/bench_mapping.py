@@ -18,9 +18,12 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 
 from hybridflow.mapping import (Cluster, Plan, PoolPlan, RoleStrategy, Workload, load_hardware, plan, simulate_plan,
                                 spearman_correlation)
+from hybridflow.mapping.dataflow import dataflow
+from hybridflow.mapping.search import Planner, resolve_models
 
 PPO_ROLES = ("actor", "critic", "reference", "reward")
 # the issue's command: PPO, prompt = response = 1024, 1024 prompts per step, 8 PPO updates (mini-batch 128)
@@ -45,7 +48,9 @@ def _short(plan: Plan) -> str:
 def paper_sweep(hardware: str, workload: Workload = PAPER_WORKLOAD) -> None:
     """Paper vs planner for every case of section 8.3, with the paper's placement's rank and time."""
     print(f"PPO, 4 models of one size, {workload.prompts_per_step} prompts, prompt {workload.prompt_length} + "
-          f"response {workload.response_length}, mini-batch {workload.samples_per_update}, {hardware}, 8 per node")
+          f"response {workload.response_length}, mini-batch {workload.samples_per_update}, micro-batch "
+          f"{workload.sequences_per_micro_batch} sequence(s), {hardware}, 8 per node"
+          + (", uneven batches padded" if workload.pad_uneven else ""))
     print(f"{'model':<10} {'GPUs':>4} {'search s':>8}  {'paper':<36} {'planner':<44} {'iter s':>7}  "
           f"paper's placement: rank, iter s")
     for (model, num_devices), paper in PAPER_PLACEMENTS.items():
@@ -61,6 +66,50 @@ def paper_sweep(hardware: str, workload: Workload = PAPER_WORKLOAD) -> None:
               f"gen {theirs.stage_seconds['generation']:.1f} prep {theirs.stage_seconds['preparation']:.1f} "
               f"train {theirs.stage_seconds['training']:.1f} vs {best.stage_seconds['generation']:.1f} "
               f"{best.stage_seconds['preparation']:.1f} {best.stage_seconds['training']:.1f})")
+
+
+def _pool_memory_gib(planner: Planner, candidate: Plan) -> list[float]:
+    """Per pool, the GiB per device its roles keep resident plus the largest working set (of a usable budget)."""
+    shares = planner.stage_shares([pool.roles for pool in candidate.pools], [pool.num_devices for pool in candidate.pools])
+    used = []
+    for pool in candidate.pools:
+        costs = planner.set_result(pool.roles, pool.num_devices, shares).costs.values()
+        used.append((sum(c.resident_bytes for c in costs) + max(c.transient_bytes for c in costs)) / 2**30)
+    return used
+
+
+def break_even(hardware: str, workload: Workload = PAPER_WORKLOAD) -> None:
+    """For each case where the planner's choice is not the paper's: how far apart they are, what the paper's
+    placement gains and loses per stage, how full the devices are (resident state + largest working set,
+    before the KV cache), and the break-even factor: how many times slower the chosen plan's preparation and
+    training (the stages that a split runs side by side) would have to be for the paper's placement to tie."""
+    print("cases that differ: gap, per-stage difference (paper's - chosen), memory per device, break-even factor")
+    for (model, num_devices), paper in PAPER_PLACEMENTS.items():
+        cluster = Cluster(num_devices=num_devices, devices_per_node=8, hardware=load_hardware(hardware))
+        models = dict.fromkeys(PPO_ROLES, model)
+        best = plan("ppo", models, workload, cluster, top=15)
+        label = PAPER_LABELS[paper.split()[0]]
+        if best.placement_label == label:
+            continue
+        theirs = next(p for p in best.alternatives if p.placement_label == label)
+        planner = Planner(dataflow=dataflow("ppo"), models=resolve_models(models), workload=workload, cluster=cluster)
+        usable = cluster.hardware.usable_memory_bytes / 2**30
+        deltas = " ".join(f"{stage[:4]} {theirs.stage_seconds[stage] - best.stage_seconds[stage]:+.1f}"
+                          for stage in best.stage_seconds)
+        chosen_memory = "|".join(f"{gib:.0f}" for gib in _pool_memory_gib(planner, best))
+        their_memory = "|".join(f"{gib:.0f}" for gib in _pool_memory_gib(planner, theirs))
+        paper_sets = [tuple(block.split("+")) for block in label.split(" | ")]
+        paper_allocation = (num_devices,) if paper == "colocate" else tuple(
+            int(count) for count in paper.split()[-1].split("|"))
+        exact = planner.plan_for(paper_sets, paper_allocation)
+        at_paper = "" if theirs.allocation_label == "|".join(map(str, paper_allocation)) else (
+            f" (at the paper's {theirs.allocation_label if paper == 'colocate' else paper.split()[-1]}: " + (f"{exact.total_seconds:.1f} s, generation "
+                                                          f"{exact.stage_seconds['generation']:.1f} s)" if exact else "no layout)"))
+        scaled = best.stage_seconds["preparation"] + best.stage_seconds["training"]
+        factor = (theirs.total_seconds - best.stage_seconds["generation"]) / scaled
+        print(f"  {model} on {num_devices}: paper's {theirs.allocation_label} {theirs.total_seconds:.1f} s vs "
+              f"{_short(best)} {best.total_seconds:.1f} s (+{100 * (theirs.total_seconds / best.total_seconds - 1):.1f}%){at_paper}; "
+              f"{deltas} s; GiB per device {their_memory} vs {chosen_memory} of {usable:.0f}; break-even x{factor:.2f}")
 
 
 def generation_tp_sweep(hardware: str, workload: Workload = PAPER_WORKLOAD) -> None:
@@ -238,6 +287,11 @@ def validate_measured(path: str) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hardware", default="a100-80g", help="profile of the sweep (default a100-80g)")
+    parser.add_argument("--micro-batch-tokens", type=int, default=0,
+                        help="sweep: micro-batch token budget of the paper's workload (default 0: one sequence)")
+    parser.add_argument("--pad-uneven", action="store_true",
+                        help="sweep: allow layouts that do not split the batch evenly (padded, as the paper's 48-GPU "
+                             "pools need); the trainer cannot run them")
     parser.add_argument("--template", metavar="PATH", help="write the tiny-PPO layouts to measure (cpu-local)")
     parser.add_argument("--template-hardware", default="cpu-local", help="profile of the template's predictions")
     parser.add_argument("--model", default="tiny", help="template: model of every role (name or HF directory)")
@@ -256,9 +310,12 @@ def main(argv: list[str] | None = None) -> int:
     elif args.validate_measured:
         validate_measured(args.validate_measured)
     else:
-        paper_sweep(args.hardware)
-        generation_tp_sweep(args.hardware)
-        search_times(args.hardware)
+        workload = replace(PAPER_WORKLOAD, micro_batch_tokens=args.micro_batch_tokens, pad_uneven=args.pad_uneven)
+        paper_sweep(args.hardware, workload)
+        break_even(args.hardware, workload)
+        generation_tp_sweep(args.hardware, workload)
+        if workload == PAPER_WORKLOAD:
+            search_times(args.hardware)
     return 0
 
 

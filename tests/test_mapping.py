@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -592,3 +593,34 @@ def test_small_micro_batches_lose_efficiency_to_streaming_the_weight_shard():
     long = Simulator(workload=PAPER_WORKLOAD, cluster=a100_cluster(1, 1))
     per_token = 2 * (spec.matmul_params() + 32 * 4096 * 2048)
     assert long.inference_seconds(spec, "lm", strategy, 1) == pytest.approx(1024 * 2048 * per_token / 156e12)
+
+
+def test_padded_batches_let_a_48_gpu_pool_generate_without_pipeline_stages():
+    # 1024 prompts on 48 GPUs: generation replicas 48 / (pg tg) divide 1024 only with pg tg a multiple of 3
+    # (pg = 3, pipelined decoding); padding the batch (the paper's system had to) allows pg = 1
+    sets, allocation = [("actor", "reference"), ("critic", "reward")], (48, 48)
+    for pad_uneven, pipelined in ((False, True), (True, False)):
+        workload = replace(PAPER_PPO, pad_uneven=pad_uneven)
+        planner = Planner(dataflow=dataflow("ppo"), models=resolve_models(same_model("llama-13b")),
+                          workload=workload, cluster=a100_cluster(96))
+        actor = planner.plan_for(sets, allocation).strategies["actor"]
+        replicas = 48 // (actor.generation_pp_size * actor.generation_tp_size)
+        assert (actor.generation_pp_size > 1) == pipelined
+        assert (1024 % replicas == 0) == (not pad_uneven)
+    with pytest.raises(ValueError, match="Workload.pad_uneven must be True or False, got 'yes'"):
+        replace(PAPER_PPO, pad_uneven="yes")
+
+
+def test_a_plan_made_for_padded_batches_is_refused_by_the_trainer_which_splits_evenly():
+    from hybridflow.trainers.auto_mapping import apply_plan, workload_of
+    from hybridflow.trainers.config import load_rl_config
+
+    config = load_rl_config(None, ["data.train_path=train.jsonl", "actor.model.builtin=arithmetic",
+                                   "reward.model.builtin=arithmetic", "placement.pools={cluster: [4]}",
+                                   "batch.prompts_per_step=16", "batch.mini_batch_size=16"])
+    padded = replace(workload_of(config), pad_uneven=True)
+    chosen = plan("ppo", same_model("tiny"), padded, Cluster(num_devices=4, devices_per_node=4,
+                                                             hardware=load_hardware("a100-80g")))
+    with pytest.raises(ValueError, match="the plan was made for .*pad_uneven=True"):
+        apply_plan(config, replace(chosen, workload=padded))
+    assert apply_plan(config, replace(chosen, workload=workload_of(config))).placement.mapping == "manual"

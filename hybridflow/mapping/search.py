@@ -118,18 +118,21 @@ class Planner:
     def _strategies(self, role: str, num_devices: int) -> Iterator[RoleStrategy]:
         """The role's layouts on ``num_devices`` that split the batch evenly, as the trainer requires:
         d divides the samples per step (and, for trained roles, the samples per update); the actor's
-        generation replicas n / (pg tg) divide the prompts per step."""
+        generation replicas n / (pg tg) divide the prompts per step. With ``Workload.pad_uneven`` every layout
+        is allowed (the simulator charges each rank ceil(samples / d))."""
         spec, kind, workload = self.models[role], self.dataflow.roles[role], self.workload
+        even = not workload.pad_uneven
         for strategy in training_strategies(spec, num_devices=num_devices, node_size=self.cluster.node_size):
             dp_size = strategy.dp_size(num_devices)
-            if workload.num_samples % dp_size or (kind != "inference" and workload.samples_per_update % dp_size):
+            if even and (workload.num_samples % dp_size
+                         or (kind != "inference" and workload.samples_per_update % dp_size)):
                 continue
             if kind != "actor":
                 yield strategy
                 continue
             for with_generation in generation_strategies(strategy):
                 replicas = num_devices // (with_generation.generation_pp_size * with_generation.generation_tp_size)
-                if workload.prompts_per_step % replicas == 0:
+                if not even or workload.prompts_per_step % replicas == 0:
                     yield with_generation
 
     def _simulator(self, compute_share: float) -> Simulator:

@@ -28,6 +28,10 @@ class Workload:
     """Passes over the step's samples during training."""
     micro_batch_tokens: int = 0
     """Per rank: tokens one forward/backward holds; 0 means one sequence (prompt + response)."""
+    pad_uneven: bool = False
+    """Plan for a system that pads a batch its data-parallel size or generation replica count does not divide
+    (each rank then works on ceil(samples / d) rows), e.g. 1024 prompts on the paper's 48-GPU pools.
+    hybridflow's trainer splits batches evenly: it plans with False and refuses plans made with True."""
 
     def __post_init__(self) -> None:
         for name in ("prompts_per_step", "prompt_length", "response_length", "samples_per_prompt", "ppo_epochs"):
@@ -36,6 +40,8 @@ class Workload:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"Workload.{name} must be an integer >= 0 (0: default), got {value!r}")
+        if not isinstance(self.pad_uneven, bool):
+            raise ValueError(f"Workload.pad_uneven must be True or False, got {self.pad_uneven!r}")
         if self.mini_batch_size and self.num_samples % self.mini_batch_size:
             raise ValueError(f"Workload.mini_batch_size {self.mini_batch_size} must divide prompts_per_step * "
                              f"samples_per_prompt = {self.num_samples}")
