@@ -52,7 +52,7 @@ def pareto_front(costs: list[RoleCost]) -> list[RoleCost]:
     return front
 
 
-MAX_FRONT = 8
+MAX_FRONT = 12
 """Layouts per colocated role tried jointly: the fastest, the most frugal and others evenly between."""
 
 
@@ -397,13 +397,11 @@ class Planner:
         spec, head, kind = self.models[role], self.dataflow.head_of(role), self.dataflow.roles[role]
         trained = kind != "inference"
         need = simulator.resident_bytes(spec, head, strategy, num_devices, trained=trained)
+        transient = simulator.transient_bytes(spec, head, strategy, trained=trained, num_devices=num_devices)
         if kind != "actor":
-            return need + simulator.transient_bytes(spec, head, strategy, trained=trained)
-        model_bytes = spec.num_params(head="lm") * simulator.element_bytes
-        extra = model_bytes if strategy.layout == "fsdp" else \
-            simulator.generation_weight_bytes(spec, strategy) - model_bytes / strategy.model_parallel_size
-        generation = extra + simulator.kv_bytes_per_sequence(spec, strategy)
-        return need + max(simulator.transient_bytes(spec, head, strategy, trained=trained), generation)
+            return need + transient
+        generation = simulator.generation_extra_bytes(spec, strategy) + simulator.kv_bytes_per_sequence(spec, strategy)
+        return need + max(transient, generation)
 
 
 def resolve_models(models: Mapping[str, str | ModelSpec]) -> dict[str, ModelSpec]:

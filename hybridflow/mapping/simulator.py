@@ -31,13 +31,16 @@ from hybridflow.parallel.layout import GenerationLayout, ParallelLayout
 # flash attention (no S x S scores) and sequence parallelism (all of it split over t): the 34 bytes
 # of Korthikanti et al. 2022 ("Reducing Activation Recomputation", table 2) at 2 bytes per element.
 ACTIVATION_ELEMENTS_PER_TOKEN_PER_HIDDEN = 17
-# Per trained parameter, bytes that are sharded over t*p only (weights + gradients) and bytes of the
-# optimizer (fp32 master copy + Adam moments with bf16 compute; Adam moments with fp32) that the 3d
-# layout shards over d too, as Megatron's distributed optimizer does.
-WEIGHT_GRAD_BYTES = {"bf16": 2 + 2, "fp32": 4 + 4}
-OPTIMIZER_BYTES = {"bf16": 4 + 4 + 4, "fp32": 4 + 4}
-# FSDP2 keeps fp32 sharded parameters (bf16 copies exist only while gathered), fp32 gradients and Adam.
-FSDP_STATE_BYTES = 4 + 4 + 8
+# Per trained parameter, as hybridflow's training engine (engine/training.py) keeps them whatever the
+# compute dtype: fp32 master weights and fp32 Adam moments, sharded like the weights (over t*p in the 3d
+# layout, where each data-parallel replica holds its own optimizer; over all n ranks with fsdp), and fp32
+# gradients, alive only from the first backward of an update to its optimizer step (the engine frees
+# them after each step), so they count as training's working memory, not as resident state. The
+# data-parallel reduction of 3d runs on the fp32 gradients. This is also the paper's setting ("BF16
+# parameters with FP32 gradients and Adam states", section 8.1) except that Megatron keeps bf16 weights.
+MASTER_WEIGHT_BYTES = 4
+ADAM_STATE_BYTES = 4 + 4
+GRADIENT_BYTES = 4
 LOGIT_BYTES = 4  # log-softmax of the vocabulary head is taken in fp32
 
 
@@ -158,25 +161,27 @@ class Simulator:
     # ---- memory ------------------------------------------------------------------------------
     def resident_bytes(self, spec: ModelSpec, head: str, strategy: RoleStrategy, num_devices: int, *,
                        trained: bool) -> float:
-        params = spec.num_params(head=head)
-        dtype = self.cluster.hardware.compute_dtype
-        if strategy.layout == "fsdp":
-            per_param = FSDP_STATE_BYTES if trained else self.element_bytes
-            return params * per_param / num_devices
-        shard = params / strategy.model_parallel_size
-        if not trained:
-            return shard * self.element_bytes
-        return shard * WEIGHT_GRAD_BYTES[dtype] + shard * OPTIMIZER_BYTES[dtype] / strategy.dp_size(num_devices)
+        per_param = MASTER_WEIGHT_BYTES + ADAM_STATE_BYTES if trained else self.element_bytes
+        return spec.num_params(head=head) * per_param / self._state_shards(strategy, num_devices)
 
-    def transient_bytes(self, spec: ModelSpec, head: str, strategy: RoleStrategy, *, trained: bool) -> float:
-        """Activations of the micro-batches in flight (1F1B keeps L layers' worth on the first stage)."""
+    @staticmethod
+    def _state_shards(strategy: RoleStrategy, num_devices: int) -> int:
+        """Ranks a role's weights (and optimizer state) are split over: t*p in 3d, every rank with fsdp."""
+        return num_devices if strategy.layout == "fsdp" else strategy.model_parallel_size
+
+    def transient_bytes(self, spec: ModelSpec, head: str, strategy: RoleStrategy, *, trained: bool,
+                        num_devices: int) -> float:
+        """Activations of the micro-batches in flight (1F1B keeps L layers' worth on the first stage), the
+        logits, fsdp's gathered layers and, for trained roles, the fp32 gradients of an update."""
         tokens = self.workload.sequences_per_micro_batch * self.workload.sequence_length
         tp_size = strategy.tp_size
         per_layer = ACTIVATION_ELEMENTS_PER_TOKEN_PER_HIDDEN * self.element_bytes * tokens * spec.hidden_size / tp_size
         layers_held = spec.num_layers if trained else 1
         logits = tokens * spec.vocab_size * LOGIT_BYTES / tp_size if head == "lm" else 0.0
         gathered = 2 * spec.params_per_layer * self.element_bytes if strategy.layout == "fsdp" else 0.0
-        return per_layer * layers_held + logits * (2 if trained else 1) + gathered
+        gradients = spec.num_params(head=head) * GRADIENT_BYTES / self._state_shards(strategy, num_devices) \
+            if trained else 0.0
+        return per_layer * layers_held + logits * (2 if trained else 1) + gathered + gradients
 
     # ---- training and inference --------------------------------------------------------------
     def _forward_pass_seconds(self, spec: ModelSpec, head: str, strategy: RoleStrategy, num_devices: int, *,
@@ -225,7 +230,9 @@ class Simulator:
         if strategy.pp_size > 1:
             sends = passes * micro_batches * (2 if backward else 1)
             pp_comm = sends * self.send_seconds(activation_bytes / strategy.tp_size, strategy.model_parallel_size)
-        return compute * bubble + tp_comm + pp_comm
+        # 1F1B: each of the m + p - 1 slots of a stage is a micro-batch's whole forward/backward, its
+        # tensor-parallel collectives and its sends included, so the bubble stretches all of them
+        return (compute + tp_comm + pp_comm) * bubble
 
     def training_seconds(self, spec: ModelSpec, head: str, strategy: RoleStrategy, num_devices: int) -> float:
         """Forward + backward over every update, then the gradient synchronization of each update."""
@@ -238,8 +245,8 @@ class Simulator:
             # one reduce-scatter of the fp32 gradients per unit and update (accumulated over micro-batches)
             return seconds + updates * self.all_gather_seconds(params * 4, num_devices, num_devices,
                                                                num_collectives=spec.num_layers + 1)
-        # data-parallel all-reduce of each rank's gradient shard (3d: sharded over t*p only)
-        shard_bytes = params / strategy.model_parallel_size * self.element_bytes
+        # data-parallel all-reduce of each rank's fp32 gradient shard (3d: sharded over t*p only)
+        shard_bytes = params / strategy.model_parallel_size * GRADIENT_BYTES
         return seconds + updates * self.all_reduce_seconds(shard_bytes, strategy.dp_size(num_devices), num_devices)
 
     def inference_seconds(self, spec: ModelSpec, head: str, strategy: RoleStrategy, num_devices: int) -> float:
@@ -252,6 +259,17 @@ class Simulator:
         """Per device: the generation shard of the weights, 1/(tg*pg) of the model."""
         gen_size = strategy.generation_pp_size * strategy.generation_tp_size
         return spec.num_params(head="lm") * self.element_bytes / gen_size
+
+    def generation_extra_bytes(self, spec: ModelSpec, strategy: RoleStrategy) -> float:
+        """Per device: the generation weights the actor holds beside its training state while generating."""
+        model_bytes = spec.num_params(head="lm") * self.element_bytes
+        if strategy.layout == "fsdp":
+            return model_bytes  # a full compute-dtype copy next to the fp32 shards
+        if self.element_bytes == MASTER_WEIGHT_BYTES:  # fp32: the training shard is one piece of the
+            # generation shard, used in place (zero redundancy): only the gathered pieces are extra
+            return self.generation_weight_bytes(spec, strategy) - model_bytes / strategy.model_parallel_size
+        # bf16 generation from fp32 master weights: the hybrid engine casts into a new shard
+        return self.generation_weight_bytes(spec, strategy)
 
     def transition_seconds(self, spec: ModelSpec, strategy: RoleStrategy, num_devices: int) -> float:
         """3D-HybridEngine train -> generate: all-gather inside micro-DP groups of dg = t p / (tg pg) ranks.
@@ -331,7 +349,7 @@ class Simulator:
         does not fit next to colocated roles holding ``other_resident_bytes`` per device."""
         trained = kind in ("actor", "critic")
         resident = self.resident_bytes(spec, head, strategy, num_devices, trained=trained)
-        transient = self.transient_bytes(spec, head, strategy, trained=trained)
+        transient = self.transient_bytes(spec, head, strategy, trained=trained, num_devices=num_devices)
         if other_resident_bytes + resident + max(transient, other_transient_bytes) > self.budget_bytes:
             return None
         stages = {"preparation": self.inference_seconds(spec, head, strategy, num_devices)}
@@ -339,12 +357,7 @@ class Simulator:
             stages["training"] = self.training_seconds(spec, head, strategy, num_devices)
         details: dict[str, float] = {}
         if kind == "actor":
-            model_bytes = spec.num_params(head="lm") * self.element_bytes
-            if strategy.layout == "fsdp":
-                generation_extra = model_bytes  # a full compute-dtype copy next to the fp32 shards
-            else:  # the training shard lies inside the generation shard (zero redundancy)
-                training_shard = model_bytes / strategy.model_parallel_size
-                generation_extra = self.generation_weight_bytes(spec, strategy) - training_shard
+            generation_extra = self.generation_extra_bytes(spec, strategy)
             kv_budget = self.budget_bytes - other_resident_bytes - resident - generation_extra
             generated = self.generation_seconds(spec, strategy, num_devices, kv_budget)
             if generated is None:
