@@ -485,6 +485,22 @@ def test_measured_validation_ranks_the_benchmark_layouts_against_their_predictio
     assert f"Spearman rank correlation over {len(predicted)} runs: 1.000" in capsys.readouterr().out
 
 
+def test_the_stored_measurements_of_this_machine_still_rank_as_docs_mapping_md_says(capsys, monkeypatch):
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(root)  # the runs file names its profile and model by paths from the repository root
+    loader = importlib.util.spec_from_file_location("bench_mapping", root / "benchmarks" / "bench_mapping.py")
+    bench = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(bench)
+    # replicate d (7 tiny-PPO layouts on 1-4 CPU processes) against the cpu-local profile of calibration run c
+    rho = bench.validate_measured(str(root / "benchmarks" / "mapping" / "tiny_ppo_runs_d.json"))
+    assert round(rho, 3) == 0.883
+    printed = capsys.readouterr().out
+    assert "standalone-1-1-1-1                 0.1426       0.454" in printed  # the predicted and measured best
+
+
 def test_safe_rlhf_searches_the_52_placements_of_its_five_models():
     models = same_model("llama-7b", roles=("actor", "critic", "reference", "reward", "cost"))
     best = plan("safe-rlhf", models, PAPER_WORKLOAD, a100_cluster(32), top=60)
