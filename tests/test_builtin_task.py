@@ -21,6 +21,7 @@ from hybridflow.data.builtin import (
     score,
     sft_rows,
 )
+from hybridflow.data.builtin.build_assets import main as build_assets_main
 from hybridflow.data.builtin.build_assets import write_assets
 
 CONFIG = ArithmeticTaskConfig(min_digits=1, max_digits=3, operations=("+", "-", "*"))
@@ -53,6 +54,32 @@ def test_shipped_assets_are_exactly_what_the_build_script_writes(tmp_path):
     write_assets(tmp_path)
     for name in ("tokenizer.json", "config.json"):
         assert json.loads((tmp_path / name).read_text()) == json.loads((ASSETS_DIR / name).read_text())
+
+
+def _package_files() -> dict[str, int]:
+    return {path.name: path.stat().st_mtime_ns for path in ASSETS_DIR.iterdir()}
+
+
+@pytest.mark.parametrize("argv", [["--help"], []])
+def test_build_assets_help_or_no_arguments_exits_without_writing_into_the_package(argv, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    before = _package_files()
+    with pytest.raises(SystemExit) as exit_info:
+        build_assets_main(argv)
+    assert exit_info.value.code == (0 if argv else 2)
+    captured = capsys.readouterr()
+    assert "(--out DIR | --check | --in-package)" in (captured.out if argv else captured.err)
+    assert _package_files() == before
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_build_assets_writes_into_the_given_folder_and_checks_the_shipped_files(tmp_path, capsys):
+    before = _package_files()
+    assert build_assets_main(["--out", str(tmp_path / "assets")]) == 0
+    assert sorted(path.name for path in (tmp_path / "assets").iterdir()) == sorted(before)
+    assert build_assets_main(["--check"]) == 0
+    assert "match a fresh build" in capsys.readouterr().out
+    assert _package_files() == before
 
 
 def test_tiny_model_config_fits_the_vocabulary_and_builds_a_llama_that_runs():
