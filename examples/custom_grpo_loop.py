@@ -1,7 +1,7 @@
 """A hand-written critic-free RL loop (GRPO-style) over hybridflow's worker groups: the README's example.
 
 Run: hybridflow demo      (once: writes runs/demo/sft/model, a weak 2-digit adder)
-     python examples/custom_grpo_loop.py [--steps 10] [--local] [--model DIR]
+     python examples/custom_grpo_loop.py [--steps 20] [--local] [--model DIR]
 It writes prompt files of the demo's task (2-digit sums, answers written least-significant digit
 first) to a temporary folder, builds the actor and reference groups from
 examples/arithmetic_ppo.yaml with the demo's SFT policy as the actor, and spells out one RL step
@@ -67,7 +67,7 @@ def run(steps: int, workdir: Path, *, local: bool, model: str = DEMO_MODEL) -> l
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--local", action="store_true", help="every group in this process (no Ray)")
     parser.add_argument("--model", default=DEMO_MODEL,
                         help=f"the actor's initial weights: a model directory (default {DEMO_MODEL}, written by "
