@@ -21,6 +21,7 @@ from hybridflow.data.builtin import (
     score,
     sft_rows,
 )
+from hybridflow.data.builtin.build_assets import main as build_assets_main
 from hybridflow.data.builtin.build_assets import write_assets
 
 CONFIG = ArithmeticTaskConfig(min_digits=1, max_digits=3, operations=("+", "-", "*"))
@@ -53,6 +54,32 @@ def test_shipped_assets_are_exactly_what_the_build_script_writes(tmp_path):
     write_assets(tmp_path)
     for name in ("tokenizer.json", "config.json"):
         assert json.loads((tmp_path / name).read_text()) == json.loads((ASSETS_DIR / name).read_text())
+
+
+def _package_files() -> dict[str, int]:
+    return {path.name: path.stat().st_mtime_ns for path in ASSETS_DIR.iterdir()}
+
+
+@pytest.mark.parametrize("argv", [["--help"], []])
+def test_build_assets_help_or_no_arguments_exits_without_writing_into_the_package(argv, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    before = _package_files()
+    with pytest.raises(SystemExit) as exit_info:
+        build_assets_main(argv)
+    assert exit_info.value.code == (0 if argv else 2)
+    captured = capsys.readouterr()
+    assert "(--out DIR | --check | --in-package)" in (captured.out if argv else captured.err)
+    assert _package_files() == before
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_build_assets_writes_into_the_given_folder_and_checks_the_shipped_files(tmp_path, capsys):
+    before = _package_files()
+    assert build_assets_main(["--out", str(tmp_path / "assets")]) == 0
+    assert sorted(path.name for path in (tmp_path / "assets").iterdir()) == sorted(before)
+    assert build_assets_main(["--check"]) == 0
+    assert "match a fresh build" in capsys.readouterr().out
+    assert _package_files() == before
 
 
 def test_tiny_model_config_fits_the_vocabulary_and_builds_a_llama_that_runs():
@@ -254,3 +281,35 @@ def test_dropping_the_final_carry_at_half_rate_hits_about_half_of_the_overflowin
 def test_drop_final_carry_rate_outside_the_unit_interval_is_an_error_naming_it(rate):
     with pytest.raises(ValueError, match=f"drop_final_carry_rate must lie in \\[0, 1\\], got {rate}"):
         sft_rows(1, split="train", seed=0, config=ArithmeticTaskConfig(), drop_final_carry_rate=rate)
+
+
+def test_the_generators_default_to_the_default_task_config():
+    default = ArithmeticTaskConfig()
+    assert prompt_rows(20, split="train", seed=3) == prompt_rows(20, split="train", seed=3, config=default)
+    assert sft_rows(20, split="eval", seed=3) == sft_rows(20, split="eval", seed=3, config=default)
+    assert preference_rows(20, split="train", seed=3) == preference_rows(20, split="train", seed=3, config=default)
+
+
+def test_the_data_command_writes_reversed_two_digit_rows_like_the_demo(tmp_path, capsys):
+    from hybridflow.cli import main
+    from hybridflow.data import read_rows
+    from hybridflow.trainers.demo import DemoConfig, _task
+
+    assert main(["data", "arithmetic", "--out", str(tmp_path), "--train", "40", "--eval", "10", "--pairs", "5",
+                 "--reverse-answer", "--min-digits", "2"]) == 0
+    demo_task = _task(DemoConfig())
+    assert list(read_rows(tmp_path / "train.jsonl")) == prompt_rows(40, split="train", seed=0, config=demo_task)
+    assert list(read_rows(tmp_path / "pairs.jsonl")) == preference_rows(5, split="train", seed=0, config=demo_task)
+    for row in read_rows(tmp_path / "eval.jsonl"):
+        left, right = row["prompt"].rstrip("=").split("+")
+        assert len(left) == len(right) == 2 and row["answer"] == str(int(left) + int(right))[::-1]
+
+
+def test_the_data_command_rejects_a_bad_digit_range_naming_it(tmp_path, capsys):
+    from hybridflow.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["data", "arithmetic", "--out", str(tmp_path), "--min-digits", "3"])
+    assert exit_info.value.code == 2
+    assert "min_digits=3, max_digits=2" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []

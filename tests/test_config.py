@@ -8,6 +8,7 @@ import pytest
 
 from hybridflow.trainers.config import RLConfig, load_rl_config
 from hybridflow.trainers.config_loader import apply_overrides, build_dataclass, to_plain
+from hybridflow.trainers.supervised_config import SFTConfig
 
 BASE = ["data.train_path=train.jsonl", "actor.model.builtin=arithmetic", "reward.function=pkg.mod:score"]
 
@@ -112,6 +113,30 @@ def test_reward_needs_a_model_or_a_well_formed_function():
 def test_model_source_needs_exactly_one_of_path_or_builtin():
     with pytest.raises(ValueError, match=r"actor\.model\.path needs exactly one of path, tiny and builtin"):
         _load("actor.model.path=/models/x")
+
+
+def test_an_override_of_one_model_source_replaces_the_source_the_yaml_set(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("data: {train_path: a.jsonl}\nactor:\n  model: {builtin: arithmetic, dtype: float32}\n"
+                    "reward: {model: {path: /models/rm}}\n")
+    config = load_rl_config(path, ["actor.model.path=/models/sft", "reward.model.tiny={}"])
+    assert (config.actor.model.path, config.actor.model.builtin, config.actor.model.dtype) == ("/models/sft", None, "float32")
+    assert (config.reward.model.path, config.reward.model.tiny) == (None, {})
+
+
+def test_two_model_sources_given_as_overrides_are_still_an_error(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("data: {train_path: a.jsonl}\nactor: {model: {builtin: arithmetic}}\nreward: {function: 'm:f'}\n")
+    with pytest.raises(ValueError, match=r"actor\.model\.path needs exactly one of path, tiny and builtin; "
+                                         r"got path='/a', tiny=\{\}, builtin=None"):
+        load_rl_config(path, ["actor.model.path=/a", "actor.model.tiny={}"])
+
+
+def test_setting_a_model_source_to_null_leaves_the_other_sources_alone():
+    data = {"model": {"path": "/a"}}
+    assert apply_overrides(data, ["model.builtin=null"], SFTConfig) == {"model": {"path": "/a", "builtin": None}}
+    assert apply_overrides(data, ["model.builtin=arithmetic"], SFTConfig) == {"model": {"builtin": "arithmetic"}}
+    assert apply_overrides(data, ["model.builtin=arithmetic"]) == {"model": {"path": "/a", "builtin": "arithmetic"}}
 
 
 def test_ptx_coefficient_needs_a_ptx_dataset():

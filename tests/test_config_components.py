@@ -279,7 +279,7 @@ def test_the_example_configs_load_with_the_unified_keys():
 
     examples = Path(__file__).parents[1] / "examples"
     arithmetic = load_rl_config(examples / "arithmetic_ppo.yaml")
-    assert arithmetic.actor.engine.optim.lr == 5.0e-4 and arithmetic.critic.engine.optim.lr == 1.0e-3
+    assert arithmetic.actor.engine.optim.lr == 1.0e-4 and arithmetic.critic.engine.optim.lr == 1.0e-3
     smollm2 = load_rl_config(examples / "smollm2_gsm8k" / "config.yaml",
                              ["data.train_path=t.jsonl", "data.val_path=v.jsonl", "actor.model.path=/models/smollm2"])
     assert smollm2.actor.loss.clip_ratio == 0.2 and smollm2.actor.engine.optim.warmup_steps == 2

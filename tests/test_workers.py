@@ -111,3 +111,10 @@ def test_pairs_are_interleaved_chosen_then_rejected():
     rows = interleave_pairs(DataProto.from_dict(tensors=tensors))
     assert rows["input_ids"][:, 0].tolist() == [1, 2, 3, 2]
     assert rows["attention_mask"].shape == (4, 3)
+
+
+def test_the_supervised_workers_are_exported_by_the_workers_package():
+    import hybridflow.workers as workers
+    import hybridflow.workers.supervised as supervised
+
+    assert (workers.SFTWorker, workers.PreferenceWorker) == (supervised.SFTWorker, supervised.PreferenceWorker)

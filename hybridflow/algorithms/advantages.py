@@ -71,11 +71,14 @@ def gae_advantages(
 def remax_advantages(
     rewards_BT: Tensor, baseline_rewards_B: Tensor, mask_BT: Tensor
 ) -> tuple[Tensor, Tensor]:
-    """ReMax (Li et al. 2023) -> (advantages_BT, returns_BT).
+    """ReMax (Li et al. 2023) -> a tuple ``(advantages_BT, returns_BT)`` of two [B, T] tensors.
 
     returns_t = sum_{k >= t} r_k (undiscounted reward-to-go of the sampled response) and
     A_t = returns_t - b, where b is the reward of the greedy response to the same prompt.
     With an outcome-only reward, returns_t is the score at every token and A = score - b.
+    Both are 0 on masked-out positions. The policy loss uses only ``advantages_BT``; ``returns_BT``
+    (what a critic would regress on; ReMax has none) is returned for logging (the trainer's
+    ``return/mean``), like GAE's and REINFORCE++'s, so every token-level estimator has one signature.
     """
     _check_same_shape(rewards_BT=rewards_BT, mask_BT=mask_BT)
     if baseline_rewards_B.shape != rewards_BT.shape[:1]:
@@ -200,11 +203,13 @@ OUTCOME_ADVANTAGES = {
 def reinforce_plus_plus_advantages(
     rewards_BT: Tensor, mask_BT: Tensor, *, gamma: float = 1.0
 ) -> tuple[Tensor, Tensor]:
-    """REINFORCE++ (Hu 2025) -> (advantages_BT, returns_BT).
+    """REINFORCE++ (Hu 2025) -> a tuple ``(advantages_BT, returns_BT)`` of two [B, T] tensors.
 
     returns = discounted reward-to-go of the token rewards (score on the last token, KL penalty on
     every token); advantages = returns whitened over all real tokens of the batch (the global
-    batch normalization that replaces a critic).
+    batch normalization that replaces a critic). Both are 0 on masked-out positions. The policy
+    loss uses only ``advantages_BT``; ``returns_BT`` (the un-whitened reward-to-go) is returned for
+    logging (the trainer's ``return/mean``), as GAE and ReMax return theirs.
     """
     returns_BT = discounted_returns(rewards_BT, mask_BT, gamma=gamma)
     advantages_BT = masked_whiten(returns_BT, mask_BT)

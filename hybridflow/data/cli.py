@@ -17,6 +17,11 @@ def data_main(argv: list[str]) -> int:
     parser.add_argument("--pairs", type=int, default=0,
                         help="also write pairs.jsonl with this many prompt/chosen/rejected rows")
     parser.add_argument("--seed", type=int, default=0, help="seed of the problem draw (default 0)")
+    parser.add_argument("--min-digits", type=int, default=1, help="fewest digits of an operand (default 1)")
+    parser.add_argument("--max-digits", type=int, default=2, help="most digits of an operand (default 2)")
+    parser.add_argument("--reverse-answer", action="store_true",
+                        help="write answers least-significant digit first (57+68= -> 521), as `hybridflow demo` "
+                             "does: use it (with --min-digits 2) for prompts a demo model answers")
     args = parser.parse_args(argv)
     for name in ("train", "eval", "sft", "pairs"):
         if getattr(args, name) < 0:
@@ -25,7 +30,12 @@ def data_main(argv: list[str]) -> int:
     from hybridflow.data import write_jsonl
     from hybridflow.data.builtin import ArithmeticTaskConfig, preference_rows, prompt_rows, sft_rows
 
-    task, out = ArithmeticTaskConfig(), Path(args.out)
+    try:
+        task = ArithmeticTaskConfig(min_digits=args.min_digits, max_digits=args.max_digits,
+                                    reverse_answer=args.reverse_answer)
+    except ValueError as error:
+        parser.error(str(error))
+    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     files = {"train.jsonl": prompt_rows(args.train, split="train", seed=args.seed, config=task),
              "eval.jsonl": prompt_rows(args.eval, split="eval", seed=args.seed, config=task)}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from hybridflow.models.families import check_family
 
@@ -17,6 +17,9 @@ ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
 class ModelConfig:
     """Where a role's model comes from and how it is built. Exactly one of ``path``, ``tiny`` and ``builtin`` is
     set (``build_model`` takes ``path`` or ``tiny``; the trainers resolve ``builtin`` into ``tiny``)."""
+
+    ALTERNATIVES: ClassVar[tuple[tuple[str, ...], ...]] = (("path", "tiny", "builtin"),)
+    """Keys of which exactly one is set: an override of one replaces the others set in the YAML."""
 
     path: str | None = None
     """Local Hugging Face model directory (config.json + safetensors). Nothing is fetched from a hub."""
@@ -55,7 +58,7 @@ class ModelConfig:
     seed gives bit-identical weights on every rank."""
 
     def __post_init__(self) -> None:
-        given = [name for name in ("path", "tiny", "builtin") if getattr(self, name) is not None]
+        given = [name for name in self.ALTERNATIVES[0] if getattr(self, name) is not None]
         if len(given) != 1:
             raise ValueError(f"config key path needs exactly one of path, tiny and builtin; got "
                              f"path={self.path!r}, tiny={self.tiny!r}, builtin={self.builtin!r}")

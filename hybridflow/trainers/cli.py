@@ -6,13 +6,30 @@ import argparse
 import sys
 from pathlib import Path
 
-USAGE_EPILOG = ("Overrides are dotted keys parsed as YAML, anywhere on the line, e.g. actor.engine.optim.lr=1e-5 "
-                "batch.prompts_per_step=64 placement.pools='{train: [8]}'. docs/config.md lists every key.")
+# Each command's override examples: only keys of that command's config.
+OVERRIDE_EXAMPLES = {
+    "train": "actor.engine.optim.lr=1e-5 batch.prompts_per_step=64 placement.pools='{train: [8]}'",
+    "sft": "engine.optim.lr=1e-5 batch_size=64 model.path=/my/model max_steps=100",
+    "rm": "model.path=runs/sft/model reward_type=likelihood batch_size=64 engine.optim.lr=1e-5",
+}
+
+
+def usage_epilog(kind: str) -> str:
+    """How overrides are written, with examples and the top-level keys of ``hybridflow KIND``'s config."""
+    import dataclasses
+
+    from hybridflow.trainers.config import RLConfig  # config classes import no torch
+    from hybridflow.trainers.supervised_config import RMConfig, SFTConfig
+
+    cls = {"train": RLConfig, "sft": SFTConfig, "rm": RMConfig}[kind]
+    keys = [field.name for field in dataclasses.fields(cls) if field.init and "derived" not in field.metadata]
+    return (f"Overrides are dotted keys parsed as YAML, anywhere on the line, e.g. {OVERRIDE_EXAMPLES[kind]}. "
+            f"Keys of the config: {', '.join(keys)}. docs/config.md (section \"hybridflow {kind}\") lists every key.")
 
 
 def parse_job_args(prog: str, description: str, argv: list[str]) -> argparse.Namespace:
     """The config file, the ``key=value`` overrides (in any position, before or after flags) and the flags."""
-    parser = argparse.ArgumentParser(prog=prog, description=description, epilog=USAGE_EPILOG)
+    parser = argparse.ArgumentParser(prog=prog, description=description, epilog=usage_epilog(prog.split()[-1]))
     parser.add_argument("config", nargs="?", help="YAML config file (optional when every key is given as an override)")
     parser.add_argument("overrides", nargs="*", help="key.path=value overrides")
     parser.add_argument("--local", action="store_true", help="run every worker inside this process (no Ray; debugging)")

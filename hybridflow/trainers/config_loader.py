@@ -62,9 +62,17 @@ def _yaml_error_line(path: Path, error: yaml.MarkedYAMLError) -> str:
     return f"config file {where}: YAML syntax error: {problem}{context}"
 
 
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """A copy of ``data`` with each ``a.b.c=value`` applied (value parsed as YAML: 3, 1e-5, true, [1, 2])."""
+def apply_overrides(data: dict[str, Any], overrides: list[str], cls: type | None = None) -> dict[str, Any]:
+    """A copy of ``data`` with each ``a.b.c=value`` applied (value parsed as YAML: 3, 1e-5, true, [1, 2]).
+
+    With the target dataclass ``cls``, an override of one of a section's alternative keys (its
+    ``ALTERNATIVES`` groups, e.g. a model's ``path`` / ``tiny`` / ``builtin``) replaces the
+    alternative the YAML set: ``model.path=DIR`` over ``model: {builtin: arithmetic}`` gives
+    ``{path: DIR}``. Two alternatives both given as overrides stay both (the section's own check
+    then names the conflict).
+    """
     result = _deep_copy(data)
+    set_by_override: set[tuple[str, ...]] = set()
     for override in overrides:
         if "=" not in override:
             raise ValueError(f"override {override!r} must look like key.path=value")
@@ -83,7 +91,26 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
                 raise ValueError(f"override {override!r}: {prefix} is a value ({child!r}), not a section")
             node = child
         node[keys[-1]] = value
+        if value is not None:
+            for sibling in _alternatives_of(cls, keys):
+                if sibling in node and (*keys[:-1], sibling) not in set_by_override:
+                    del node[sibling]
+        set_by_override.add(tuple(keys))
     return result
+
+
+def _alternatives_of(cls: type | None, keys: list[str]) -> tuple[str, ...]:
+    """The keys that exclude ``keys[-1]`` in its section (its group in the section's ``ALTERNATIVES``), if any."""
+    section = cls
+    for key in keys[:-1]:
+        fields = {field.name: field for field in dataclasses.fields(section)} if section is not None else {}
+        if key not in fields:
+            return ()
+        section = _section_type(typing.get_type_hints(section)[key])
+    for group in getattr(section, "ALTERNATIVES", ()):
+        if keys[-1] in group:
+            return tuple(name for name in group if name != keys[-1])
+    return ()
 
 
 def build_dataclass(cls: type[ConfigT], data: dict[str, Any] | None, *, path: str = "") -> ConfigT:

@@ -1,4 +1,5 @@
-"""Role workers (one role per class): actor, reference, critic, reward and cost, each a thin adapter over an engine."""
+"""Role workers (one role per class): actor, reference, critic, reward and cost, and the SFT and reward-model
+trainers' workers, each a thin adapter over an engine."""
 
 from hybridflow._lazy import lazy_exports
 
@@ -11,6 +12,8 @@ _EXPORTS = {
     "ReferenceWorker": "hybridflow.workers.reference",
     "CostWorker": "hybridflow.workers.reward",
     "RewardWorker": "hybridflow.workers.reward",
+    "SFTWorker": "hybridflow.workers.supervised",
+    "PreferenceWorker": "hybridflow.workers.supervised",
     "ActorSpec": "hybridflow.workers.spec",
     "EngineSpec": "hybridflow.workers.spec",
     "PolicyLossConfig": "hybridflow.workers.spec",
@@ -20,7 +23,8 @@ _EXPORTS = {
 }
 __all__ = [
     "ActorSpec", "ActorWorker", "CostWorker", "CriticWorker", "EngineSpec", "ModelWorker", "PolicyLossConfig",
-    "ReferenceWorker", "RewardSpec", "RewardWorker", "TokenizerSource", "ValueLossConfig",
+    "PreferenceWorker", "ReferenceWorker", "RewardSpec", "RewardWorker", "SFTWorker", "TokenizerSource",
+    "ValueLossConfig",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -118,8 +118,14 @@ def _draw_operand(rng: random.Random, config: ArithmeticTaskConfig) -> int:
     return rng.randint(low, 10**digits - 1)
 
 
-def sample_problems(num_problems: int, *, split: str, seed: int, config: ArithmeticTaskConfig) -> list[Problem]:
-    """`num_problems` problems of one split, drawn with replacement, deterministic in `seed`."""
+def sample_problems(num_problems: int, *, split: str, seed: int,
+                    config: ArithmeticTaskConfig | None = None) -> list[Problem]:
+    """`num_problems` problems of one split ("train" or "eval"), drawn with replacement, deterministic in `seed`.
+
+    ``config`` picks the problems and the answer format (default ``ArithmeticTaskConfig()``: sums of
+    1- and 2-digit operands, answers in the normal digit order).
+    """
+    config = ArithmeticTaskConfig() if config is None else config
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     if num_problems < 0:
@@ -140,17 +146,17 @@ def sample_problems(num_problems: int, *, split: str, seed: int, config: Arithme
     return problems
 
 
-def prompt_rows(num_problems: int, *, split: str, seed: int, config: ArithmeticTaskConfig) -> list[dict]:
-    """Rows for a prompt dataset: {"prompt": "12+345=", "answer": "357"}."""
+def prompt_rows(num_problems: int, *, split: str, seed: int, config: ArithmeticTaskConfig | None = None) -> list[dict]:
+    """Rows for a prompt dataset: {"prompt": "12+345=", "answer": "357"} (``config`` as in `sample_problems`)."""
     return [
         {"prompt": problem.prompt, "answer": problem.answer}
         for problem in sample_problems(num_problems, split=split, seed=seed, config=config)
     ]
 
 
-def sft_rows(num_problems: int, *, split: str, seed: int, config: ArithmeticTaskConfig,
+def sft_rows(num_problems: int, *, split: str, seed: int, config: ArithmeticTaskConfig | None = None,
              forget_carry_rate: float = 0.0, drop_final_carry_rate: float = 0.0) -> list[dict]:
-    """Rows for supervised fine-tuning: {"prompt": "12+345=", "response": "357"}.
+    """Rows for supervised fine-tuning: {"prompt": "12+345=", "response": "357"} (``config`` as in `sample_problems`).
 
     Two imperfect demonstrators (both 0: a perfect one):
     - ``forget_carry_rate``: on that share of the additions that carry, the response is the
@@ -217,8 +223,10 @@ def plausible_wrong_answer(problem: Problem, rng: random.Random) -> str:
     return problem.write(int(rng.choice(wrong)))
 
 
-def preference_rows(num_problems: int, *, split: str, seed: int, config: ArithmeticTaskConfig) -> list[dict]:
-    """Rows for reward-model training: {"prompt", "chosen": correct answer, "rejected": a plausible wrong one}."""
+def preference_rows(num_problems: int, *, split: str, seed: int,
+                    config: ArithmeticTaskConfig | None = None) -> list[dict]:
+    """Rows for reward-model training: {"prompt", "chosen": correct answer, "rejected": a plausible wrong one}
+    (``config`` as in `sample_problems`)."""
     rng = random.Random(f"{seed}:{split}:rejected")
     return [
         {"prompt": problem.prompt, "chosen": problem.answer, "rejected": plausible_wrong_answer(problem, rng)}

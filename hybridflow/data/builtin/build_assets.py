@@ -1,12 +1,17 @@
-"""Build the built-in task's shipped files once: the character-level tokenizer and the tiny Llama config.
+"""Build the built-in task's shipped files: the character-level tokenizer and the tiny Llama config.
 
-Run `python -m hybridflow.data.builtin.build_assets` to regenerate `assets/`; the package ships
-the output, so nothing is built or downloaded at run time.
+The package ships the output in `assets/`, so nothing is built or downloaded at run time.
+`python -m hybridflow.data.builtin.build_assets --out DIR` writes the files into DIR, `--check`
+compares a fresh build with the shipped files, and only `--in-package` rewrites `assets/` itself
+(for a developer changing the tokenizer or the model config).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
+import tempfile
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, processors
@@ -77,6 +82,45 @@ def write_assets(directory: Path = ASSETS_DIR) -> None:
     (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
+def differing_assets(directory: Path = ASSETS_DIR) -> list[str]:
+    """Names of the files in ``directory`` whose content differs from a fresh build (missing ones included)."""
+    with tempfile.TemporaryDirectory() as fresh:
+        write_assets(Path(fresh))
+        return [path.name for path in sorted(Path(fresh).iterdir())
+                if not (directory / path.name).is_file()
+                or _content(directory / path.name) != _content(path)]
+
+
+def _content(path: Path):
+    # JSON files compare by value: key order and indentation may differ between transformers versions
+    return json.loads(path.read_text()) if path.suffix == ".json" else path.read_bytes()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line: exactly one of ``--out DIR``, ``--check`` and ``--in-package``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m hybridflow.data.builtin.build_assets",
+        description="Build the built-in task's tokenizer and tiny model config (the files the package ships in "
+                    f"{ASSETS_DIR}).")
+    action = parser.add_mutually_exclusive_group(required=True)
+    action.add_argument("--out", metavar="DIR", help="write the files into DIR (created if missing)")
+    action.add_argument("--check", action="store_true",
+                        help="build into a temporary folder and compare with the shipped files (exit 1 if they differ)")
+    action.add_argument("--in-package", action="store_true",
+                        help=f"rewrite the shipped files in {ASSETS_DIR} (developers only)")
+    args = parser.parse_args(argv)
+    if args.check:
+        differing = differing_assets()
+        if differing:
+            print(f"differ from a fresh build: {', '.join(differing)} (in {ASSETS_DIR})")
+            return 1
+        print(f"the shipped files in {ASSETS_DIR} match a fresh build")
+        return 0
+    directory = ASSETS_DIR if args.in_package else Path(args.out)
+    write_assets(directory)
+    print(f"wrote {sorted(path.name for path in directory.iterdir())} to {directory}")
+    return 0
+
+
 if __name__ == "__main__":
-    write_assets()
-    print(f"wrote {sorted(path.name for path in ASSETS_DIR.iterdir())} to {ASSETS_DIR}")
+    sys.exit(main())
