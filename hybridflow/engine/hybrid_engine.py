@@ -86,7 +86,8 @@ def training_shards(engine) -> dict[str, torch.Tensor]:
         return engine.local_shards()
     from torch.distributed.tensor import DTensor
 
-    return {name: (param.full_tensor() if isinstance(param, DTensor) else param).detach()
+    # under FSDP CPU offload the sharded parameters live in host memory: generation runs on the engine's device
+    return {name: (param.full_tensor() if isinstance(param, DTensor) else param).detach().to(engine.device)
             for name, param in engine.model.named_parameters()}
 
 
