@@ -98,8 +98,9 @@ def measured_matmul_flops(dtype=torch.bfloat16, size: int = 8192, repeats: int =
 
 
 def part_matmul(args) -> None:
-    args.peak = measured_matmul_flops(size=8192 if torch.cuda.is_available() else 1024)
-    emit("matmul", dtype="bfloat16", size=8192, tflops=round(args.peak / 1e12, 1))
+    size = 8192 if torch.cuda.is_available() else 1024
+    args.peak = measured_matmul_flops(size=size)
+    emit("matmul", dtype="bfloat16", size=size, tflops=round(args.peak / 1e12, 1))
 
 
 def one_b_model_config(**extra):
@@ -398,7 +399,7 @@ def part_transition(args) -> None:
              to_generation_s=round(max(r[index]["to_generation_s"] for r in per_rank), 4))
 
 
-SMALL_DEFAULTS = dict(budgets=[1024, 2048], train_rows=4, train_steps=1, gen_rows=[4], prompt_len=16, new_tokens=16,
+SMALL_DEFAULTS = dict(budgets=[1024, 2048], train_rows=2, train_steps=1, gen_rows=[4], prompt_len=16, new_tokens=16,
                       ppo_prompts=4, ppo_new_tokens=8, transition_repeats=2)
 """--small: sizes that make every part a few seconds on a CPU."""
 

@@ -16,6 +16,9 @@ PER_PARAMETER, SMALL, UNBOUNDED = 0.0, 0.05, 256.0
 """bucket_mb values: one collective per parameter; ~51 KiB (several buckets per group: the tiny model's
 tensors are 8-64 KiB); everything of a group and source in one bucket."""
 BUCKETS = (PER_PARAMETER, SMALL, UNBOUNDED)
+LAYOUTS = CASES + [("llama", 2, 2, 1, 2, "vanilla")]
+"""Every case of the transition tests, plus vanilla cutting a tg = 2 shard out of a pipeline-gathered model (its
+received replicated tensors must not keep whole buckets alive)."""
 
 
 class CollectiveLog:
@@ -45,7 +48,7 @@ class CollectiveLog:
 
 def _transitions_per_bucket_size(rank: int, world_size: int) -> list[dict]:
     results = []
-    for family, p, t, pg, tg, strategy in CASES:
+    for family, p, t, pg, tg, strategy in LAYOUTS:
         config = tiny_hf_config(family)
         state_dict = tiny_model(family).state_dict()
         layout = ParallelLayout.for_world(world_size, pp_size=p, tp_size=t)
@@ -69,7 +72,7 @@ def bucket_results():
     return tensors(run_distributed(_transitions_per_bucket_size, WORLD, timeout_s=240))
 
 
-@pytest.mark.parametrize("index", range(len(CASES)), ids=["-".join(map(str, c)) for c in CASES])
+@pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=["-".join(map(str, c)) for c in LAYOUTS])
 def test_bucketed_transitions_give_bitwise_the_generation_weights_and_bytes_of_per_parameter_ones(bucket_results,
                                                                                                     index):
     for rank, rank_results in enumerate(bucket_results):
@@ -93,7 +96,7 @@ def _expected_bucket_count(per_parameter_calls: list[tuple], element_size: int, 
     return sum(len(plan_buckets(s, int(bucket_mb * 2**20))) for s in sizes.values())
 
 
-@pytest.mark.parametrize("index", range(len(CASES)), ids=["-".join(map(str, c)) for c in CASES])
+@pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=["-".join(map(str, c)) for c in LAYOUTS])
 def test_bucketing_issues_one_collective_per_bucket_per_group_and_source(bucket_results, index):
     for rank, rank_results in enumerate(bucket_results):
         per_parameter = rank_results[index][PER_PARAMETER]
@@ -112,7 +115,7 @@ def test_bucketing_issues_one_collective_per_bucket_per_group_and_source(bucket_
 
 
 def test_per_parameter_transitions_of_a_tensor_parallel_layout_use_many_more_collectives_than_buckets(bucket_results):
-    index = CASES.index(("llama", 1, 4, 1, 2, "hybrid"))  # 4 decoder layers x 7 tp-sharded matrices + head
+    index = LAYOUTS.index(("llama", 1, 4, 1, 2, "hybrid"))  # 4 decoder layers x 7 tp-sharded matrices + head
     for rank_results in bucket_results:
         per_parameter = rank_results[index][PER_PARAMETER]["stats"].collectives
         unbounded = rank_results[index][UNBOUNDED]["stats"].collectives

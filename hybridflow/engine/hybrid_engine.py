@@ -339,8 +339,12 @@ class VanillaStrategy(_WholeModelGather):
         tg, gen_tp = engine.generation_layout.tp_size, engine.gen_coords.gen_tp_rank
         for name in engine._gen_stage_names():
             dim = tp_shard_dim(name)
-            if dim is None or tg == 1:
+            if tg == 1:
                 weights[name] = [full[name]]
+            elif dim is None:
+                # a received replicated tensor is a view of a bucket buffer that also holds pieces this rank
+                # drops: keep its own copy so the buffer is freed (tg = 1 keeps every tensor: no copy)
+                weights[name] = [_own_storage(full[name])]
             else:
                 weights[name] = [full[name].chunk(tg, dim=dim)[gen_tp].clone()]
                 copies += _nbytes(weights[name][0])
@@ -562,6 +566,11 @@ def _read_allocator(stats: TransitionStats) -> None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         stats.allocated_bytes = torch.cuda.memory_allocated()
         stats.peak_allocated_bytes = torch.cuda.max_memory_allocated()
+
+
+def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself when it spans its whole storage, else a copy (so the rest of the storage can be freed)."""
+    return tensor if tensor.untyped_storage().nbytes() == _nbytes(tensor) else tensor.clone()
 
 
 def _any(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
