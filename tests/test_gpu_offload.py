@@ -114,3 +114,36 @@ def test_the_actor_reports_in_its_transition_stats_that_a_cpu_run_offloads_nothi
 def test_a_non_boolean_offload_option_is_rejected_with_the_field_named(value):
     with pytest.raises(ValueError, match="offload_optimizer"):
         HybridEngineConfig(offload_optimizer=value)
+
+
+def _train_with_offload(rank: int, world_size: int, layouts: dict) -> dict:
+    from test_engine_layouts import NUM_STEPS, as_numpy, build_engine, make_batch, rank_slice, token_nll_loss
+
+    data, results = make_batch(), {}
+    for name, layout in layouts.items():
+        trained = build_engine(**layout)
+        offload = OptimizerOffload(trained.optimizer, include_cpu=True)
+        emptied = []
+        for _ in range(NUM_STEPS):
+            trained.train_step(rank_slice(trained, data), token_nll_loss)
+            moved = offload.state_tensors()
+            offload.offload()
+            emptied.append(bool(moved) and all(local.untyped_storage().nbytes() == 0 for _, local in moved))
+            offload.reload()
+        sharded = any(hasattr(value, "to_local") for state in trained.optimizer.state.values() for value in state.values())
+        results[name] = (as_numpy(trained.full_state_dict()), emptied, sharded)
+    return results
+
+
+def test_sharded_dtensor_state_under_fsdp2_and_tp2_offloads_and_trains_as_a_single_process():
+    from test_engine_layouts import assert_same_weights, single_process_run
+
+    from hybridflow.parallel.launch import run_distributed
+
+    layouts = {"fsdp2": dict(layout="fsdp"), "tp2": dict(layout="3d", tp_size=2)}
+    results = run_distributed(_train_with_offload, 2, layouts, timeout_s=400)[0]
+    _, weights, _ = single_process_run()
+    for name in layouts:
+        got, emptied, sharded = results[name]
+        assert sharded and all(emptied), name  # DTensor moments, every storage emptied between phases
+        assert_same_weights(weights, got)
