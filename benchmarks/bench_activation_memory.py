@@ -54,7 +54,8 @@ def child(args) -> None:
     seconds = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     print(json.dumps(dict(activation_checkpointing=args.activation_checkpointing, tokens=rows * args.row_tokens,
-                          layers=args.layers, hidden=args.hidden, micro_batches=engine.last_batch_stats["micro_batches"],
+                          layers=args.layers, hidden=args.hidden,
+                          micro_batches=engine.last_batch_stats["micro_batches"],
                           rss_before_mib=round(before / 2**20), peak_rss_mib=round(peak / 2**20),
                           step_peak_above_before_mib=round((peak - before) / 2**20), step_s=round(seconds, 1),
                           loss=round(metrics["loss"], 5))), flush=True)

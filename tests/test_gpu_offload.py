@@ -130,7 +130,8 @@ def _train_with_offload(rank: int, world_size: int, layouts: dict) -> dict:
             offload.offload()
             emptied.append(bool(moved) and all(local.untyped_storage().nbytes() == 0 for _, local in moved))
             offload.reload()
-        sharded = any(hasattr(value, "to_local") for state in trained.optimizer.state.values() for value in state.values())
+        sharded = any(hasattr(value, "to_local") for state in trained.optimizer.state.values()
+                      for value in state.values())
         results[name] = (as_numpy(trained.full_state_dict()), emptied, sharded)
     return results
 

@@ -93,7 +93,8 @@ class ActorWorker(ModelWorker):
         self.set_parallel_layout(self.engine.layout, generation=self.hybrid.generation_layout)
         self.last_transition: dict[str, float] = {}
         # the AdamW moments leave the accelerator for the rollout (actor.hybrid_engine.offload_optimizer)
-        self.optimizer_offload = OptimizerOffload(self.engine.optimizer) if spec.hybrid_engine.offload_optimizer else None
+        offload = spec.hybrid_engine.offload_optimizer
+        self.optimizer_offload = OptimizerOffload(self.engine.optimizer) if offload else None
 
     @register("3D_ALL_MICRO_DP")
     def generate_sequences(self, prompts: DataProto) -> DataProto:
