@@ -8,11 +8,18 @@ fails, then going on with the next), so one command on a GPU machine gives every
 - ``env``: torch / transformers versions, the GPU, the backend string ``hybridflow.device`` picks.
 - ``matmul``: measured bf16 matmul FLOP/s (the peak the engine's MFU is compared with).
 - ``train``: the training engine on a ~1.1B Llama (TinyLlama's shape, random weights), bf16 compute,
-  fp32 master weights, micro-batch token budgets 4k and 16k: tokens/s, MFU, peak allocated memory.
+  fp32 master weights, micro-batch token budgets 4k and 16k, without and with activation checkpointing
+  (``--activation-checkpointing off,on``): tokens/s, MFU, peak allocated memory.
 - ``generate``: the native generation engine on the same model in bf16, batch 128, 256 new tokens
   (EOS suppressed, so every row decodes all 256): tokens/s and KV-cache bytes.
 - ``ppo``: one local-mode PPO step with actor, critic, reference and reward model of ~1B on one GPU,
-  with the allocator's memory during generation and during training.
+  with the allocator's memory during generation and during training; once per ``--ppo-variants`` entry
+  (``default``; ``offload_optimizer``: the actor's AdamW state in host memory during generation;
+  ``activation_checkpointing``: actor and critic recompute activations).
+- ``transition``: the 3D-HybridEngine's train -> generate transition of the ~1B model over every visible GPU
+  (t = GPUs -> tg = GPUs/2, nccl), one collective per parameter (``bucket_mb`` 0) against buckets of
+  256 MiB: seconds and collectives per transition. Needs 2 or more GPUs (on a CPU, ``--small`` runs it on
+  2 gloo processes).
 """
 
 from __future__ import annotations
@@ -91,8 +98,9 @@ def measured_matmul_flops(dtype=torch.bfloat16, size: int = 8192, repeats: int =
 
 
 def part_matmul(args) -> None:
-    args.peak = measured_matmul_flops(size=8192 if torch.cuda.is_available() else 1024)
-    emit("matmul", dtype="bfloat16", size=8192, tflops=round(args.peak / 1e12, 1))
+    size = 8192 if torch.cuda.is_available() else 1024
+    args.peak = measured_matmul_flops(size=size)
+    emit("matmul", dtype="bfloat16", size=size, tflops=round(args.peak / 1e12, 1))
 
 
 def one_b_model_config(**extra):
@@ -121,9 +129,12 @@ def part_train(args) -> None:
 
     peak = getattr(args, "peak", None) or measured_matmul_flops(size=8192 if torch.cuda.is_available() else 1024)
     model_config = one_b_model_config()
-    for budget in args.budgets:
+    for budget, checkpointing in [(b, ac) for b in args.budgets for ac in args.activation_checkpointing]:
         reset_peak()
-        config = EngineConfig(micro_batch_tokens=budget, dtype="bfloat16", optim=OptimConfig(lr=1e-5))
+        # bf16 autocast on a CPU is many times slower than fp32: --small checks the script, not the numbers
+        config = EngineConfig(micro_batch_tokens=budget, dtype="bfloat16" if torch.cuda.is_available() else "float32",
+                              optim=OptimConfig(lr=1e-5),
+                              activation_checkpointing=checkpointing == "on")
         start = time.perf_counter()
         engine = TrainingEngine(config, lambda: build_model(model_config))
         build_s = time.perf_counter() - start
@@ -141,7 +152,9 @@ def part_train(args) -> None:
             sync()
             times.append(time.perf_counter() - start)
         step_s = min(times)
-        emit("train", model="llama-1.1B", params=params, budget=budget, rows=rows, tokens_per_step=tokens,
+        emit("train", model="llama-1.1B", params=params, dtype=config.dtype, budget=budget,
+             activation_checkpointing=checkpointing,
+             rows=rows, tokens_per_step=tokens,
              micro_batches=engine.last_batch_stats["micro_batches"], build_s=round(build_s, 1),
              step_s=round(step_s, 3), tokens_per_s=round(tokens / step_s), mfu=round(6 * matmul_params * tokens / step_s / peak, 3),
              peak_allocated_gib=gib(peak_allocated()),
@@ -245,8 +258,9 @@ PHASES = {"ActorWorker": ("generate_sequences", "compute_log_prob", "update_acto
           "RewardWorker": ("compute_reward",)}
 
 
-def record_phase_memory(memory: dict) -> None:
-    """Wrap the role methods so each call records the allocator's peak and resident bytes (local mode)."""
+def record_phase_memory(memory: dict):
+    """Wrap the role methods so each call records the allocator's peak and resident bytes (local mode); returns
+    the function that unwraps them."""
     import functools
 
     import hybridflow.workers as workers
@@ -264,13 +278,37 @@ def record_phase_memory(memory: dict) -> None:
             return result
         return timed
 
+    originals = []
     for cls_name, methods in PHASES.items():
         cls = getattr(workers, cls_name)
         for name in methods:
+            originals.append((cls, name, getattr(cls, name)))
             setattr(cls, name, wrap(getattr(cls, name), f"{cls_name}.{name}"))
+
+    def restore() -> None:
+        for cls, name, method in originals:
+            setattr(cls, name, method)
+
+    return restore
+
+
+PPO_VARIANTS = {
+    "default": [],
+    "offload_optimizer": ["actor.hybrid_engine.offload_optimizer=true"],
+    "activation_checkpointing": ["actor.engine.activation_checkpointing=true",
+                                 "critic.engine.activation_checkpointing=true"],
+}
 
 
 def part_ppo(args) -> None:
+    for variant in args.ppo_variants:
+        if variant not in PPO_VARIANTS:
+            raise ValueError(f"--ppo-variants got {variant!r}; allowed: {sorted(PPO_VARIANTS)}")
+        reset_peak()
+        ppo_step(args, variant, PPO_VARIANTS[variant])
+
+
+def ppo_step(args, variant: str, variant_overrides: list[str]) -> None:
     from hybridflow.controller import local_mode
     from hybridflow.data import write_jsonl
     from hybridflow.data.builtin import ArithmeticTaskConfig, prompt_rows
@@ -288,10 +326,10 @@ def part_ppo(args) -> None:
             "algorithm.advantage_estimator=gae", f"actor.generation.max_new_tokens={args.ppo_new_tokens}",
             f"batch.prompts_per_step={args.ppo_prompts}", "batch.samples_per_prompt=2",
             f"batch.mini_batch_size={args.ppo_prompts * 2}", "trainer.total_steps=2", "trainer.progress_bar=false",
-            f"trainer.output_dir={tmp / 'run'}", *args.ppo_overrides]
+            f"trainer.output_dir={tmp / 'run'}", *variant_overrides, *args.ppo_overrides]
         config = load_rl_config(None, overrides)
         memory: dict = {}
-        record_phase_memory(memory)
+        restore = record_phase_memory(memory)
         with local_mode():
             reset_peak()
             start = time.perf_counter()
@@ -303,22 +341,75 @@ def part_ppo(args) -> None:
                 transition = trainer.actor.transition_stats()[0]
             finally:
                 trainer.shutdown()
+                restore()
         for record in history:
-            emit("ppo", build_s=round(build_s, 1), after_build_gib=gib(built),
+            emit("ppo", variant=variant, build_s=round(build_s, 1), after_build_gib=gib(built),
                  **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in record.items()
                     if k.startswith(("time/", "memory/", "perf/", "hybrid/", "response/")) or k in ("step", "score/mean")})
-        emit("ppo_transition", **{k: (gib(v) if k.endswith("bytes") else round(v, 3)) for k, v in transition.items()})
-        emit("ppo_phase_memory", **memory)
-        emit("ppo_memory", peak_allocated_gib=gib(peak_allocated()),
+        emit("ppo_transition", variant=variant,
+             **{k: (gib(v) if k.endswith("bytes") else round(v, 3)) for k, v in transition.items()})
+        emit("ppo_phase_memory", variant=variant, **memory)
+        emit("ppo_memory", variant=variant, peak_allocated_gib=gib(peak_allocated()),
              peak_reserved_gib=gib(peak_reserved()))
 
 
-PARTS = {"profile": part_profile, "env": part_env, "matmul": part_matmul, "train": part_train, "generate": part_generate, "ppo": part_ppo}
+def _transition_times(rank: int, world_size: int, hf_overrides: dict, bucket_mbs: list[float], repeats: int) -> list:
+    from hybridflow.device import current_device
+    from hybridflow.engine.hybrid_engine import HybridEngine, HybridEngineConfig, cut_training_shards
+    from hybridflow.models import build_model
+    from hybridflow.parallel.layout import ParallelLayout
+
+    model = build_model(one_b_model_config(**hf_overrides))
+    config, state_dict = model.config, model.state_dict()
+    del model
+    layout = ParallelLayout.for_world(world_size, pp_size=1, tp_size=world_size)
+    device = current_device(rank)
+    shards = {name: shard.to(device) for name, shard in cut_training_shards(state_dict, config, layout, rank).items()}
+    del state_dict
+    rows = []
+    for bucket_mb in bucket_mbs:
+        engine = HybridEngine(config, layout, HybridEngineConfig(tp_size=max(world_size // 2, 1), bucket_mb=bucket_mb),
+                              dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+        seconds = []
+        for _ in range(repeats + 1):  # the first builds the communicators
+            torch.distributed.barrier()
+            stats = engine.to_generation(shards)
+            sync()
+            seconds.append(stats.seconds)
+            engine.to_training()
+        rows.append(dict(bucket_mb=bucket_mb, collectives=stats.collectives, bytes_received=stats.bytes_received,
+                         to_generation_s=sorted(seconds[1:])[len(seconds[1:]) // 2]))
+        del engine
+    return rows
+
+
+def part_transition(args) -> None:
+    from hybridflow.parallel.launch import run_distributed
+
+    world = min(torch.cuda.device_count(), 8) if torch.cuda.is_available() else 2
+    if world < 2:
+        emit("transition", skipped=f"needs 2 or more GPUs, found {world}")
+        return
+    # the model's shape travels with the call: the children re-import this script, whose ONE_B --small changed
+    per_rank = run_distributed(_transition_times, world, dict(ONE_B), [0.0, 256.0], args.transition_repeats,
+                               timeout_s=1200)
+    for index, row in enumerate(per_rank[0]):
+        emit("transition", world=world, train_tp=world, generation_tp=max(world // 2, 1), bucket_mb=row["bucket_mb"],
+             collectives=row["collectives"], received_gib=gib(row["bytes_received"]),
+             to_generation_s=round(max(r[index]["to_generation_s"] for r in per_rank), 4))
+
+
+SMALL_DEFAULTS = dict(budgets=[1024, 2048], train_rows=2, train_steps=1, gen_rows=[4], prompt_len=16, new_tokens=16,
+                      ppo_prompts=4, ppo_new_tokens=8, transition_repeats=2)
+"""--small: sizes that make every part a few seconds on a CPU."""
+
+PARTS = {"profile": part_profile, "env": part_env, "matmul": part_matmul, "train": part_train,
+         "generate": part_generate, "ppo": part_ppo, "transition": part_transition}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--parts", default="env,matmul,train,generate,ppo")
+    parser.add_argument("--parts", default="env,matmul,train,generate,ppo,transition")
     parser.add_argument("--budgets", type=lambda s: [int(x) for x in s.split(",")], default=[4096, 16384])
     parser.add_argument("--train-rows", type=int, default=32)
     parser.add_argument("--train-steps", type=int, default=3)
@@ -328,10 +419,18 @@ def main() -> None:
     parser.add_argument("--ppo-prompts", type=int, default=64)
     parser.add_argument("--ppo-new-tokens", type=int, default=64)
     parser.add_argument("--ppo-overrides", nargs="*", default=[])
+    parser.add_argument("--ppo-variants", type=lambda s: s.split(","), default=["default", "offload_optimizer"],
+                        help=f"one PPO step per variant, from {sorted(PPO_VARIANTS)}")
+    parser.add_argument("--activation-checkpointing", type=lambda s: s.split(","), default=["off", "on"],
+                        help="train part: the settings to measure at each budget (off, on)")
+    parser.add_argument("--transition-repeats", type=int, default=5)
     parser.add_argument("--out", default=None)
-    parser.add_argument("--small", action="store_true", help="a 4-layer, 256-wide model: a quick CPU check of this script")
+    parser.add_argument("--small", action="store_true", help="a 2-layer, 256-wide model and small batches: a quick CPU check of this script")
     args = parser.parse_args()
     if args.small:
+        for key, value in SMALL_DEFAULTS.items():  # only where the command line kept the GPU-sized default
+            if getattr(args, key) == parser.get_default(key):
+                setattr(args, key, value)
         ONE_B.update(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, vocab_size=512)
     failed = []

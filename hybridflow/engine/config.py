@@ -96,6 +96,10 @@ class EngineConfig:
     """Tensor-parallel ranks (3d only); must divide the attention and key/value heads."""
     fsdp_cpu_offload: bool = False
     """FSDP only: keep sharded parameters, gradients and optimizer state in CPU memory."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward instead of keeping them (torch's non-reentrant
+    checkpoint per layer): activation memory of about one layer's inputs per layer, for about one extra
+    forward of compute per step. Both layouts; inference-only roles never keep activations anyway."""
     micro_batch_tokens: int = 4096
     """Per-rank token budget of one forward/backward (real tokens; padding is removed)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -123,6 +127,8 @@ class EngineConfig:
             raise ValueError(f"engine.fsdp_cpu_offload must be a bool, got {self.fsdp_cpu_offload!r}")
         if self.fsdp_cpu_offload and self.layout != "fsdp":
             raise ValueError("engine.fsdp_cpu_offload=True needs layout='fsdp', got layout='3d'")
+        if not isinstance(self.activation_checkpointing, bool):
+            raise ValueError(f"engine.activation_checkpointing must be a bool, got {self.activation_checkpointing!r}")
         _check_positive_int("engine.micro_batch_tokens", self.micro_batch_tokens)
         if self.dtype not in DTYPES:
             raise ValueError(f"engine.dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")

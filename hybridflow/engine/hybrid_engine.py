@@ -54,6 +54,8 @@ class TransitionStats:
     """CUDA only: the allocator's peak during the transition ('to_training': since 'to_generation' began,
     so it covers the rollout too)."""
     seconds: float = 0.0
+    collectives: int = 0
+    """Collective calls this rank made (one per bucket per group and source; ``bucket_mb``)."""
 
 
 def parameter_shapes(hf_config) -> dict[str, torch.Size]:
@@ -84,7 +86,8 @@ def training_shards(engine) -> dict[str, torch.Tensor]:
         return engine.local_shards()
     from torch.distributed.tensor import DTensor
 
-    return {name: (param.full_tensor() if isinstance(param, DTensor) else param).detach()
+    # under FSDP CPU offload the sharded parameters live in host memory: generation runs on the engine's device
+    return {name: (param.full_tensor() if isinstance(param, DTensor) else param).detach().to(engine.device)
             for name, param in engine.model.named_parameters()}
 
 
@@ -117,6 +120,62 @@ def storage_bytes(tensors) -> int:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def plan_buckets(sizes: list[int], bucket_bytes: int) -> list[range]:
+    """Consecutive index ranges over ``sizes`` (bytes) of at most ``bucket_bytes`` each; an item larger than
+    that goes alone, and ``bucket_bytes`` = 0 gives one item per bucket (one collective per parameter)."""
+    buckets, start, total = [], 0, 0
+    for index, size in enumerate(sizes):
+        if index > start and total + size > bucket_bytes:
+            buckets.append(range(start, index))
+            start, total = index, 0
+        total += size
+    if sizes:
+        buckets.append(range(start, len(sizes)))
+    return buckets
+
+
+def _flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One 1-D buffer of ``tensors`` in order (a view of the tensor itself when there is one)."""
+    if len(tensors) == 1:
+        return tensors[0].reshape(-1)
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def _views(flat: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tensor]:
+    """``flat`` cut into consecutive views of ``shapes`` (they share its one storage)."""
+    sizes = [math.prod(shape) for shape in shapes]
+    return [piece.view(shape) for piece, shape in zip(flat.split(sizes), shapes)]
+
+
+def _all_gather_bucket(tensors: list[torch.Tensor], peers: list[int], rank: int, group,
+                       stats: "TransitionStats") -> dict[int, list[torch.Tensor]]:
+    """Every peer's ``tensors`` (same shapes on every peer) in one all-gather: peer -> its tensors.
+
+    This rank's entry is ``tensors`` themselves (kept in place); the others are views of one receive buffer
+    per peer, so the bucket adds no copy of the local tensors to what stays alive.
+    """
+    send = _flatten(tensors)
+    slots = [send if r == rank else torch.empty_like(send) for r in peers]
+    dist.all_gather(slots, send, group=group)
+    stats.collectives += 1
+    shapes = [t.shape for t in tensors]
+    return {r: list(tensors) if r == rank else _views(slot, shapes) for r, slot in zip(peers, slots)}
+
+
+def _broadcast_bucket(tensors: list[torch.Tensor] | None, shapes: list[torch.Size], *, src: int, rank: int,
+                      group, like: torch.Tensor, stats: "TransitionStats") -> list[torch.Tensor]:
+    """``src``'s ``tensors`` (of ``shapes``) on every rank of ``group`` in one broadcast: the source keeps its
+    own tensors, the others get views of one receive buffer."""
+    if rank == src:
+        dist.broadcast(_flatten(tensors), src=src, group=group)
+        stats.collectives += 1
+        return tensors
+    flat = like.new_empty(sum(math.prod(shape) for shape in shapes))
+    dist.broadcast(flat, src=src, group=group)
+    stats.collectives += 1
+    return _views(flat, shapes)
 
 
 class _Groups:
@@ -173,33 +232,44 @@ class HybridStrategy(TransitionStrategy):
     def gather(self, engine: "HybridEngine", shards: dict[str, torch.Tensor],
                stats: "TransitionStats") -> dict[str, list]:
         """All-gather the other pieces inside the micro-DP group; the local shard stays a piece, in place."""
+        bucket_bytes = engine.bucket_bytes
         group, peers = self.micro_tp_group
-        weights: dict[str, list[torch.Tensor]] = {}
-        for name, shard in shards.items():
-            if tp_shard_dim(name) is None or len(peers) == 1:
-                weights[name] = [shard]
-                continue
-            pieces = [shard if r == engine.rank else torch.empty_like(shard) for r in peers]
-            dist.all_gather(pieces, shard, group=group)
-            weights[name] = pieces
-            stats.bytes_received += (len(peers) - 1) * _nbytes(shard)
-            stats.bytes_sent += (len(peers) - 1) * _nbytes(shard)
+        weights: dict[str, list[torch.Tensor]] = {name: [shard] for name, shard in shards.items()}
+        sharded = [name for name in shards if tp_shard_dim(name) is not None and len(peers) > 1]
+        for bucket in plan_buckets([_nbytes(shards[n]) for n in sharded], bucket_bytes):
+            names = [sharded[i] for i in bucket]
+            by_peer = _all_gather_bucket([shards[n] for n in names], peers, engine.rank, group, stats)
+            for index, name in enumerate(names):
+                weights[name] = [by_peer[r][index] for r in peers]
+                stats.bytes_received += (len(peers) - 1) * _nbytes(shards[name])
+                stats.bytes_sent += (len(peers) - 1) * _nbytes(shards[name])
         group, peers = self.micro_pp_group
         if len(peers) > 1:
             num_layers, pp_size = engine.spec.num_layers, engine.train_layout.pp_size
+            like, count = _any(shards), engine.generation_layout.tp_ratio
+            names_of: dict[int, list[str]] = {}
             for name in engine._gen_stage_names():
                 owner_stage = training_stage_of(name, num_layers=num_layers, pp_size=pp_size)
                 src = next(r for r in peers if engine.train_layout.coords(r).pp_rank == owner_stage)
-                if src == engine.rank:
-                    pieces = weights[name]
-                    stats.bytes_sent += (len(peers) - 1) * sum(_nbytes(p) for p in pieces)
-                else:
-                    pieces = engine._empty_pieces(name, tp_size=engine.train_layout.tp_size,
-                                                  count=engine.generation_layout.tp_ratio, like=_any(shards))
-                    stats.bytes_received += sum(_nbytes(p) for p in pieces)
-                for piece in pieces:
-                    dist.broadcast(piece, src=src, group=group)
-                weights[name] = pieces
+                names_of.setdefault(src, []).append(name)
+            for src in sorted(names_of):
+                # every peer knows the pieces' shapes; the source also has them
+                shapes_of = {n: engine._piece_shapes(n, tp_size=engine.train_layout.tp_size, count=count)
+                             for n in names_of[src]}
+                sizes = [sum(math.prod(shape) for shape in shapes_of[n]) * like.element_size() for n in names_of[src]]
+                for bucket in plan_buckets(sizes, bucket_bytes):
+                    names = [names_of[src][i] for i in bucket]
+                    shapes = [shape for n in names for shape in shapes_of[n]]
+                    mine = [p for n in names for p in weights[n]] if src == engine.rank else None
+                    pieces = _broadcast_bucket(mine, shapes, src=src, rank=engine.rank, group=group, like=like,
+                                               stats=stats)
+                    for name in names:
+                        size = sum(math.prod(shape) for shape in shapes_of[name]) * like.element_size()
+                        if src == engine.rank:
+                            stats.bytes_sent += (len(peers) - 1) * size
+                        else:
+                            stats.bytes_received += size
+                        weights[name], pieces = pieces[:len(shapes_of[name])], pieces[len(shapes_of[name]):]
         return weights
 
 
@@ -215,15 +285,26 @@ class _WholeModelGather(TransitionStrategy):
             stats.peak_param_bytes = max(stats.peak_param_bytes, running)
             return full
         like = _any(stage_params)
-        for name, shape in engine.shapes.items():
+        names_of: dict[int, list[str]] = {}
+        for name in engine.shapes:
             owner = training_stage_of(name, num_layers=engine.spec.num_layers, pp_size=engine.train_layout.pp_size)
-            if owner == engine.coords.pp_rank:
-                stats.bytes_sent += (len(peers) - 1) * _nbytes(full[name])
-            else:
-                full[name] = like.new_empty(shape)
-                stats.bytes_received += _nbytes(full[name])
-                running += _nbytes(full[name])
-            dist.broadcast(full[name], src=peers[owner], group=group)
+            names_of.setdefault(owner, []).append(name)
+        for owner in sorted(names_of):
+            names = names_of[owner]
+            shapes = [engine.shapes[n] for n in names]
+            sizes = [math.prod(shape) * like.element_size() for shape in shapes]
+            mine = owner == engine.coords.pp_rank
+            for bucket in plan_buckets(sizes, engine.bucket_bytes):
+                tensors = _broadcast_bucket([full[names[i]] for i in bucket] if mine else None,
+                                            [shapes[i] for i in bucket], src=peers[owner], rank=engine.rank,
+                                            group=group, like=like, stats=stats)
+                for i, tensor in zip(bucket, tensors):
+                    if mine:
+                        stats.bytes_sent += (len(peers) - 1) * sizes[i]
+                    else:
+                        full[names[i]] = tensor
+                        stats.bytes_received += sizes[i]
+                        running += sizes[i]
         stats.peak_param_bytes = max(stats.peak_param_bytes, running)
         return full
 
@@ -243,25 +324,27 @@ class VanillaStrategy(_WholeModelGather):
         """Gather the whole model in the training replica, cut the generation shard out as a copy, free the rest."""
         group, peers = self.train_tp_group
         running = storage_bytes(shards.values())
-        stage_params = {}
-        for name, shard in shards.items():
-            dim = tp_shard_dim(name)
-            if dim is None or len(peers) == 1:
-                stage_params[name] = shard
-                continue
-            pieces = [shard if r == engine.rank else torch.empty_like(shard) for r in peers]
-            dist.all_gather(pieces, shard, group=group)
-            stage_params[name] = torch.cat(pieces, dim=dim)
-            stats.bytes_received += (len(peers) - 1) * _nbytes(shard)
-            stats.bytes_sent += (len(peers) - 1) * _nbytes(shard)
-            running += _nbytes(stage_params[name])
+        stage_params = dict(shards)
+        sharded = [name for name in shards if tp_shard_dim(name) is not None and len(peers) > 1]
+        for bucket in plan_buckets([_nbytes(shards[n]) for n in sharded], engine.bucket_bytes):
+            names = [sharded[i] for i in bucket]
+            by_peer = _all_gather_bucket([shards[n] for n in names], peers, engine.rank, group, stats)
+            for index, name in enumerate(names):
+                stage_params[name] = torch.cat([by_peer[r][index] for r in peers], dim=tp_shard_dim(name))
+                stats.bytes_received += (len(peers) - 1) * _nbytes(shards[name])
+                stats.bytes_sent += (len(peers) - 1) * _nbytes(shards[name])
+                running += _nbytes(stage_params[name])
         full = self._gather_stage_then_pipeline(engine, stage_params, stats, running)
         weights, copies = {}, 0
         tg, gen_tp = engine.generation_layout.tp_size, engine.gen_coords.gen_tp_rank
         for name in engine._gen_stage_names():
             dim = tp_shard_dim(name)
-            if dim is None or tg == 1:
+            if tg == 1:
                 weights[name] = [full[name]]
+            elif dim is None:
+                # a received replicated tensor is a view of a bucket buffer that also holds pieces this rank
+                # drops: keep its own copy so the buffer is freed (tg = 1 keeps every tensor: no copy)
+                weights[name] = [_own_storage(full[name])]
             else:
                 weights[name] = [full[name].chunk(tg, dim=dim)[gen_tp].clone()]
                 copies += _nbytes(weights[name][0])
@@ -292,34 +375,40 @@ class FullGatherStrategy(_WholeModelGather):
         train = engine.train_layout
         order = sorted(peers, key=lambda r: (train.coords(r).tp_rank, train.coords(r).dp_rank))
         running = storage_bytes(shards.values())
-        stage_params = {}
+        coords = engine.coords
+        slices = {}  # name -> (this rank's zero-padded slice, the numel of its payload)
         for name, shard in shards.items():
-            dim = tp_shard_dim(name)
             # the unit cut into equal slices: the tp shard over d slices, or a replicated tensor over t*d
-            units, slices_per_unit = (t, d) if dim is not None else (1, t * d)
+            sharded = tp_shard_dim(name) is not None
             flat = shard.reshape(-1)
-            size = math.ceil(flat.numel() / slices_per_unit)
-            coords = engine.coords
-            index = coords.dp_rank if dim is not None else coords.tp_rank * d + coords.dp_rank
+            size = math.ceil(flat.numel() / (d if sharded else t * d))
+            index = coords.dp_rank if sharded else coords.tp_rank * d + coords.dp_rank
             mine = flat.new_zeros(size)
             payload = flat[index * size:(index + 1) * size]
             mine[:payload.numel()] = payload
-            gathered = [torch.empty_like(mine) for _ in order]
-            dist.all_gather(gathered, mine, group=group)
-            by_rank = dict(zip(peers, gathered))  # all_gather fills slots in group-rank order
-            if dim is not None:
-                tp_shards = []
-                for tp_rank in range(t):
-                    ranks = [r for r in order if engine.train_layout.coords(r).tp_rank == tp_rank]
-                    tp_shards.append(torch.cat([by_rank[r] for r in ranks])[:flat.numel()].view(shard.shape))
-                stage_params[name] = torch.cat(tp_shards, dim=dim)
-            else:
-                stage_params[name] = torch.cat([by_rank[r] for r in order])[:flat.numel()].view(shard.shape)
-            own = payload.numel() * flat.element_size()
-            total = stage_params[name].numel() * flat.element_size()
-            stats.bytes_received += total - own
-            stats.bytes_sent += (len(order) - 1) * own
-            running += total
+            slices[name] = (mine, payload.numel())
+        names = list(shards)
+        stage_params = {}
+        for bucket in plan_buckets([_nbytes(slices[n][0]) for n in names], engine.bucket_bytes):
+            bucket_names = [names[i] for i in bucket]
+            by_rank = _all_gather_bucket([slices[n][0] for n in bucket_names], peers, engine.rank, group, stats)
+            for index, name in enumerate(bucket_names):
+                shard, dim = shards[name], tp_shard_dim(name)
+                numel = shard.numel()
+                if dim is not None:
+                    tp_shards = []
+                    for tp_rank in range(t):
+                        ranks = [r for r in order if train.coords(r).tp_rank == tp_rank]
+                        tp_shards.append(torch.cat([by_rank[r][index] for r in ranks])[:numel].view(shard.shape))
+                    stage_params[name] = torch.cat(tp_shards, dim=dim)
+                else:
+                    stage_params[name] = torch.cat([by_rank[r][index] for r in order])[:numel].view(shard.shape)
+                own = slices[name][1] * shard.element_size()
+                total = stage_params[name].numel() * shard.element_size()
+                stats.bytes_received += total - own
+                stats.bytes_sent += (len(order) - 1) * own
+                running += total
+            del by_rank
         full = self._gather_stage_then_pipeline(engine, stage_params, stats, running)
         return {name: [full[name]] for name in engine._gen_stage_names()}
 
@@ -351,6 +440,8 @@ class HybridEngine:
         self.spec = DecoderSpec.from_hf(hf_config)
         self.rank = dist.get_rank()
         self.shapes = parameter_shapes(hf_config)
+        self.bucket_bytes = int(config.bucket_mb * 2**20)
+        """Largest payload one rank puts into one transition collective (0: one per parameter)."""
         self.strategy = TRANSITION_STRATEGIES[config.strategy]()
         self.generation_layout = GenerationLayout(
             train=train_layout, pp_size=config.pp_size, tp_size=config.tp_size,
@@ -442,12 +533,13 @@ class HybridEngine:
                 names.append(name)
         return names
 
-    def _empty_pieces(self, name: str, *, tp_size: int, count: int, like: torch.Tensor) -> list[torch.Tensor]:
+    def _piece_shapes(self, name: str, *, tp_size: int, count: int) -> list[torch.Size]:
+        """Shapes of the generation pieces of ``name``: ``count`` tp shards of 1/tp_size (or the whole tensor)."""
         shape, dim = list(self.shapes[name]), tp_shard_dim(name)
         if dim is None:
-            return [like.new_empty(shape)]
+            return [torch.Size(shape)]
         shape[dim] //= tp_size
-        return [like.new_empty(shape) for _ in range(count)]
+        return [torch.Size(shape)] * count
 
     def _build_engine(self, weights: dict[str, list[torch.Tensor]]) -> GenerationEngine:
         if self.strategy.whole_model:
@@ -474,6 +566,11 @@ def _read_allocator(stats: TransitionStats) -> None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         stats.allocated_bytes = torch.cuda.memory_allocated()
         stats.peak_allocated_bytes = torch.cuda.max_memory_allocated()
+
+
+def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself when it spans its whole storage, else a copy (so the rest of the storage can be freed)."""
+    return tensor if tensor.untyped_storage().nbytes() == _nbytes(tensor) else tensor.clone()
 
 
 def _any(tensors: dict[str, torch.Tensor]) -> torch.Tensor:

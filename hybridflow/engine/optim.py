@@ -76,3 +76,70 @@ def clip_gradients(params: list[nn.Parameter], max_norm: float, total_norm: torc
     for param in params:
         if param.grad is not None:
             param.grad.mul_(coef)
+
+
+class OptimizerOffload:
+    """Moves an optimizer's state (AdamW moments) to host memory and back, around generation.
+
+    The state tensors stay the same objects (DTensor wrappers and the optimizer's references intact): their
+    device storage is copied into a host buffer and resized to 0 bytes, which returns the memory to the
+    allocator for the KV cache; ``reload`` resizes it back and copies the bytes in. Host buffers are pinned on
+    CUDA (asynchronous copies back) and kept between rollouts. State already on the CPU (a CPU run, FSDP CPU
+    offload) is left alone, so on a CPU machine this is a no-op; ``include_cpu=True`` moves it anyway (tests).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, include_cpu: bool = False) -> None:
+        self.optimizer = optimizer
+        self.include_cpu = include_cpu
+        self._host: dict[tuple[int, str], torch.Tensor] = {}  # (id of the parameter, state name) -> host bytes
+        self._offloaded: list[tuple[torch.Tensor, torch.Tensor]] = []  # (local state tensor, its host copy)
+
+    def state_tensors(self) -> list[tuple[tuple[int, str], torch.Tensor]]:
+        """((id of the parameter, state name), local tensor) of the state this offload moves, one per storage."""
+        tensors, seen = [], set()
+        for param, state in self.optimizer.state.items():
+            for name, value in state.items():
+                if not isinstance(value, torch.Tensor):
+                    continue
+                local = value.to_local() if isinstance(value, DTensor) else value
+                if local.device.type == "cpu" and not self.include_cpu:
+                    continue
+                storage = local.untyped_storage()
+                if storage.nbytes() == 0 or storage.data_ptr() in seen:
+                    continue
+                seen.add(storage.data_ptr())
+                tensors.append(((id(param), name), local))
+        return tensors
+
+    @property
+    def offloaded(self) -> bool:
+        return bool(self._offloaded)
+
+    def offload(self) -> int:
+        """Copy the state to host memory and free its device storage; the bytes freed."""
+        if self._offloaded:
+            raise RuntimeError("optimizer state offloaded twice without reload in between")
+        freed = 0
+        for key, local in self.state_tensors():
+            storage = local.untyped_storage()
+            host = self._host.get(key)
+            if host is None or host.numel() != storage.nbytes():
+                host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=local.device.type == "cuda")
+                self._host[key] = host
+            host.copy_(_storage_bytes_view(local))
+            freed += storage.nbytes()
+            storage.resize_(0)
+            self._offloaded.append((local, host))
+        return freed
+
+    def reload(self) -> None:
+        """Give the state its device storage back, with the bytes it had (no-op when nothing is offloaded)."""
+        for local, host in self._offloaded:
+            local.untyped_storage().resize_(host.numel())
+            _storage_bytes_view(local).copy_(host, non_blocking=host.is_pinned())
+        self._offloaded = []
+
+
+def _storage_bytes_view(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole storage behind ``tensor`` as a 1-D uint8 tensor on its device."""
+    return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())

@@ -112,6 +112,10 @@ class TrainingEngine:
         model.to(dtype=dtype) if on_meta else model.to(device=self.device, dtype=dtype)
         model.train()
         stage = build_stage(model, head=self.head, pp_size=self.layout.pp_size, pp_rank=self.coords.pp_rank)
+        if self.config.activation_checkpointing and self.trainable:
+            from hybridflow.parallel.activation_checkpoint import apply_activation_checkpointing
+
+            apply_activation_checkpointing(stage)
         if self.layout.tp_size > 1:
             from hybridflow.parallel.tensor_parallel import apply_tensor_parallel
 

@@ -14,6 +14,7 @@ from hybridflow.algorithms import (POLICY_LOSSES, aggregate_loss, kl_estimate, m
                                    truncated_importance_weights)
 from hybridflow.controller import register
 from hybridflow.engine.hybrid_engine import HybridEngine, training_shards
+from hybridflow.engine.optim import OptimizerOffload
 from hybridflow.protocol import DataProto
 from hybridflow.workers.base import SEQUENCE_KEYS, ModelWorker, step_context, tensors_of
 from hybridflow.workers.spec import ActorSpec, PolicyLossConfig
@@ -91,6 +92,9 @@ class ActorWorker(ModelWorker):
                                    dtype=self.engine.config.compute_dtype)
         self.set_parallel_layout(self.engine.layout, generation=self.hybrid.generation_layout)
         self.last_transition: dict[str, float] = {}
+        # the AdamW moments leave the accelerator for the rollout (actor.hybrid_engine.offload_optimizer)
+        offload = spec.hybrid_engine.offload_optimizer
+        self.optimizer_offload = OptimizerOffload(self.engine.optimizer) if offload else None
 
     @register("3D_ALL_MICRO_DP")
     def generate_sequences(self, prompts: DataProto) -> DataProto:
@@ -103,18 +107,23 @@ class ActorWorker(ModelWorker):
         config = dataclasses.replace(self.actor_spec.generation, **overrides)
         # replicas draw different noise for their different prompts; ranks of one replica the same
         config = dataclasses.replace(config, seed=config.seed * 1_000_003 + self.hybrid.replica)
+        offloaded_bytes = self.optimizer_offload.offload() if self.optimizer_offload is not None else 0
         to_generation = self.hybrid.to_generation(training_shards(self.engine))
         try:
             output = self.hybrid.generate(prompts["input_ids"], prompts["attention_mask"], config)
         finally:
             to_training = self.hybrid.to_training()
+            if self.optimizer_offload is not None:
+                self.optimizer_offload.reload()
         self.last_transition = {
             "to_generation_s": to_generation.seconds, "to_training_s": to_training.seconds,
             "bytes_received": to_generation.bytes_received, "generation_param_bytes": to_generation.param_bytes,
             "peak_param_bytes": to_generation.peak_param_bytes,
             "generation_allocated_bytes": to_generation.allocated_bytes,
             "generation_peak_allocated_bytes": to_training.peak_allocated_bytes,
-            "training_allocated_bytes": to_training.allocated_bytes}
+            "training_allocated_bytes": to_training.allocated_bytes, "collectives": to_generation.collectives,
+            # 0 when the option is off or the state already lives on the CPU (a CPU run, FSDP CPU offload)
+            "optimizer_offloaded": float(offloaded_bytes > 0), "optimizer_offloaded_bytes": offloaded_bytes}
         samples = config.samples_per_prompt
         non_tensors = {key: np.repeat(values, samples) for key, values in prompts.non_tensor_batch.items()}
         return DataProto.from_dict(tensors={k: v.cpu() for k, v in output.items()}, non_tensors=non_tensors,
@@ -123,7 +132,9 @@ class ActorWorker(ModelWorker):
     @register("ONE_TO_ALL")
     def transition_stats(self) -> dict[str, float]:
         """The last rollout's transition on this rank: seconds, bytes received, parameter bytes during
-        generation (analytic) and, on CUDA, the allocator's bytes during generation and after it."""
+        generation (analytic), the transition's collectives, the optimizer-state bytes moved to the CPU for
+        the rollout (``optimizer_offloaded``: 1 if any) and, on CUDA, the allocator's bytes during generation
+        and after it."""
         return dict(self.last_transition)
 
     @register("3D_PROTO")
