@@ -7,7 +7,8 @@ The rule (tests/test_docs_numbers.py):
   ``52 s``, ``10 ms``, ``2 h``), a throughput (``tok/s``, ``tokens/s``, ``samples/s``), a size
   (``GiB``, ``GB``, ``MiB``, ``MB``) or a speed-up (``1.24x``);
 * the section that states it (the text between two headings, any level) must name its command:
-  a fenced ``bash``/``sh`` block or an unlabelled fence whose lines start with a command, a line
+  a fenced ``bash``/``sh`` block or an unlabelled fence whose lines start with a command, an
+  indented (4-space) code line that starts with a command, a line
   starting with ``Command:``, an inline code span starting with ``hybridflow``, ``python``,
   ``bash``, ``pytest``, ``torchrun`` or ``PYTHONPATH=``, or a link to a section (``doc.md#anchor``
   or ``#anchor``) that does;
@@ -29,6 +30,7 @@ MEASURED = re.compile(
 COMMAND_WORDS = r"(?:hybridflow|python3?|bash|pytest|torchrun|PYTHONPATH=)"
 INLINE_COMMAND = re.compile(r"`" + COMMAND_WORDS + r"[^`]*`")
 COMMAND_LINE = re.compile(r"^\s*(?:\$\s*)?" + COMMAND_WORDS)
+INDENTED_COMMAND = re.compile(r"^ {4,}(?:\$\s*)?" + COMMAND_WORDS)
 LINK = re.compile(r"\]\(([^)\s]*?)#([\w-]+)\)")
 CODE_SPAN = re.compile(r"`[^`]*`")
 HTML_COMMENT = re.compile(r"<!--.*?-->")
@@ -77,6 +79,9 @@ def sections_of(path: Path) -> list[Section]:
         if heading:
             section = Section(doc, number, heading.group(1))
             sections.append(section)
+            continue
+        if INDENTED_COMMAND.match(line):       # an indented (4-space) code block holding a command
+            section.has_command = True
             continue
         if stripped.startswith("Command:") or INLINE_COMMAND.search(line):
             section.has_command = True

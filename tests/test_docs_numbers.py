@@ -34,13 +34,14 @@ def test_the_rule_finds_units_outside_code_and_accepts_commands_and_linked_secti
     doc = tmp_path / "guide.md"
     doc.write_text("# Guide\n\n## Speed\n\nIt took 3.1 min and 94.5% passed; `timeout_s=300 s` is a setting.\n\n"
                    "## Proof\n\n`hybridflow demo` gave 37.1%.\n\n## Linked\n\nSee [there](#proof): 2.5x faster.\n\n"
-                   "## Dangling\n\nSee [nowhere](#missing): 12 GiB.\n")
+                   "## Dangling\n\nSee [nowhere](#missing): 12 GiB.\n\n## Indented\n\n    python bench.py\n\nIt ran at 9 tok/s.\n")
     monkeypatch.setattr(docs_numbers, "REPO", tmp_path)
     monkeypatch.setattr(docs_numbers, "number_docs", lambda: [doc])
     sections = sections_of(doc)
     assert [(s.heading, s.numbers, s.has_command) for s in sections[1:]] == [
         ("Guide", [], False), ("Speed", [(5, "3.1 min"), (5, "94.5%")], False), ("Proof", [(9, "37.1%")], True),
-        ("Linked", [(13, "2.5x")], False), ("Dangling", [(17, "12 GiB")], False)]
+        ("Linked", [(13, "2.5x")], False), ("Dangling", [(17, "12 GiB")], False),
+        ("Indented", [(23, "9 tok/s")], True)]
     assert numbers_without_command({}) == ['guide.md:5: "3.1 min" (section "Speed")',
                                            'guide.md:5: "94.5%" (section "Speed")',
                                            'guide.md:17: "12 GiB" (section "Dangling")']
