@@ -139,3 +139,31 @@ def test_twenty_update_generate_round_trips_do_not_grow_memory(actors):
         peak = round_trip()
     # the KV cache (64 MiB) and the weights are released and re-grown every time: no growth beyond noise
     assert peak - start < 32 * 2**20
+
+
+@pytest.mark.slow
+@pytest.mark.needs_smollm2
+def test_greedy_tokens_from_vllm_equal_the_native_engines_on_smollm2_in_fp32():
+    from transformers import AutoModelForCausalLM
+
+    from hybridflow.engine.decoder import DecoderStage
+    from hybridflow.engine.generation import GenerationEngine
+    from hybridflow.engine.vllm_rollout import VllmRollout
+    from hybridflow.models.smollm2 import smollm2_path
+
+    if smollm2_path() is None:
+        pytest.skip("SmolLM2-135M not converted; run `python scripts/get_smollm2.py`")
+    init_local_process_group()
+    model = AutoModelForCausalLM.from_pretrained(smollm2_path(), dtype=torch.float32).eval()
+    state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
+    config = GenerationConfig(backend="vllm", max_new_tokens=8, greedy=True, vllm_kv_cache_gib=0.125)
+    prompts_BP = torch.randint(3, 49152, (4, 10), generator=torch.Generator().manual_seed(0))
+    mask_BP = torch.ones_like(prompts_BP)
+    mask_BP[1, :3] = 0  # a left-padded row
+    expected = GenerationEngine(DecoderStage.from_state_dict(model.config, state)).generate(prompts_BP, mask_BP, config)
+    rollout = VllmRollout(model.config, dtype=torch.float32, config=config)  # a second engine: slow test only
+    rollout.load_weights({name: [tensor] for name, tensor in state.items() if name != "lm_head.weight"})
+    got = rollout.generate(prompts_BP, mask_BP, config)
+    rollout.release()
+    assert torch.equal(got["responses"], expected["responses"])
+    torch.testing.assert_close(got["logprobs"], expected["logprobs"], rtol=1e-3, atol=1e-3)

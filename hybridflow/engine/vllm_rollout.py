@@ -186,7 +186,7 @@ class VllmRollout:
             if not hasattr(module, "cpu_linear"):
                 continue
             name = f"{module_name}.weight"
-            weight = self.params[name]
+            weight = module.weight  # a tied head is the embedding's parameter (listed once, under its name)
             if weight.numel() == 0:
                 slots = self.plan[name]
                 rows = slots[-1].offset + slots[-1].rows
