@@ -157,7 +157,9 @@ class VllmRollout:
         # the temperature-1 distribution, as the native engine and the training engine record; with another
         # temperature, the tempered one (vLLM's processed log-probs, also shaped by top-k/top-p)
         tempered = not config.greedy and config.temperature != 1.0
-        set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it process-wide: restored below
+        # vLLM's CPU worker replaces torch.set_num_threads process-wide with a no-op and drops torch to one
+        # thread "for serving": both are restored below, so training keeps its threads (and so does vLLM)
+        set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
         try:
             self.llm = LLM(model=self._model_dir.name, skip_tokenizer_init=True, load_format="dummy",
                            dtype=str(dtype).removeprefix("torch."), seed=seed,
@@ -169,6 +171,7 @@ class VllmRollout:
                            enable_sleep_mode=_sleep_mode_available())
         finally:
             torch.set_num_threads = set_num_threads
+            torch.set_num_threads(threads)
         self.model = _model_runner(self.llm).model
         self.params = dict(self.model.named_parameters())
         shapes = {name: torch.Size(shape) for name, shape in _hf_shapes(hf_config).items()}

@@ -270,7 +270,9 @@ class RLTrainer:
         """The rollout engine's weight transition on actor rank 0 (bytes, parameter memory, seconds) and its
         log-prob mismatch with the training engine on the sampled tokens (when old log-probs were computed)."""
         stats = _first(self.actor.transition_stats())
-        metrics = {f"rollout/{name}": float(value) for name, value in stats.items()}
+        # seconds go under time/ with the other timings (they are the only values that vary run to run)
+        metrics = {(f"time/rollout_{name}" if name.endswith("_s") else f"rollout/{name}"): float(value)
+                   for name, value in stats.items()}
         if "old_logprobs" in batch and "logprobs" in batch:
             mismatch = rollout_logprob_mismatch(batch["old_logprobs"], batch["logprobs"], batch["response_mask"])
             metrics.update({"rollout/logprob_abs_diff_mean": float(mismatch.mean_abs_diff),
