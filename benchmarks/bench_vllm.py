@@ -31,6 +31,11 @@ def load_model(name: str):
     return AutoModelForCausalLM.from_config(builtin_model_config()).eval()
 
 
+def agreeing_prefix(a_BT: torch.Tensor, b_BT: torch.Tensor) -> torch.Tensor:
+    """Per row, how many leading tokens two decodes share."""
+    return (a_BT == b_BT).long().cumprod(dim=1).sum(dim=1)
+
+
 def best_of(fn, repeats: int) -> tuple[float, object]:
     best, result = float("inf"), None
     for _ in range(repeats):
@@ -81,10 +86,11 @@ def bench_dtype(model, dtype: torch.dtype, *, batches: list[int], prompt_len: in
                 return out[:, prompt_len:]
             results["transformers"] = best_of(hf_generate, repeats)
         line = ", ".join(f"{name} {tokens / seconds:.0f} tok/s" for name, (seconds, _) in results.items())
-        same = {name: torch.equal(out, results["native"][1]) for name, (_, out) in results.items()
-                if "native" in results and name != "native"}
-        print(f"{dtype_name} batch {batch} x ({prompt_len} + {new_tokens}): {line}; same tokens as native: {same}",
-              flush=True)
+        # greedy decodes agree until a near-tie flips an argmax (random prompts have many); then they diverge
+        same = {name: f"{float(agreeing_prefix(out, results['native'][1]).float().mean()):.1f}"
+                for name, (_, out) in results.items() if "native" in results and name != "native"}
+        print(f"{dtype_name} batch {batch} x ({prompt_len} + {new_tokens}): {line}; mean tokens equal to native's "
+              f"before the first difference: {same}", flush=True)
     if rollout is not None:
         rollout.release()
 

@@ -157,9 +157,13 @@ def test_greedy_tokens_from_vllm_equal_the_native_engines_on_smollm2_in_fp32():
     model = AutoModelForCausalLM.from_pretrained(smollm2_path(), dtype=torch.float32).eval()
     state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
     config = GenerationConfig(backend="vllm", max_new_tokens=8, greedy=True, vllm_kv_cache_gib=0.125)
-    prompts_BP = torch.randint(3, 49152, (4, 10), generator=torch.Generator().manual_seed(0))
-    mask_BP = torch.ones_like(prompts_BP)
-    mask_BP[1, :3] = 0  # a left-padded row
+    from hybridflow.models import load_tokenizer
+
+    tokenizer = load_tokenizer(smollm2_path())  # left padding
+    texts = ["The capital of France is", "Question: what is 12 + 30? Answer:",
+             "def fibonacci(n):", "Once upon a time, in a small village,"]
+    encoded = tokenizer(texts, return_tensors="pt", padding=True)
+    prompts_BP, mask_BP = encoded["input_ids"], encoded["attention_mask"]
     expected = GenerationEngine(DecoderStage.from_state_dict(model.config, state)).generate(prompts_BP, mask_BP, config)
     rollout = VllmRollout(model.config, dtype=torch.float32, config=config)  # a second engine: slow test only
     rollout.load_weights({name: [tensor] for name, tensor in state.items() if name != "lm_head.weight"})
@@ -167,3 +171,32 @@ def test_greedy_tokens_from_vllm_equal_the_native_engines_on_smollm2_in_fp32():
     rollout.release()
     assert torch.equal(got["responses"], expected["responses"])
     torch.testing.assert_close(got["logprobs"], expected["logprobs"], rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.slow
+def test_rl_training_with_backend_vllm_logs_the_rollout_transition_and_a_small_logprob_mismatch(tmp_path):
+    """The driver and workers unchanged: PPO with a critic and a reference, TIS on; a second engine (slow)."""
+    from hybridflow.controller import local_mode
+    from hybridflow.data import write_jsonl
+    from hybridflow.trainers.config import load_rl_config
+    from hybridflow.trainers.ppo import RLTrainer
+
+    task = ArithmeticTaskConfig(max_digits=1)
+    write_jsonl(tmp_path / "train.jsonl", prompt_rows(16, split="train", seed=0, config=task))
+    config = load_rl_config(None, [
+        f"data.train_path={tmp_path / 'train.jsonl'}", "actor.model.builtin=arithmetic",
+        "reward.function=arithmetic", "actor.generation.max_new_tokens=4", "actor.generation.backend=vllm",
+        "actor.generation.vllm_kv_cache_gib=0.0625", "actor.loss.tis_cap=2.0", "algorithm.kl_coef=0.01",
+        "batch.prompts_per_step=4", "batch.samples_per_prompt=2", "batch.mini_batch_size=4",
+        "trainer.total_steps=2", "trainer.progress_bar=false", f"trainer.output_dir={tmp_path / 'run'}"])
+    with local_mode():
+        trainer = RLTrainer(config, tensorboard=False)
+        try:
+            history = trainer.fit()
+        finally:
+            trainer.shutdown()
+    for step in history:
+        assert step["rollout/vllm_bytes_loaded"] > 0 and step["rollout/vllm_kv_cache_bytes"] == 0.0625 * 2**30
+        # fp32 on both sides: the rollout's sampled log-probs are the training engine's to rounding
+        assert step["rollout/logprob_abs_diff_max"] < 1e-4 and step["rollout/sequence_kl"] < 1e-6
+        assert 0 <= step["actor/tis_cap_fraction"] <= 1

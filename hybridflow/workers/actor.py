@@ -103,8 +103,10 @@ class ActorWorker(ModelWorker):
                                  "Use backend='native' for tg > 1 or pg > 1 (see docs/generation.md)")
             from hybridflow.engine.vllm_rollout import VllmRollout
 
-            self.rollout = VllmRollout(self.engine.hf_config, dtype=self.hybrid.dtype, config=config,
-                                       seed=config.seed)
+            # the spec's sampling defaults (not this call's overrides: a greedy validation may come first)
+            # fix which log-probs vLLM records for the whole run
+            self.rollout = VllmRollout(self.engine.hf_config, dtype=self.hybrid.dtype,
+                                       config=self.actor_spec.generation, seed=config.seed)
         return self.rollout
 
     @register("3D_ALL_MICRO_DP")
