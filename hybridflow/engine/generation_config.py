@@ -24,7 +24,8 @@ class GenerationConfig:
     needs ``pip install hybridflow[vllm]``, tg = pg = 1; see docs/generation.md)."""
     vllm_kv_cache_gib: float = 1.0
     """backend=vllm: memory of vLLM's paged KV cache (GiB, allocated once, released between rollouts on
-    CPU). Rows that do not fit wait for a free slot, as in vLLM's scheduler."""
+    CPU). Rows that do not fit wait for a free slot, as in vLLM's scheduler. It also caps the longest
+    sequence (prompt + response) vLLM accepts: the one sequence whose KV cache fits in 90% of it."""
     vllm_enforce_eager: bool = True
     """backend=vllm: run the model eagerly (no torch.compile / CUDA graphs): the engine starts in seconds
     instead of minutes; set false on GPUs for the faster compiled decode."""

@@ -127,7 +127,8 @@ def vllm_sampling_params(config: GenerationConfig, *, vocab_size: int, seed: int
         temperature=0.0 if config.greedy else config.temperature,
         top_p=1.0 if config.greedy else config.top_p, top_k=0 if config.greedy else config.top_k,
         repetition_penalty=config.repetition_penalty, seed=seed,
-        stop_token_ids=sorted(set(config.eos_token_ids) | set(config.stop_token_ids)) or None,
+        # vLLM's own EOS (from config.json) is ignored: the config's end ids are the only ones, as natively
+        stop_token_ids=sorted(set(config.eos_token_ids) | set(config.stop_token_ids)) or None, ignore_eos=True,
         logprobs=0, detokenize=False, allowed_token_ids=allowed)
 
 
@@ -165,7 +166,7 @@ class VllmRollout:
                            dtype=str(dtype).removeprefix("torch."), seed=seed,
                            enforce_eager=config.vllm_enforce_eager,
                            kv_cache_memory_bytes=int(config.vllm_kv_cache_gib * 2**30),
-                           max_model_len=int(getattr(hf_config, "max_position_embeddings", 4096)),
+                           max_model_len=max_model_len(hf_config, dtype, config.vllm_kv_cache_gib),
                            enable_prefix_caching=True,
                            logprobs_mode="processed_logprobs" if tempered else "raw_logprobs",
                            enable_sleep_mode=_sleep_mode_available())
@@ -299,6 +300,16 @@ def check_supported(hf_config) -> None:
         raise ValueError(f"actor.generation.backend='vllm': vLLM's CPU attention supports head sizes {supported}; "
                          f"this model's head_dim is {head_dim} (hidden_size {hf_config.hidden_size} / "
                          f"{hf_config.num_attention_heads} heads). Use backend='native' for it")
+
+
+def max_model_len(hf_config, dtype: torch.dtype, kv_cache_gib: float) -> int:
+    """The longest sequence vLLM accepts: the model's context, or what one sequence's KV cache can take
+    within ``kv_cache_gib`` (vLLM refuses to start when one sequence of its max length does not fit)."""
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    bytes_per_token = 2 * hf_config.num_hidden_layers * kv_heads * head_dim * torch.finfo(dtype).bits // 8
+    fits = int(kv_cache_gib * 2**30 * 0.9 // bytes_per_token) // 128 * 128  # 10% margin, whole 128-token blocks
+    return max(128, min(int(getattr(hf_config, "max_position_embeddings", 4096)), fits))
 
 
 def write_model_config(hf_config, directory: str) -> None:
