@@ -309,7 +309,7 @@ def max_model_len(hf_config, dtype: torch.dtype, kv_cache_gib: float) -> int:
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
     bytes_per_token = 2 * hf_config.num_hidden_layers * kv_heads * head_dim * torch.finfo(dtype).bits // 8
     fits = int(kv_cache_gib * 2**30 * 0.9 // bytes_per_token) // 128 * 128  # 10% margin, whole 128-token blocks
-    return max(128, min(int(getattr(hf_config, "max_position_embeddings", 4096)), fits))
+    return min(int(getattr(hf_config, "max_position_embeddings", 4096)), max(128, fits))
 
 
 def write_model_config(hf_config, directory: str) -> None:
