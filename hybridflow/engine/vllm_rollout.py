@@ -181,6 +181,7 @@ class VllmRollout:
         if not self.sleeps:
             self._own_linear_weights(shapes)
         self._released: dict[int, tuple[torch.UntypedStorage, int]] = {}
+        self._asleep = False
         self.last_load = WeightLoadStats()
 
     # ----- weights -----------------------------------------------------------------------------------
@@ -204,7 +205,8 @@ class VllmRollout:
     @torch.no_grad()
     def load_weights(self, weights: dict[str, list[torch.Tensor]]) -> WeightLoadStats:
         """Copy this rank's generation shard (Hugging Face name -> pieces, as the hybrid engine built it)
-        into vLLM's parameters in place; vocabulary padding rows stay zero."""
+        into vLLM's parameters in place. Rows past the vocabulary (vLLM pads it to a multiple of 64) are never
+        read: no token id reaches them and vLLM cuts the logits to the vocabulary."""
         start = time.perf_counter()
         self._reacquire()
         stats = WeightLoadStats()
@@ -255,7 +257,8 @@ class VllmRollout:
     def release(self) -> None:
         """Free the KV cache and the weight copy for training (refilled by the next ``load_weights``)."""
         if self.sleeps:
-            self.llm.sleep(level=2)
+            self.llm.sleep(level=2)  # weights and KV cache discarded; the next load refills the weights
+            self._asleep = True
             return
         for tensor in [*self.params.values(), *self._kv_caches()]:
             storage = tensor.untyped_storage()
@@ -266,17 +269,18 @@ class VllmRollout:
 
     def _reacquire(self) -> None:
         if self.sleeps:
-            self.llm.wake_up(tags=["weights"])
-            self.llm.wake_up(tags=["kv_cache"])
+            if self._asleep:
+                self.llm.wake_up(tags=["weights"])
+                self.llm.wake_up(tags=["kv_cache"])
+                self._asleep = False
             return
+        regrown = bool(self._released)
         for storage, nbytes in self._released.values():
             storage.resize_(nbytes)
-        if self._released:
-            for name, slots in self.plan.items():
-                last = slots[-1].offset + slots[-1].rows
-                if self.params[name].shape[0] > last:
-                    self.params[name].data[last:].zero_()  # padding rows were freed with the rest
         self._released = {}
+        if regrown:  # regrown storages hold garbage: keep the never-read vocabulary padding rows finite
+            for name, slots in self.plan.items():
+                self.params[name].data[slots[-1].offset + slots[-1].rows:].zero_()
 
     def _kv_caches(self) -> list[torch.Tensor]:
         caches = _model_runner(self.llm).kv_caches
