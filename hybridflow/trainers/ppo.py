@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from hybridflow.algorithms import (AdaptiveKLController, FixedKLController, dynamic_sampling_keep_mask,
-                                   first_kept_groups, overlong_filter_mask, overlong_reward_penalty)
+                                   first_kept_groups, overlong_filter_mask, overlong_reward_penalty,
+                                   rollout_logprob_mismatch)
 from hybridflow.algorithms.lagrangian import LagrangeController
 from hybridflow.data import BatchLoader, PromptDataset, SFTDataset
 from hybridflow.protocol import DataProto
@@ -191,7 +192,7 @@ class RLTrainer:
             not_truncated_B = self._not_truncated(batch)
             batch["response_mask"] = mask_BT * not_truncated_B[:, None].to(mask_BT.dtype)
         batch.meta_info.update(seed=seed, step=self.step)
-        metrics = {}
+        metrics = self._rollout_metrics(batch)
         with _timer(timing, "update"):
             critic_updates = [critic.update_critic.future(batch) for critic in (self.critic, self.cost_critic)
                               if critic is not None]
@@ -264,6 +265,20 @@ class RLTrainer:
                    "sampling/kept_group_fraction": groups_kept / (len(rounds) * need),
                    "sampling/filled_groups": float(max(need - groups_kept, 0))}
         return batch[np.asarray(rows)], metrics
+
+    def _rollout_metrics(self, batch: DataProto) -> dict[str, float]:
+        """The rollout engine's weight transition on actor rank 0 (bytes, parameter memory, seconds) and its
+        log-prob mismatch with the training engine on the sampled tokens (when old log-probs were computed)."""
+        stats = _first(self.actor.transition_stats())
+        # seconds go under time/ with the other timings (they are the only values that vary run to run)
+        metrics = {(f"time/rollout_{name}" if name.endswith("_s") else f"rollout/{name}"): float(value)
+                   for name, value in stats.items()}
+        if "old_logprobs" in batch and "logprobs" in batch:
+            mismatch = rollout_logprob_mismatch(batch["old_logprobs"], batch["logprobs"], batch["response_mask"])
+            metrics.update({"rollout/logprob_abs_diff_mean": float(mismatch.mean_abs_diff),
+                            "rollout/logprob_abs_diff_max": float(mismatch.max_abs_diff),
+                            "rollout/sequence_kl": float(mismatch.sequence_kl)})
+        return metrics
 
     def _overlong_penalty(self, batch: DataProto) -> torch.Tensor:
         """DAPO's soft overlong punishment of each response -> penalty_B (<= 0; zeros when off)."""

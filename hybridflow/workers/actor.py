@@ -95,6 +95,23 @@ class ActorWorker(ModelWorker):
         # the AdamW moments leave the accelerator for the rollout (actor.hybrid_engine.offload_optimizer)
         offload = spec.hybrid_engine.offload_optimizer
         self.optimizer_offload = OptimizerOffload(self.engine.optimizer) if offload else None
+        self.rollout = None  # the vLLM engine (backend=vllm), built on the first rollout and kept
+
+    def _vllm_rollout(self, config):
+        """This rank's vLLM engine, built once (tens of seconds) and reused by every later rollout."""
+        if self.rollout is None:
+            layout = self.hybrid.generation_layout
+            if not self.hybrid.strategy.whole_model and (layout.tp_size, layout.pp_size) != (1, 1):
+                raise ValueError(f"actor.generation.backend='vllm' runs tg = pg = 1 (one engine per rank); got "
+                                 f"actor.hybrid_engine tp_size={layout.tp_size}, pp_size={layout.pp_size}. "
+                                 "Use backend='native' for tg > 1 or pg > 1 (see docs/generation.md)")
+            from hybridflow.engine.vllm_rollout import VllmRollout
+
+            # the spec's sampling defaults (not this call's overrides: a greedy validation may come first)
+            # fix which log-probs vLLM records for the whole run
+            self.rollout = VllmRollout(self.engine.hf_config, dtype=self.hybrid.dtype,
+                                       config=self.actor_spec.generation, seed=config.seed)
+        return self.rollout
 
     @register("3D_ALL_MICRO_DP")
     def generate_sequences(self, prompts: DataProto) -> DataProto:
@@ -108,11 +125,23 @@ class ActorWorker(ModelWorker):
         # replicas draw different noise for their different prompts; ranks of one replica the same
         config = dataclasses.replace(config, seed=config.seed * 1_000_003 + self.hybrid.replica)
         offloaded_bytes = self.optimizer_offload.offload() if self.optimizer_offload is not None else 0
-        to_generation = self.hybrid.to_generation(training_shards(self.engine))
         try:
-            output = self.hybrid.generate(prompts["input_ids"], prompts["attention_mask"], config)
-        finally:
-            to_training = self.hybrid.to_training()
+            to_generation = self.hybrid.to_generation(training_shards(self.engine))
+            rollout = self._vllm_rollout(config) if config.backend == "vllm" else None
+            load = None
+            try:
+                if rollout is None:
+                    output = self.hybrid.generate(prompts["input_ids"], prompts["attention_mask"], config)
+                else:  # copy the generation shard into vLLM, then drop the gathered pieces before generating
+                    load = rollout.load_weights(self.hybrid.engine.stage.weights)
+            finally:
+                to_training = self.hybrid.to_training()
+            if rollout is not None:
+                try:
+                    output = rollout.generate(prompts["input_ids"], prompts["attention_mask"], config)
+                finally:
+                    rollout.release()  # KV cache and weight copy back to training
+        finally:  # the optimizer state comes back once generation (either backend) is over
             if self.optimizer_offload is not None:
                 self.optimizer_offload.reload()
         self.last_transition = {
@@ -124,6 +153,13 @@ class ActorWorker(ModelWorker):
             "training_allocated_bytes": to_training.allocated_bytes, "collectives": to_generation.collectives,
             # 0 when the option is off or the state already lives on the CPU (a CPU run, FSDP CPU offload)
             "optimizer_offloaded": float(offloaded_bytes > 0), "optimizer_offloaded_bytes": offloaded_bytes}
+        if load is not None:
+            # during generation: the training shards and vLLM's copy; while loading, the gathered pieces too
+            self.last_transition.update({
+                "generation_param_bytes": to_training.param_bytes + load.param_bytes,
+                "peak_param_bytes": max(to_generation.peak_param_bytes, to_generation.param_bytes + load.param_bytes),
+                "vllm_bytes_loaded": load.bytes_loaded, "vllm_load_s": load.seconds,
+                "vllm_kv_cache_bytes": load.kv_cache_bytes})
         samples = config.samples_per_prompt
         non_tensors = {key: np.repeat(values, samples) for key, values in prompts.non_tensor_batch.items()}
         return DataProto.from_dict(tensors={k: v.cpu() for k, v in output.items()}, non_tensors=non_tensors,

@@ -1,0 +1,348 @@
+"""vLLM as the actor's rollout engine: one in-process engine per generation replica, loaded in place from the
+3D-HybridEngine's generation shard before every rollout (``actor.generation.backend: vllm``).
+
+Life of the engine on one actor rank:
+
+1. First rollout: build one ``vllm.LLM`` inside this process (uniprocess executor, no engine-core process),
+   from the model's ``config.json`` only (written to a temporary directory) with ``load_format="dummy"``:
+   no weights are read from disk and no tokenizer is loaded (token ids in, token ids out). On CPU, vLLM
+   prepacks every linear weight into a oneDNN/SGL handle and drops the tensor; we give each linear layer
+   back a plain weight tensor of our own and route it through ``F.linear``, so later updates are copies
+   into existing tensors instead of a repack (``WEIGHTS_NOTE``).
+2. Every rollout: the hybrid engine gathers this rank's generation shard (its micro-DP all-gather, the
+   bytes of the paper's Table 2); ``load_weights`` copies its pieces straight into vLLM's fused
+   parameters (q/k/v rows into ``qkv_proj``, gate/up rows into ``gate_up_proj``, the vocabulary into the
+   padded embedding and head). The gathered pieces are then dropped and vLLM generates.
+3. After the rollout the KV cache and the weight copy are released for training: vLLM's sleep mode where
+   the platform has it (CUDA), else (the CPU build has no sleep mode) by shrinking their storages to zero
+   bytes and growing them back before the next load.
+
+Shape legend: B rows (prompts x samples per prompt), P prompt length, T max new tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+
+import torch
+
+from hybridflow.engine.generation import _wave_output
+from hybridflow.engine.generation_config import GenerationConfig
+from hybridflow.parallel.sharding import tp_shard_dim
+
+WEIGHTS_NOTE = ("vLLM's CPU build prepacks linear weights for its GEMM kernels and frees the tensors; the rollout "
+                "engine keeps plain tensors of its own instead so every update is an in-place copy")
+
+# (vLLM fused parameter suffix, the Hugging Face parameters stacked along dim 0 in that order)
+FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+         "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+@dataclass
+class WeightLoadStats:
+    """One ``load_weights`` call on one rank."""
+
+    bytes_loaded: int = 0
+    """Bytes copied into vLLM's parameters (the whole generation shard of this rank)."""
+    param_bytes: int = 0
+    """Bytes of vLLM's parameters alive on this rank during generation."""
+    kv_cache_bytes: int = 0
+    """Bytes of vLLM's KV cache on this rank during generation."""
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """Where a Hugging Face parameter lands inside a vLLM parameter: rows [offset, offset + rows) of dim 0."""
+
+    hf_name: str
+    offset: int
+    rows: int
+
+
+def vllm_parameter_plan(hf_shapes: dict[str, torch.Size], vllm_names: list[str],
+                        tie_word_embeddings: bool) -> dict[str, list[_Slot]]:
+    """vLLM parameter name -> the Hugging Face parameters it is made of (full shapes, tg = 1).
+
+    q/k/v stack into ``qkv_proj`` and gate/up into ``gate_up_proj`` (weights and biases alike); every other
+    parameter maps to the one of the same name (``lm_head`` to the embedding when tied).
+    """
+    plan = {}
+    for name in vllm_names:
+        sources = [name]
+        for fused, parts in FUSED.items():
+            marker = f".{fused}."
+            if marker in name:
+                prefix, kind = name.split(marker)
+                sources = [f"{prefix}.{part}.{kind}" for part in parts]
+        if name == "lm_head.weight" and tie_word_embeddings:
+            sources = ["model.embed_tokens.weight"]
+        missing = [s for s in sources if s not in hf_shapes]
+        if missing:
+            raise ValueError(f"vLLM parameter {name!r} needs {missing}, which the model does not have; the vLLM "
+                             f"backend supports the llama, mistral and qwen2 families")
+        slots, offset = [], 0
+        for source in sources:
+            rows = hf_shapes[source][0]
+            slots.append(_Slot(source, offset, rows))
+            offset += rows
+        plan[name] = slots
+    return plan
+
+
+def copy_pieces(target: torch.Tensor, hf_name: str, pieces: list[torch.Tensor]) -> int:
+    """Copy a generation shard's pieces (split along the name's tensor-parallel dim) into ``target``; bytes."""
+    dim = tp_shard_dim(hf_name)
+    if len(pieces) == 1 or dim is None:
+        target.copy_(pieces[0])
+        return pieces[0].numel() * target.element_size()
+    start = 0
+    for piece in pieces:
+        target.narrow(dim, start, piece.shape[dim]).copy_(piece)
+        start += piece.shape[dim]
+    assert start == target.shape[dim], f"{hf_name}: pieces cover {start} of {target.shape[dim]}"
+    return sum(p.numel() for p in pieces) * target.element_size()
+
+
+def vllm_sampling_params(config: GenerationConfig, *, vocab_size: int, seed: int):
+    """``vllm.SamplingParams`` with the same meaning as ``config`` has for the native engine.
+
+    End tokens (EOS and stop ids) are stop ids, kept in the response; suppressed tokens are left out of
+    ``allowed_token_ids`` (exact, where ``logit_bias`` would clamp at -100); stop strings are applied by the
+    caller on tokens (``stop_sequences``) because vLLM runs without a tokenizer here. One request per
+    response row (vLLM refuses n > 1 when greedy; the prefix cache shares a prompt's samples' prefill).
+    """
+    from vllm import SamplingParams
+
+    allowed = None
+    if config.suppress_tokens:
+        banned = set(config.suppress_tokens)
+        allowed = [token for token in range(vocab_size) if token not in banned]
+    return SamplingParams(
+        max_tokens=config.max_new_tokens, min_tokens=config.min_new_tokens,
+        temperature=0.0 if config.greedy else config.temperature,
+        top_p=1.0 if config.greedy else config.top_p, top_k=0 if config.greedy else config.top_k,
+        repetition_penalty=config.repetition_penalty, seed=seed,
+        # vLLM's own EOS (from config.json) is ignored: the config's end ids are the only ones, as natively
+        stop_token_ids=sorted(set(config.eos_token_ids) | set(config.stop_token_ids)) or None, ignore_eos=True,
+        logprobs=0, detokenize=False, allowed_token_ids=allowed)
+
+
+def cut_at_stop_sequence(tokens: list[int], stop_sequences) -> int:
+    """Length of ``tokens`` up to and including the first completed stop sequence (all of it if none)."""
+    for end in range(1, len(tokens) + 1):
+        for sequence in stop_sequences:
+            if end >= len(sequence) and tuple(tokens[end - len(sequence):end]) == tuple(sequence):
+                return end
+    return len(tokens)
+
+
+class VllmRollout:
+    """One vLLM engine inside this process for this rank's generation replica (tg = pg = 1)."""
+
+    def __init__(self, hf_config, *, dtype: torch.dtype, config: GenerationConfig, seed: int = 0) -> None:
+        """Builds the engine once (tens of seconds): from ``hf_config`` only, with dummy weights."""
+        check_supported(hf_config)
+        # an in-process engine core: no extra process, the caller's threads and torch.distributed world
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from vllm import LLM
+
+        self.hf_config = hf_config
+        self.vocab_size = hf_config.vocab_size
+        self._model_dir = tempfile.TemporaryDirectory(prefix="hybridflow-vllm-")
+        write_model_config(hf_config, self._model_dir.name)
+        # the temperature-1 distribution, as the native engine and the training engine record; with another
+        # temperature, the tempered one (vLLM's processed log-probs, also shaped by top-k/top-p)
+        tempered = not config.greedy and config.temperature != 1.0
+        # vLLM's CPU worker replaces torch.set_num_threads process-wide with a no-op and drops torch to one
+        # thread "for serving": both are restored below, so training keeps its threads (and so does vLLM)
+        set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
+        try:
+            self.llm = LLM(model=self._model_dir.name, skip_tokenizer_init=True, load_format="dummy",
+                           dtype=str(dtype).removeprefix("torch."), seed=seed,
+                           enforce_eager=config.vllm_enforce_eager,
+                           kv_cache_memory_bytes=int(config.vllm_kv_cache_gib * 2**30),
+                           max_model_len=max_model_len(hf_config, dtype, config.vllm_kv_cache_gib),
+                           enable_prefix_caching=True,
+                           logprobs_mode="processed_logprobs" if tempered else "raw_logprobs",
+                           enable_sleep_mode=_sleep_mode_available())
+        finally:
+            torch.set_num_threads = set_num_threads
+            torch.set_num_threads(threads)
+        self.model = _model_runner(self.llm).model
+        self.params = dict(self.model.named_parameters())
+        shapes = {name: torch.Size(shape) for name, shape in _hf_shapes(hf_config).items()}
+        self.plan = vllm_parameter_plan(shapes, list(self.params), hf_config.tie_word_embeddings)
+        self.sleeps = _sleep_mode_available()
+        if not self.sleeps:
+            self._own_linear_weights(shapes)
+        self._released: dict[int, tuple[torch.UntypedStorage, int]] = {}
+        self._asleep = False
+        self.last_load = WeightLoadStats()
+
+    # ----- weights -----------------------------------------------------------------------------------
+    def _own_linear_weights(self, shapes: dict[str, torch.Size]) -> None:
+        """Give every prepacked linear layer a plain weight tensor and ``F.linear`` (see ``WEIGHTS_NOTE``)."""
+        for module_name, module in self.model.named_modules():
+            if not hasattr(module, "cpu_linear"):
+                continue
+            name = f"{module_name}.weight"
+            weight = module.weight  # a tied head is the embedding's parameter (listed once, under its name)
+            if weight.numel() == 0:
+                slots = self.plan[name]
+                rows = slots[-1].offset + slots[-1].rows
+                cols = shapes[slots[0].hf_name][1]
+                module.weight = torch.nn.Parameter(torch.zeros((rows, cols), dtype=weight.dtype), requires_grad=False)
+                self.params[name] = module.weight
+            module.cpu_linear = torch.nn.functional.linear
+        for name, param in self.params.items():
+            assert param.numel() > 0, f"vLLM parameter {name} has no storage"
+
+    @torch.no_grad()
+    def load_weights(self, weights: dict[str, list[torch.Tensor]]) -> WeightLoadStats:
+        """Copy this rank's generation shard (Hugging Face name -> pieces, as the hybrid engine built it)
+        into vLLM's parameters in place. Rows past the vocabulary (vLLM pads it to a multiple of 64) are never
+        read: no token id reaches them and vLLM cuts the logits to the vocabulary."""
+        start = time.perf_counter()
+        self._reacquire()
+        stats = WeightLoadStats()
+        for name, slots in self.plan.items():
+            param = self.params[name]
+            for slot in slots:
+                target = param.data.narrow(0, slot.offset, slot.rows)
+                stats.bytes_loaded += copy_pieces(target, slot.hf_name, weights[slot.hf_name])
+        # cached prefixes were computed with the old weights
+        self.llm.reset_prefix_cache()
+        stats.param_bytes = _storage_bytes(self.params.values())
+        stats.kv_cache_bytes = _storage_bytes(self._kv_caches())
+        stats.seconds = time.perf_counter() - start
+        self.last_load = stats
+        return stats
+
+    # ----- generation --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompts_BP: torch.Tensor, prompt_mask_BP: torch.Tensor,
+                 config: GenerationConfig) -> dict[str, torch.Tensor]:
+        """Responses for left-padded prompts: the native engine's output keys, shapes and conventions."""
+        from vllm.inputs import TokensPrompt
+
+        samples, T = config.samples_per_prompt, config.max_new_tokens
+        prompts_BP = prompts_BP.repeat_interleave(samples, dim=0)
+        prompt_mask_BP = prompt_mask_BP.repeat_interleave(samples, dim=0).long()
+        requests = [TokensPrompt(prompt_token_ids=row[mask.bool()].tolist())
+                    for row, mask in zip(prompts_BP, prompt_mask_BP)]
+        # a seed per row: the same config and weights give the same responses
+        params = [vllm_sampling_params(config, vocab_size=self.vocab_size, seed=config.seed + row)
+                  for row in range(len(requests))]
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        B = len(requests)
+        responses_BT = torch.full((B, T), config.pad_token_id, dtype=prompts_BP.dtype)
+        logprobs_BT = torch.zeros((B, T), dtype=torch.float32)
+        mask_BT = torch.zeros((B, T), dtype=prompt_mask_BP.dtype)
+        for row, output in enumerate(outputs):
+            completion = output.outputs[0]
+            tokens = list(completion.token_ids)
+            length = cut_at_stop_sequence(tokens, config.stop_sequences)
+            responses_BT[row, :length] = torch.tensor(tokens[:length], dtype=prompts_BP.dtype)
+            logprobs_BT[row, :length] = torch.tensor(
+                [position[token].logprob for position, token in zip(completion.logprobs[:length], tokens)])
+            mask_BT[row, :length] = 1
+        return _wave_output(prompts_BP, prompt_mask_BP, responses_BT, mask_BT, logprobs_BT)
+
+    # ----- memory between rollouts -------------------------------------------------------------------
+    def release(self) -> None:
+        """Free the KV cache and the weight copy for training (refilled by the next ``load_weights``)."""
+        if self.sleeps:
+            self.llm.sleep(level=2)  # weights and KV cache discarded; the next load refills the weights
+            self._asleep = True
+            return
+        for tensor in [*self.params.values(), *self._kv_caches()]:
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in self._released and storage.nbytes() > 0:
+                self._released[storage.data_ptr()] = (storage, storage.nbytes())
+        for storage, _ in self._released.values():
+            storage.resize_(0)
+
+    def _reacquire(self) -> None:
+        if self.sleeps:
+            if self._asleep:
+                self.llm.wake_up(tags=["weights"])
+                self.llm.wake_up(tags=["kv_cache"])
+                self._asleep = False
+            return
+        regrown = bool(self._released)
+        for storage, nbytes in self._released.values():
+            storage.resize_(nbytes)
+        self._released = {}
+        if regrown:  # regrown storages hold garbage: keep the never-read vocabulary padding rows finite
+            for name, slots in self.plan.items():
+                self.params[name].data[slots[-1].offset + slots[-1].rows:].zero_()
+
+    def _kv_caches(self) -> list[torch.Tensor]:
+        caches = _model_runner(self.llm).kv_caches
+        flat = []
+        for cache in caches:
+            flat.extend(cache if isinstance(cache, (list, tuple)) else [cache])
+        return [c for c in flat if isinstance(c, torch.Tensor)]
+
+    def resident_bytes(self) -> int:
+        """Bytes of vLLM's weights and KV cache alive now (0 after ``release`` on CPU)."""
+        return _storage_bytes([*self.params.values(), *self._kv_caches()])
+
+
+def check_supported(hf_config) -> None:
+    """ValueError when vLLM's CPU attention cannot run this model (it supports a fixed set of head sizes)."""
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    if torch.cuda.is_available():
+        return
+    supported = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+    if head_dim not in supported:
+        raise ValueError(f"actor.generation.backend='vllm': vLLM's CPU attention supports head sizes {supported}; "
+                         f"this model's head_dim is {head_dim} (hidden_size {hf_config.hidden_size} / "
+                         f"{hf_config.num_attention_heads} heads). Use backend='native' for it")
+
+
+def max_model_len(hf_config, dtype: torch.dtype, kv_cache_gib: float) -> int:
+    """The longest sequence vLLM accepts: the model's context, or what one sequence's KV cache can take
+    within ``kv_cache_gib`` (vLLM refuses to start when one sequence of its max length does not fit)."""
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    bytes_per_token = 2 * hf_config.num_hidden_layers * kv_heads * head_dim * torch.finfo(dtype).bits // 8
+    fits = int(kv_cache_gib * 2**30 * 0.9 // bytes_per_token) // 128 * 128  # 10% margin, whole 128-token blocks
+    return min(int(getattr(hf_config, "max_position_embeddings", 4096)), max(128, fits))
+
+
+def write_model_config(hf_config, directory: str) -> None:
+    """The model directory vLLM builds from: ``config.json`` only (dummy weights, no tokenizer)."""
+    config = hf_config.to_dict()
+    config.setdefault("architectures", [type(hf_config).__name__.replace("Config", "ForCausalLM")])
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f)
+
+
+def _hf_shapes(hf_config) -> dict[str, torch.Size]:
+    from hybridflow.engine.hybrid_engine import parameter_shapes
+
+    return parameter_shapes(hf_config)
+
+
+def _model_runner(llm):
+    return llm.llm_engine.model_executor.driver_worker.worker.model_runner
+
+
+def _sleep_mode_available() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_sleep_mode_available()
+
+
+def _storage_bytes(tensors) -> int:
+    seen = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())

@@ -1,0 +1,212 @@
+"""The vLLM rollout backend against the native engine, on one vLLM engine shared by the whole test session.
+
+Skipped where vLLM is not installed. vLLM's engine takes tens of seconds to start, so every test here uses
+the session's one actor with ``backend: vllm`` (its engine is built on the first rollout and kept).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import resource
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from hybridflow.controller.local import init_local_process_group  # noqa: E402
+from hybridflow.data import PromptDataset  # noqa: E402
+from hybridflow.data.builtin import ArithmeticTaskConfig, builtin_tokenizer, prompt_rows  # noqa: E402
+from hybridflow.engine import EngineConfig, OptimConfig  # noqa: E402
+from hybridflow.engine.generation import GenerationConfig  # noqa: E402
+from hybridflow.engine.hybrid_engine import training_shards  # noqa: E402
+from hybridflow.models.config import ModelConfig  # noqa: E402
+from hybridflow.trainers.build import model_config_of  # noqa: E402
+from hybridflow.workers import ActorSpec, ActorWorker, EngineSpec  # noqa: E402
+from hybridflow.workers.actor import next_token_loss_fn  # noqa: E402
+from hybridflow.workers.base import SEQUENCE_KEYS, tensors_of  # noqa: E402
+
+TOKENIZER = builtin_tokenizer()
+
+
+def _actor(backend: str) -> ActorWorker:
+    engine = EngineSpec(model=model_config_of(ModelConfig(builtin="arithmetic"), head="lm", seed=0),
+                        engine=EngineConfig(dtype="float32", optim=OptimConfig(lr=1e-2)))
+    generation = GenerationConfig(backend=backend, max_new_tokens=6, greedy=True, vllm_kv_cache_gib=0.0625,
+                                  eos_token_ids=(TOKENIZER.eos_token_id,), pad_token_id=TOKENIZER.pad_token_id)
+    return ActorWorker(ActorSpec(engine=engine, generation=generation))
+
+
+@pytest.fixture(scope="session")
+def actors():
+    """(native actor, vLLM actor): the same built-in model, seed and optimizer, in this process."""
+    init_local_process_group()
+    return _actor("native"), _actor("vllm")
+
+
+def _prompts(count: int, seed: int = 0):
+    rows = prompt_rows(count, split="train", seed=seed, config=ArithmeticTaskConfig(max_digits=2))
+    return PromptDataset(rows, TOKENIZER, max_prompt_tokens=16).batch(range(count))
+
+
+def _full_weights(actor: ActorWorker) -> dict[str, list[torch.Tensor]]:
+    return {name: [tensor.detach()] for name, tensor in training_shards(actor.engine).items()}
+
+
+def test_backend_vllm_with_generation_tensor_parallel_is_refused_naming_the_key():
+    from hybridflow.trainers.config import load_rl_config
+
+    with pytest.raises(ValueError, match=r"hybrid_engine.tp_size got 2; allowed: 1 with actor.generation.backend=vllm"):
+        load_rl_config(None, ["data.train_path=unused.jsonl", "actor.model.builtin=arithmetic",
+                              "reward.function=arithmetic", "actor.engine.layout=3d", "actor.engine.tp_size=2",
+                              "actor.hybrid_engine.tp_size=2",
+                              "actor.generation.backend=vllm"])
+
+
+def test_greedy_tokens_from_vllm_equal_the_native_engines_in_fp32(actors):
+    native, vllm = actors
+    prompts = _prompts(6)
+    expected, got = native.generate_sequences(prompts), vllm.generate_sequences(prompts)
+    for key in ("prompts", "responses", "response_mask", "input_ids", "attention_mask", "position_ids"):
+        assert torch.equal(expected.batch[key], got.batch[key]), key
+    mask_BT = got.batch["response_mask"].bool()
+    torch.testing.assert_close(got.batch["logprobs"][mask_BT], expected.batch["logprobs"][mask_BT],
+                               rtol=1e-4, atol=1e-4)
+    stats = vllm.transition_stats()
+    model_bytes = sum(t.numel() * 4 for t in training_shards(vllm.engine).values())
+    assert stats["vllm_bytes_loaded"] == model_bytes  # tg = 1: the whole model, copied in once
+    assert stats["vllm_load_s"] > 0 and stats["vllm_kv_cache_bytes"] == 0.0625 * 2**30
+    assert vllm.rollout.resident_bytes() == 0  # released for training after the rollout
+
+
+def test_after_a_training_step_vllm_generates_with_the_new_weights(actors):
+    native, vllm = actors
+    prompts = _prompts(4, seed=1)
+    before = vllm.generate_sequences(prompts)
+    batch = tensors_of(native.generate_sequences(prompts), SEQUENCE_KEYS)
+    for actor in (native, vllm):  # the same next-token step on both: identical new weights
+        actor.engine.train_step(batch, next_token_loss_fn(1.0), outputs=("logprobs",))
+    after_native, after_vllm = native.generate_sequences(prompts), vllm.generate_sequences(prompts)
+    mask_BT = after_vllm.batch["response_mask"].bool()
+    assert torch.equal(after_vllm.batch["responses"], after_native.batch["responses"])
+    torch.testing.assert_close(after_vllm.batch["logprobs"][mask_BT], after_native.batch["logprobs"][mask_BT],
+                               rtol=1e-4, atol=1e-4)
+    # the step moved the model: the first response token's log-prob changed in every row
+    assert not torch.allclose(before.batch["logprobs"][:, 0], after_vllm.batch["logprobs"][:, 0])
+
+
+def test_sampling_options_hold_in_vllm(actors):
+    _, vllm = actors
+    rollout = vllm.rollout
+    prompts = _prompts(4, seed=2)
+    ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
+    rollout.load_weights(_full_weights(vllm))
+    try:
+        base = dataclasses.replace(vllm.actor_spec.generation, greedy=False, temperature=1.0, max_new_tokens=6,
+                                   samples_per_prompt=3, seed=5)
+        sampled = rollout.generate(ids, mask, base)
+        again = rollout.generate(ids, mask, base)
+        assert sampled["responses"].shape == (12, 6)
+        assert torch.equal(sampled["prompts"][0::3], ids)  # prompt-major rows
+        assert torch.equal(sampled["responses"], again["responses"])  # same seed, same responses
+        end = TOKENIZER.eos_token_id
+        banned = int(sampled["responses"][0, 0])
+        shaped = rollout.generate(ids, mask, dataclasses.replace(base, suppress_tokens=(banned,), min_new_tokens=3))
+        real_BT = shaped["response_mask"].bool()
+        assert not (shaped["responses"][real_BT] == banned).any()
+        assert not (shaped["responses"][:, :3] == end).any() and bool(real_BT[:, :3].all())
+        greedy = rollout.generate(ids, mask, dataclasses.replace(base, greedy=True, samples_per_prompt=1))
+        row0 = greedy["responses"][0].tolist()
+        stop = row0[1]
+        ends = row0.index(stop) + 1  # the stop token ends the response at its first occurrence and is kept
+        stopped = rollout.generate(ids, mask, dataclasses.replace(base, greedy=True, samples_per_prompt=1,
+                                                                   stop_token_ids=(stop,)))
+        assert stopped["responses"][0, :ends].tolist() == row0[:ends]
+        assert stopped["response_mask"][0].tolist() == [1] * ends + [0] * (6 - ends)
+        row1 = greedy["responses"][1].tolist()
+        two = tuple(row1[1:3])
+        ends = next(end for end in range(2, 7) if tuple(row1[end - 2:end]) == two)
+        cut = rollout.generate(ids, mask, dataclasses.replace(base, greedy=True, samples_per_prompt=1,
+                                                               stop_sequences=(two,)))
+        assert cut["responses"][1, :ends].tolist() == row1[:ends]
+        assert cut["response_mask"][1].tolist() == [1] * ends + [0] * (6 - ends)
+    finally:
+        rollout.release()
+
+
+def test_twenty_update_generate_round_trips_do_not_grow_memory(actors):
+    _, vllm = actors
+    prompts = _prompts(4, seed=3)
+
+    def round_trip():
+        vllm.generate_sequences(prompts)
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    for _ in range(3):  # allocator and vLLM warm-up
+        round_trip()
+    start = round_trip()
+    for _ in range(20):
+        peak = round_trip()
+    # the KV cache (64 MiB) and the weights are released and re-grown every time: no growth beyond noise
+    assert peak - start < 32 * 2**20
+
+
+@pytest.mark.slow
+@pytest.mark.needs_smollm2
+def test_greedy_tokens_from_vllm_equal_the_native_engines_on_smollm2_in_fp32():
+    from transformers import AutoModelForCausalLM
+
+    from hybridflow.engine.decoder import DecoderStage
+    from hybridflow.engine.generation import GenerationEngine
+    from hybridflow.engine.vllm_rollout import VllmRollout
+    from hybridflow.models.smollm2 import smollm2_path
+
+    if smollm2_path() is None:
+        pytest.skip("SmolLM2-135M not converted; run `python scripts/get_smollm2.py`")
+    init_local_process_group()
+    model = AutoModelForCausalLM.from_pretrained(smollm2_path(), dtype=torch.float32).eval()
+    state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
+    config = GenerationConfig(backend="vllm", max_new_tokens=8, greedy=True, vllm_kv_cache_gib=0.125)
+    from hybridflow.models import load_tokenizer
+
+    tokenizer = load_tokenizer(smollm2_path())  # left padding
+    texts = ["The capital of France is", "Question: what is 12 + 30? Answer:",
+             "def fibonacci(n):", "Once upon a time, in a small village,"]
+    encoded = tokenizer(texts, return_tensors="pt", padding=True)
+    prompts_BP, mask_BP = encoded["input_ids"], encoded["attention_mask"]
+    expected = GenerationEngine(DecoderStage.from_state_dict(model.config, state)).generate(prompts_BP, mask_BP, config)
+    rollout = VllmRollout(model.config, dtype=torch.float32, config=config)  # a second engine: slow test only
+    rollout.load_weights({name: [tensor] for name, tensor in state.items() if name != "lm_head.weight"})
+    got = rollout.generate(prompts_BP, mask_BP, config)
+    rollout.release()
+    assert torch.equal(got["responses"], expected["responses"])
+    torch.testing.assert_close(got["logprobs"], expected["logprobs"], rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.slow
+def test_rl_training_with_backend_vllm_logs_the_rollout_transition_and_a_small_logprob_mismatch(tmp_path):
+    """The driver and workers unchanged: PPO with a critic and a reference, TIS on; a second engine (slow)."""
+    from hybridflow.controller import local_mode
+    from hybridflow.data import write_jsonl
+    from hybridflow.trainers.config import load_rl_config
+    from hybridflow.trainers.ppo import RLTrainer
+
+    task = ArithmeticTaskConfig(max_digits=1)
+    write_jsonl(tmp_path / "train.jsonl", prompt_rows(16, split="train", seed=0, config=task))
+    config = load_rl_config(None, [
+        f"data.train_path={tmp_path / 'train.jsonl'}", "actor.model.builtin=arithmetic",
+        "reward.function=arithmetic", "actor.generation.max_new_tokens=4", "actor.generation.backend=vllm",
+        "actor.generation.vllm_kv_cache_gib=0.0625", "actor.loss.tis_cap=2.0", "algorithm.kl_coef=0.01",
+        "batch.prompts_per_step=4", "batch.samples_per_prompt=2", "batch.mini_batch_size=4",
+        "trainer.total_steps=2", "trainer.progress_bar=false", f"trainer.output_dir={tmp_path / 'run'}"])
+    with local_mode():
+        trainer = RLTrainer(config, tensorboard=False)
+        try:
+            history = trainer.fit()
+        finally:
+            trainer.shutdown()
+    for step in history:
+        assert step["rollout/vllm_bytes_loaded"] > 0 and step["rollout/vllm_kv_cache_bytes"] == 0.0625 * 2**30
+        # fp32 on both sides: the rollout's sampled log-probs are the training engine's to rounding
+        assert step["rollout/logprob_abs_diff_max"] < 1e-4 and step["rollout/sequence_kl"] < 1e-6
+        assert 0 <= step["actor/tis_cap_fraction"] <= 1

@@ -1,0 +1,89 @@
+"""The vLLM backend's parts that need no vLLM: the config field, the weight plan, stop sequences, the
+log-prob mismatch metrics; they run in every environment."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from hybridflow.algorithms import rollout_logprob_mismatch
+from hybridflow.engine.generation_config import GenerationConfig
+from hybridflow.engine.hybrid_engine import parameter_shapes
+from hybridflow.engine.vllm_rollout import check_supported, copy_pieces, cut_at_stop_sequence, vllm_parameter_plan
+from hybridflow.models.tiny import tiny_config
+
+
+def test_backend_defaults_to_native_and_an_unknown_backend_names_the_field():
+    assert GenerationConfig().backend == "native"
+    with pytest.raises(ValueError, match=r"actor\.generation\.backend must be one of \('native', 'vllm'\), got 'sglang'"):
+        GenerationConfig(backend="sglang")
+    with pytest.raises(ValueError, match="vllm_kv_cache_gib must be a number > 0, got 0"):
+        GenerationConfig(vllm_kv_cache_gib=0)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_backend_vllm_without_vllm_installed_says_how_to_install_it():
+    with pytest.raises(ValueError, match=r"backend='vllm' needs vLLM, which is not installed here: pip install"):
+        GenerationConfig(backend="vllm")
+
+
+def test_vllm_plan_stacks_qkv_and_gate_up_rows_in_order_and_ties_the_head_to_the_embedding():
+    config = tiny_config("qwen2", num_hidden_layers=1, tie_word_embeddings=True)
+    shapes = parameter_shapes(config)
+    names = ["model.embed_tokens.weight", "model.layers.0.self_attn.qkv_proj.weight",
+             "model.layers.0.self_attn.qkv_proj.bias", "model.layers.0.mlp.gate_up_proj.weight",
+             "model.layers.0.self_attn.o_proj.weight", "lm_head.weight"]
+    plan = vllm_parameter_plan(shapes, names, tie_word_embeddings=True)
+    q, kv = 64, 2 * 16  # 4 query heads and 2 kv heads of 16 dims
+    assert [(s.hf_name, s.offset, s.rows) for s in plan["model.layers.0.self_attn.qkv_proj.bias"]] == [
+        ("model.layers.0.self_attn.q_proj.bias", 0, q), ("model.layers.0.self_attn.k_proj.bias", q, kv),
+        ("model.layers.0.self_attn.v_proj.bias", q + kv, kv)]
+    assert [(s.hf_name, s.offset) for s in plan["model.layers.0.mlp.gate_up_proj.weight"]] == [
+        ("model.layers.0.mlp.gate_proj.weight", 0), ("model.layers.0.mlp.up_proj.weight", 128)]
+    assert [s.hf_name for s in plan["lm_head.weight"]] == ["model.embed_tokens.weight"]
+    assert [s.hf_name for s in plan["model.layers.0.self_attn.o_proj.weight"]] == ["model.layers.0.self_attn.o_proj.weight"]
+    with pytest.raises(ValueError, match="supports the llama, mistral and qwen2 families"):
+        vllm_parameter_plan(shapes, ["model.layers.0.block_sparse_moe.gate.weight"], tie_word_embeddings=True)
+
+
+def test_pieces_of_a_generation_shard_are_copied_side_by_side_along_their_tensor_parallel_dim():
+    full = torch.arange(24.0).view(4, 6)
+    target = torch.zeros(4, 6)
+    copied = copy_pieces(target, "model.layers.0.self_attn.o_proj.weight", list(full.chunk(2, dim=1)))
+    assert torch.equal(target, full) and copied == 24 * 4
+    target = torch.zeros(4, 6)
+    copy_pieces(target, "model.layers.0.mlp.up_proj.weight", list(full.chunk(2, dim=0)))
+    assert torch.equal(target, full)
+
+
+def test_a_response_is_cut_after_its_first_completed_stop_sequence():
+    assert cut_at_stop_sequence([5, 7, 8, 7, 8], [(7, 8)]) == 3
+    assert cut_at_stop_sequence([5, 7, 9, 1], [(7, 8), (9,)]) == 3
+    assert cut_at_stop_sequence([5, 7], [(7, 8)]) == 2
+
+
+def test_the_tiny_default_model_is_refused_by_vllms_cpu_attention_with_its_head_size():
+    if torch.cuda.is_available():
+        pytest.skip("the head-size limit is the CPU build's")
+    with pytest.raises(ValueError, match=r"head_dim is 16 \(hidden_size 64 / 4 heads\)"):
+        check_supported(tiny_config("llama"))
+    check_supported(tiny_config("llama", hidden_size=128))  # head_dim 32: supported
+
+
+def test_logprob_mismatch_reports_mean_and_max_abs_difference_and_sequence_kl_on_real_tokens():
+    old_BT = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.5, 0.0]])
+    rollout_BT = torch.tensor([[-1.5, -2.0, -9.0], [-0.5, -0.25, 0.0]])
+    mask_BT = torch.tensor([[1, 1, 0], [1, 1, 0]])
+    mismatch = rollout_logprob_mismatch(old_BT, rollout_BT, mask_BT)
+    assert mismatch.mean_abs_diff.item() == pytest.approx((0.5 + 0 + 0 + 0.25) / 4)
+    assert mismatch.max_abs_diff.item() == pytest.approx(0.5)  # the padded -9 is not counted
+
+    def k3(d):
+        return torch.exp(torch.tensor(d)) - d - 1
+
+    expected = (k3(0.5) + k3(-0.25)) / 2  # log(old / rollout) per real token, summed per sequence
+    assert mismatch.sequence_kl.item() == pytest.approx(expected.item(), rel=1e-6)
+    same = rollout_logprob_mismatch(old_BT, old_BT, mask_BT)
+    assert same.max_abs_diff.item() == 0 and same.sequence_kl.item() == 0
