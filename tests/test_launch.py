@@ -88,3 +88,17 @@ def test_more_ranks_than_gpus_is_refused_with_an_error_naming_the_counts(monkeyp
 def test_cpu_machines_never_refuse_several_ranks(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     device.require_devices(8)
+
+
+def test_tf32_is_allowed_only_on_cuda_under_bf16_compute_and_true_fp32_is_kept_otherwise(monkeypatch):
+    before = torch.get_float32_matmul_precision()
+    try:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        assert device.configure_matmul_precision(torch.bfloat16) == "highest"
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        assert device.configure_matmul_precision(torch.bfloat16) == "high"
+        assert torch.get_float32_matmul_precision() == "high"
+        assert device.configure_matmul_precision(torch.float32) == "highest"
+        assert torch.get_float32_matmul_precision() == "highest"
+    finally:
+        torch.set_float32_matmul_precision(before)

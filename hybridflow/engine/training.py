@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from hybridflow.algorithms.finite import NonFiniteError, check_non_finite_action, first_non_finite
-from hybridflow.device import current_device, device_type
+from hybridflow.device import configure_matmul_precision, current_device, device_type
 from hybridflow.engine import checkpoint as checkpoint_io
 from hybridflow.engine.config import EngineConfig
 from hybridflow.engine.logits import token_logprobs_and_entropy
@@ -58,6 +58,7 @@ class TrainingEngine:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.coords = self.layout.coords(self.rank)
         self.device = current_device(int(os.environ.get("LOCAL_RANK", "0")))
+        configure_matmul_precision(config.compute_dtype)  # TF32 on CUDA under bf16 compute; true fp32 otherwise
         self.mesh = build_training_mesh(self.layout)
         self.ties_embeddings = head == "lm" and bool(getattr(self.hf_config, "tie_word_embeddings", False))
         """Input and output embeddings are one matrix (checkpoints store it as model.embed_tokens.weight)."""
