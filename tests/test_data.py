@@ -213,3 +213,18 @@ def test_math_prompt_splits_are_disjoint_and_their_reference_solutions_pass_the_
     assert all(math_reward(row["prompt"], "I do not know", answer=row["answer"]) == 0.0 for row in evaluation)
     again, _ = write_math_prompt_splits(tmp_path / "again", num_train=60, num_eval=20, seed=0)
     assert read_rows(again) == train
+
+
+def test_math_prompt_options_reach_the_dataset_so_the_smollm2_quick_check_draws_two_term_arithmetic():
+    pytest.importorskip("reasoning_gym")
+    import re
+
+    from hybridflow.data.math_prompts import math_prompt_rows
+
+    options = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
+    rows = math_prompt_rows(40, seed=0, dataset="basic_arithmetic", options=options)
+    for row in rows:
+        numbers = re.findall(r"\d+", row["prompt"])
+        assert len(numbers) == 2 and all(len(n) == 1 for n in numbers), row["prompt"]
+    with pytest.raises(ValueError, match="basic_arithmetic"):
+        math_prompt_rows(4, seed=0, dataset="basic_arithmetic", options={"no_such_option": 1})

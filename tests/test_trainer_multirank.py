@@ -91,6 +91,13 @@ def _export(trainer: RLTrainer, role: str, directory) -> dict[str, torch.Tensor]
     return read_safetensors(str(directory))  # one file per pipeline stage under pp > 1
 
 
+def _layout_dependent(names: set[str]) -> set[str]:
+    """The weight transition's figures (bytes received, parameter memory, collectives): they describe the layout,
+    so they differ from one rank's by design; the rollout/training log-prob mismatch does not, and is compared."""
+    mismatch = {"rollout/logprob_abs_diff_mean", "rollout/logprob_abs_diff_max", "rollout/sequence_kl"}
+    return {name for name in names if name.startswith("rollout/") and name not in mismatch}
+
+
 def _assert_same_metrics(history: list[dict], expected: list[dict]) -> None:
     assert [record["step"] for record in history] == [record["step"] for record in expected] == [1, 2]
     assert all(record["response/length_min"] == MAX_NEW_TOKENS for record in expected), \
@@ -98,7 +105,7 @@ def _assert_same_metrics(history: list[dict], expected: list[dict]) -> None:
     for record, reference in zip(history, expected):
         names = {name for name in reference if not name.startswith("time/")}
         assert names == {name for name in record if not name.startswith("time/")}
-        for name in sorted(names):
+        for name in sorted(names - _layout_dependent(names)):
             assert record[name] == pytest.approx(reference[name], rel=REL, abs=ABS), (record["step"], name)
 
 

@@ -24,11 +24,13 @@ def math_prompt_rows(
     dataset: str = "gsm_symbolic",
     instruction: str | None = None,
     exclude_prompts: set[str] | frozenset[str] = frozenset(),
+    options: dict | None = None,
 ) -> list[dict]:
     """`num_prompts` distinct rows {"prompt", "answer", "solution"} from a reasoning-gym dataset.
 
     `instruction` is appended to every question (e.g. asking for \\boxed{}); prompts in
-    `exclude_prompts` are never returned (used to keep an eval split out of training).
+    `exclude_prompts` are never returned (used to keep an eval split out of training); `options` go to
+    the dataset's config (e.g. ``{"max_terms": 2, "max_digits": 2}`` for basic_arithmetic).
     """
     if num_prompts < 1:
         raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
@@ -39,7 +41,8 @@ def math_prompt_rows(
             "math prompt generation needs the optional package reasoning-gym: pip install 'hybridflow[math]'"
         ) from error
     try:
-        examples = reasoning_gym.create_dataset(dataset, size=num_prompts * _DRAWS_PER_ROW, seed=seed)
+        examples = reasoning_gym.create_dataset(dataset, size=num_prompts * _DRAWS_PER_ROW, seed=seed,
+                                                **(options or {}))
     except Exception as error:
         raise ValueError(f"dataset {dataset!r}: reasoning-gym cannot create it: {error}") from error
     rows, seen = [], set(exclude_prompts)
