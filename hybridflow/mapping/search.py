@@ -22,6 +22,7 @@ from hybridflow.mapping.dataflow import STAGES, Dataflow, dataflow as get_datafl
 from hybridflow.mapping.hardware import GIB
 from hybridflow.mapping.model_spec import ModelSpec, model_spec
 from hybridflow.mapping.plan import Plan, PoolPlan
+from hybridflow.mapping.rollout import RolloutBackend, rollout_backend
 from hybridflow.mapping.simulator import RoleCost, Simulator
 from hybridflow.mapping.strategy import RoleStrategy, generation_strategies, training_strategies
 from hybridflow.mapping.workload import Workload
@@ -97,7 +98,8 @@ class Planner:
     """Searches the mappings of one dataflow, its models, a workload and a cluster."""
 
     def __init__(self, *, dataflow: Dataflow, models: Mapping[str, ModelSpec], workload: Workload,
-                 cluster: Cluster) -> None:
+                 cluster: Cluster, backend: str | RolloutBackend = "native") -> None:
+        """``backend``: the actor's rollout engine (``actor.generation.backend``: native or vllm)."""
         missing = sorted(set(dataflow.roles) - set(models))
         extra = sorted(set(models) - set(dataflow.roles))
         if missing or extra:
@@ -107,6 +109,7 @@ class Planner:
         self.models = dict(models)
         self.workload = workload
         self.cluster = cluster
+        self.backend = rollout_backend(backend)
         self._simulators: dict[float, Simulator] = {}
         self.simulator = self._simulator(1.0)
         self._candidates: dict[tuple, list[RoleCost]] = {}
@@ -119,7 +122,8 @@ class Planner:
         """The role's layouts on ``num_devices`` that split the batch evenly, as the trainer requires:
         d divides the samples per step (and, for trained roles, the samples per update); the actor's
         generation replicas n / (pg tg) divide the prompts per step. With ``Workload.pad_uneven`` every layout
-        is allowed (the simulator charges each rank ceil(samples / d))."""
+        is allowed (the simulator charges each rank ceil(samples / d)). The actor generates only with the
+        (pg, tg) its rollout backend supports (vllm: 1, 1)."""
         spec, kind, workload = self.models[role], self.dataflow.roles[role], self.workload
         even = not workload.pad_uneven
         for strategy in training_strategies(spec, num_devices=num_devices, node_size=self.cluster.node_size):
@@ -131,6 +135,8 @@ class Planner:
                 yield strategy
                 continue
             for with_generation in generation_strategies(strategy):
+                if not self.backend.supports(with_generation.generation_pp_size, with_generation.generation_tp_size):
+                    continue
                 replicas = num_devices // (with_generation.generation_pp_size * with_generation.generation_tp_size)
                 if not even or workload.prompts_per_step % replicas == 0:
                     yield with_generation
@@ -139,7 +145,7 @@ class Planner:
         if compute_share not in self._simulators:
             self._simulators[compute_share] = Simulator(workload=self.workload, cluster=self.cluster,
                                                         generation_passes=self.dataflow.generation_passes,
-                                                        compute_share=compute_share)
+                                                        compute_share=compute_share, backend=self.backend)
         return self._simulators[compute_share]
 
     def stage_shares(self, sets: Sequence[tuple[str, ...]], allocation: Sequence[int]) -> tuple[float, ...]:
@@ -284,7 +290,7 @@ class Planner:
         pools = tuple(PoolPlan(name="_".join(roles), roles=roles,
                                devices_per_node=tuple(self.cluster.pool_nodes(count)))
                       for roles, count in zip(sets, allocation))
-        return self._assemble(pools, results)
+        return replace(self._assemble(pools, results), backend=self.backend.name)
 
     @staticmethod
     def _assemble(pools: Sequence[PoolPlan], results: Sequence[SetResult]) -> Plan:
@@ -319,6 +325,11 @@ class Planner:
                                      f"node of {self.cluster.node_size}")
                 if (self.dataflow.roles[role] == "actor") != strategy.generates:
                     raise ValueError(f"role {role!r}: generation sizes must be given for the actor and only for it")
+                if strategy.generates and not self.backend.supports(strategy.generation_pp_size,
+                                                                    strategy.generation_tp_size):
+                    raise ValueError(f"role {role!r}: actor.generation.backend={self.backend.name!r} generates with "
+                                     f"hybrid_engine pp_size = tp_size = 1 only, got pp_size="
+                                     f"{strategy.generation_pp_size}, tp_size={strategy.generation_tp_size}")
             actor = self.dataflow.actor_role if self.dataflow.actor_role in pool.roles else None
             costs = {}
             for role in pool.roles:
@@ -333,7 +344,7 @@ class Planner:
                 raise ValueError(f"pool {pool.name!r} ({', '.join(pool.roles)}) does not fit in "
                                  f"{count} devices of {self._usable_text()} with the given strategies")
             results.append(SetResult(costs=costs))
-        return self._assemble(layout.pools, results)
+        return replace(self._assemble(layout.pools, results), backend=self.backend.name)
 
     def search(self) -> list[Plan]:
         """The fastest allocation of every feasible placement, fastest placement first."""
@@ -410,21 +421,26 @@ def resolve_models(models: Mapping[str, str | ModelSpec]) -> dict[str, ModelSpec
 
 
 def plan(dataflow: Dataflow | str, models: Mapping[str, str | ModelSpec], workload: Workload,
-         cluster: Cluster, *, top: int = 10) -> Plan:
-    """The fastest plan, with up to ``top - 1`` other placements (ranked) as ``alternatives``."""
+         cluster: Cluster, *, top: int = 10, backend: str | RolloutBackend = "native") -> Plan:
+    """The fastest plan, with up to ``top - 1`` other placements (ranked) as ``alternatives``, for the actor's
+    rollout ``backend`` (``actor.generation.backend``: native or vllm; the plan records it)."""
     flow = get_dataflow(dataflow)
     if not isinstance(top, int) or top < 1:
         raise ValueError(f"top must be a positive integer, got {top!r}")
-    ranked = Planner(dataflow=flow, models=resolve_models(models), workload=workload, cluster=cluster).search()
+    ranked = Planner(dataflow=flow, models=resolve_models(models), workload=workload, cluster=cluster,
+                     backend=backend).search()
     best = ranked[0]
     return Plan(pools=best.pools, strategies=best.strategies, stage_seconds=best.stage_seconds,
                 pool_stage_seconds=best.pool_stage_seconds, role_stage_seconds=best.role_stage_seconds,
-                alternatives=tuple(ranked[1:top]))
+                alternatives=tuple(ranked[1:top]), backend=best.backend)
 
 
 def simulate_plan(layout: Plan, dataflow: Dataflow | str, models: Mapping[str, str | ModelSpec],
-                  workload: Workload, cluster: Cluster) -> Plan:
-    """``layout`` (e.g. ``Plan.from_config_fragment(config)``) with its predicted stage times filled in."""
+                  workload: Workload, cluster: Cluster, *, backend: str | RolloutBackend | None = None) -> Plan:
+    """``layout`` (e.g. ``Plan.from_config_fragment(config)``) with its predicted stage times filled in, for the
+    rollout ``backend`` given, else the one the layout records, else native."""
     flow = get_dataflow(dataflow)
-    planner = Planner(dataflow=flow, models=resolve_models(models), workload=workload, cluster=cluster)
+    backend = backend if backend is not None else (layout.backend or "native")
+    planner = Planner(dataflow=flow, models=resolve_models(models), workload=workload, cluster=cluster,
+                      backend=backend)
     return planner.simulate(layout)
