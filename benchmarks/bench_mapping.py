@@ -1,6 +1,7 @@
 """Auto-mapping benchmark: search time, the paper's placement sweep, and predicted-vs-measured ranking.
 
     python benchmarks/bench_mapping.py                      # paper vs planner, figure 15, search times
+    python benchmarks/bench_mapping.py --backends           # native vs vllm rollout: the plans each gets
     python benchmarks/bench_mapping.py --template out.json  # tiny-PPO layouts to measure, with predictions
     python benchmarks/bench_mapping.py --measure runs.json  # run each layout with the PPO trainer (Ray)
     python benchmarks/bench_mapping.py --validate-measured measured.json   # Spearman rho vs measurements
@@ -284,6 +285,34 @@ def validate_measured(path: str) -> float:
     return rho
 
 
+BACKEND_CASES = (("llama-7b", 16), ("llama-7b", 64), ("llama-13b", 16), ("llama-13b", 64), ("llama-13b", 128),
+                 ("llama-34b", 64), ("llama-34b", 128))
+
+
+def backend_comparison(hardware: str, workload: Workload = PAPER_WORKLOAD) -> None:
+    """The plan the planner picks for each rollout backend (actor.generation.backend), per case."""
+    print(f"\nrollout backend: native vs vllm ({hardware}, the paper's workload)")
+    print(f"{'model':<10} {'GPUs':>4}  {'backend':<7} {'planner':<44} {'actor (gen)':<26} {'waves x batch':>13} "
+          f"{'load s':>6} {'gen s':>7} {'iter s':>7}")
+    for model, num_devices in BACKEND_CASES:
+        cluster = Cluster(num_devices=num_devices, devices_per_node=8, hardware=load_hardware(hardware))
+        for backend in ("native", "vllm"):
+            try:
+                best = plan("ppo", dict.fromkeys(PPO_ROLES, model), workload, cluster, top=1, backend=backend)
+            except ValueError as error:
+                print(f"{model:<10} {num_devices:>4}  {backend:<7} no plan: {error}")
+                continue
+            actor = best.strategies["actor"]
+            planner = Planner(dataflow=dataflow("ppo"), models=resolve_models(dict.fromkeys(PPO_ROLES, model)),
+                              workload=workload, cluster=cluster, backend=backend)
+            pool = best.pool_of("actor")
+            cost = planner.set_result(pool.roles, pool.num_devices).costs["actor"]
+            waves = f"{cost.details['generation_waves']:.0f} x {cost.details['generation_batch']:.0f}"
+            print(f"{model:<10} {num_devices:>4}  {backend:<7} {_short(best):<44} {actor.describe():<26} "
+                  f"{waves:>13} {cost.details['weight_load_seconds']:>6.2f} "
+                  f"{best.stage_seconds['generation']:>7.1f} {best.total_seconds:>7.1f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hardware", default="a100-80g", help="profile of the sweep (default a100-80g)")
@@ -292,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pad-uneven", action="store_true",
                         help="sweep: allow layouts that do not split the batch evenly (padded, as the paper's 48-GPU "
                              "pools need); the trainer cannot run them")
+    parser.add_argument("--backends", action="store_true",
+                        help="print the plans the native and the vllm rollout backends get on the paper's workload")
     parser.add_argument("--template", metavar="PATH", help="write the tiny-PPO layouts to measure (cpu-local)")
     parser.add_argument("--template-hardware", default="cpu-local", help="profile of the template's predictions")
     parser.add_argument("--model", default="tiny", help="template: model of every role (name or HF directory)")
@@ -309,6 +340,9 @@ def main(argv: list[str] | None = None) -> int:
         measure(args.measure, steps=args.steps)
     elif args.validate_measured:
         validate_measured(args.validate_measured)
+    elif args.backends:
+        backend_comparison(args.hardware, replace(PAPER_WORKLOAD, micro_batch_tokens=args.micro_batch_tokens,
+                                                  pad_uneven=args.pad_uneven))
     else:
         workload = replace(PAPER_WORKLOAD, micro_batch_tokens=args.micro_batch_tokens, pad_uneven=args.pad_uneven)
         paper_sweep(args.hardware, workload)

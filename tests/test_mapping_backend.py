@@ -182,3 +182,12 @@ def test_the_trainer_refuses_a_plan_made_for_another_rollout_backend():
                                          "'native'"):
         apply_plan(config, chosen)
     assert apply_plan(config, replace(chosen, backend="native")).placement.mapping == "manual"
+
+
+def test_a_model_too_large_for_one_gpu_has_no_vllm_plan_and_the_error_says_why():
+    workload = Workload(prompts_per_step=1024, prompt_length=1024, response_length=1024, mini_batch_size=128)
+    models = {role: "llama-34b" for role in PPO_ROLES}
+    with pytest.raises(ValueError, match=r"role 'actor' \(llama-34b.*does not fit on 64 devices.*"
+                                         r"actor.generation.backend='vllm' generates with tg = pg = 1"):
+        plan("ppo", models, workload, a100_cluster(64), backend="vllm")
+    assert plan("ppo", models, workload, a100_cluster(64), top=1).backend == "native"

@@ -401,7 +401,10 @@ class Planner:
                 f"{total} devices: its most memory-frugal layout needs {need / GIB:.1f} GiB per device "
                 f"(weights{', gradients, optimizer state' if kind != 'inference' else ''}, activations"
                 f"{', generation weights and one sequence of KV cache' if kind == 'actor' else ''}), "
-                f"but a device has {self._usable_text()}; use more devices or a smaller model")
+                f"but a device has {self._usable_text()}; use more devices or a smaller model"
+                + (f" (actor.generation.backend={self.backend.name!r} generates with tg = pg = 1 and keeps its own "
+                   f"copy of the weights: the whole model twice per device; the native backend shards it)"
+                   if kind == "actor" and not self.backend.model_parallel_generation else ""))
 
     def _footprint(self, role: str, strategy: RoleStrategy, num_devices: int) -> float:
         simulator = self.simulator
