@@ -2,6 +2,7 @@
 
     python benchmarks/bench_mapping.py                      # paper vs planner, figure 15, search times
     python benchmarks/bench_mapping.py --backends           # native vs vllm rollout: the plans each gets
+    python benchmarks/bench_mapping.py --native-decode      # the native engine's measured H100 decode, predicted
     python benchmarks/bench_mapping.py --template out.json  # tiny-PPO layouts to measure, with predictions
     python benchmarks/bench_mapping.py --measure runs.json  # run each layout with the PPO trainer (Ray)
     python benchmarks/bench_mapping.py --validate-measured measured.json   # Spearman rho vs measurements
@@ -313,6 +314,32 @@ def backend_comparison(hardware: str, workload: Workload = PAPER_WORKLOAD) -> No
                   f"{best.stage_seconds['generation']:>7.1f} {best.total_seconds:>7.1f}")
 
 
+def native_decode_check() -> None:
+    """The native engine's one GPU decode measurement (benchmarks/README.md, "GPU smoke plan": TinyLlama-1.1B's
+    shape, bf16, 128 rows, prompt 128, 256 new tokens, one H100: 17,794-24,041 tokens/s) as the simulator
+    predicts it with h100-80g, and with the host time per sequence traded for a lower decode bandwidth."""
+    from hybridflow.mapping.hardware import HardwareProfile
+    from hybridflow.mapping.model_spec import spec_from_hf_config
+    from hybridflow.mapping.rollout import NATIVE
+    from hybridflow.mapping.simulator import Simulator
+
+    spec = spec_from_hf_config({"hidden_size": 2048, "num_hidden_layers": 22, "num_attention_heads": 32,
+                                "num_key_value_heads": 4, "intermediate_size": 5632, "vocab_size": 32000},
+                               name="tinyllama-1.1b")
+    workload = Workload(prompts_per_step=128, prompt_length=128, response_length=256)
+    strategy = RoleStrategy(layout="3d", generation_pp_size=1, generation_tp_size=1)
+    base = load_hardware("h100-80g")
+    print("native decode, TinyLlama-1.1B shape, 128 rows, prompt 128 + 256 new tokens, one H100 "
+          "(measured 17,794-24,041 tokens/s)")
+    for changes in ({}, {"decode_host_seconds_per_sequence": 0.0},
+                    {"decode_host_seconds_per_sequence": 0.0, "native_decode_bandwidth_fraction": 0.12}):
+        hardware = HardwareProfile(**(base.to_dict() | changes))
+        simulator = Simulator(workload=workload, cluster=Cluster(num_devices=1, devices_per_node=1, hardware=hardware),
+                              backend=NATIVE)
+        seconds, _ = simulator.generation_seconds(spec, strategy, 1, 60 * 1024**3)
+        print(f"  h100-80g {changes or '(as shipped)'}: {128 * 256 / seconds:,.0f} tokens/s predicted")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hardware", default="a100-80g", help="profile of the sweep (default a100-80g)")
@@ -323,6 +350,8 @@ def main(argv: list[str] | None = None) -> int:
                              "pools need); the trainer cannot run them")
     parser.add_argument("--backends", action="store_true",
                         help="print the plans the native and the vllm rollout backends get on the paper's workload")
+    parser.add_argument("--native-decode", action="store_true",
+                        help="predict the native engine's measured H100 decode (benchmarks/README.md)")
     parser.add_argument("--template", metavar="PATH", help="write the tiny-PPO layouts to measure (cpu-local)")
     parser.add_argument("--template-hardware", default="cpu-local", help="profile of the template's predictions")
     parser.add_argument("--model", default="tiny", help="template: model of every role (name or HF directory)")
@@ -340,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
         measure(args.measure, steps=args.steps)
     elif args.validate_measured:
         validate_measured(args.validate_measured)
+    elif args.native_decode:
+        native_decode_check()
     elif args.backends:
         backend_comparison(args.hardware, replace(PAPER_WORKLOAD, micro_batch_tokens=args.micro_batch_tokens,
                                                   pad_uneven=args.pad_uneven))
