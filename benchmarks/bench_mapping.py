@@ -25,6 +25,7 @@ from dataclasses import replace
 from hybridflow.mapping import (Cluster, Plan, PoolPlan, RoleStrategy, Workload, load_hardware, plan, simulate_plan,
                                 spearman_correlation)
 from hybridflow.mapping.dataflow import dataflow
+from hybridflow.mapping.rollout import NATIVE, RolloutBackend
 from hybridflow.mapping.search import Planner, resolve_models
 
 PPO_ROLES = ("actor", "critic", "reference", "reward")
@@ -47,8 +48,10 @@ def _short(plan: Plan) -> str:
     return f"{plan.placement_label} {plan.allocation_label}"
 
 
-def paper_sweep(hardware: str, workload: Workload = PAPER_WORKLOAD) -> None:
+def paper_sweep(hardware: str, workload: Workload = PAPER_WORKLOAD, backend: RolloutBackend = NATIVE) -> None:
     """Paper vs planner for every case of section 8.3, with the paper's placement's rank and time."""
+    if backend != NATIVE:
+        print(f"what-if rollout model: {backend}")
     print(f"PPO, 4 models of one size, {workload.prompts_per_step} prompts, prompt {workload.prompt_length} + "
           f"response {workload.response_length}, mini-batch {workload.samples_per_update}, micro-batch "
           f"{workload.sequences_per_micro_batch} sequence(s), {hardware}, 8 per node"
@@ -58,7 +61,7 @@ def paper_sweep(hardware: str, workload: Workload = PAPER_WORKLOAD) -> None:
     for (model, num_devices), paper in PAPER_PLACEMENTS.items():
         cluster = Cluster(num_devices=num_devices, devices_per_node=8, hardware=load_hardware(hardware))
         start = time.perf_counter()
-        best = plan("ppo", dict.fromkeys(PPO_ROLES, model), workload, cluster, top=15)
+        best = plan("ppo", dict.fromkeys(PPO_ROLES, model), workload, cluster, top=15, backend=backend)
         seconds = time.perf_counter() - start
         ranked = [best, *best.alternatives]
         label = PAPER_LABELS[paper.split()[0]]
@@ -348,6 +351,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pad-uneven", action="store_true",
                         help="sweep: allow layouts that do not split the batch evenly (padded, as the paper's 48-GPU "
                              "pools need); the trainer cannot run them")
+    parser.add_argument("--paged-kv", action="store_true",
+                        help="sweep only, what-if: the native backend (tensor-parallel generation, no weight copy) with "
+                             "vLLM's paged KV cache, as the paper's vLLM 0.3.1 inside the 3D-HybridEngine had")
     parser.add_argument("--backends", action="store_true",
                         help="print the plans the native and the vllm rollout backends get on the paper's workload")
     parser.add_argument("--native-decode", action="store_true",
@@ -374,6 +380,9 @@ def main(argv: list[str] | None = None) -> int:
     elif args.backends:
         backend_comparison(args.hardware, replace(PAPER_WORKLOAD, micro_batch_tokens=args.micro_batch_tokens,
                                                   pad_uneven=args.pad_uneven))
+    elif args.paged_kv:
+        paper_sweep(args.hardware, replace(PAPER_WORKLOAD, micro_batch_tokens=args.micro_batch_tokens,
+                                           pad_uneven=args.pad_uneven), replace(NATIVE, paged_kv_cache=True))
     else:
         workload = replace(PAPER_WORKLOAD, micro_batch_tokens=args.micro_batch_tokens, pad_uneven=args.pad_uneven)
         paper_sweep(args.hardware, workload)
