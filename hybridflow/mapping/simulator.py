@@ -7,7 +7,9 @@ all-reduce (3d), overlapped parameter gathers (fsdp). Generation is modeled as m
 decode step streams the weights and the KV cache of its batch through memory (roofline with the
 step's FLOPs), pays 2 tensor-parallel all-reduces per layer and the rollout engine's host time per
 sequence of the replica's batch; the batch is bounded by the memory left for the KV cache, and the
-actor pays the 3D-HybridEngine's resharding (paper Table 2) before generating. Links (NVLink or
+actor pays the 3D-HybridEngine's resharding (paper Table 2) before generating. The rollout backend
+(hybridflow.mapping.rollout: native or vllm) sets the KV cache a sequence in flight holds, whether the
+engine keeps (and loads every step) a weight copy of its own, and the decode bandwidth. Links (NVLink or
 the inter-node network) follow the rank order of hybridflow.parallel.layout.
 
 Symbols in the formulas: N parameters (that multiply per token), L layers, h hidden size,
