@@ -191,3 +191,30 @@ def test_a_model_too_large_for_one_gpu_has_no_vllm_plan_and_the_error_says_why()
                                          r"actor.generation.backend='vllm' generates with tg = pg = 1"):
         plan("ppo", models, workload, a100_cluster(64), backend="vllm")
     assert plan("ppo", models, workload, a100_cluster(64), top=1).backend == "native"
+
+
+def test_a_fixed_kv_cache_size_bounds_the_batch_and_must_fit_in_the_memory_left():
+    workload = Workload(prompts_per_step=64, prompt_length=128, response_length=896)
+    models = {role: "llama-7b" for role in PPO_ROLES}
+    cluster = a100_cluster(8)
+    sets, allocation = [("actor", "critic", "reference", "reward")], (8,)
+
+    def actor_details(kv_cache_gib):
+        planner = Planner(dataflow=dataflow("ppo"), models=resolve_models(models), workload=workload,
+                          cluster=cluster, backend="vllm", kv_cache_gib=kv_cache_gib)
+        result = planner.set_result(sets[0], allocation[0])
+        return None if result is None else result.costs["actor"].details
+
+    unbounded = actor_details(None)
+    # 1 GiB (the config's default) holds 1 GiB / (0.5 MiB per token x 576 tokens on average) = 3 sequences at tg 1
+    one_gib = actor_details(1.0)
+    per_token = 2 * 32 * 4096 * 2  # keys and values of one token, every layer, bf16, tg = 1
+    assert int(2**30 // (per_token * 576)) == 3
+    # 8 replicas of 8 sequences, 3 at once: 3 waves of 3
+    assert (one_gib["generation_waves"], one_gib["generation_batch"]) == (3.0, 3.0)
+    assert one_gib["generation_waves"] > unbounded["generation_waves"]
+    # more than the colocated roles leave: the pool does not fit (vLLM would run out of memory)
+    assert actor_details(70.0) is None
+    with pytest.raises(ValueError, match=r"kv_cache_gib \(actor.generation.vllm_kv_cache_gib\) must be a number > 0 "
+                                         r"or None \(all memory left\), got -1"):
+        plan("ppo", models, workload, cluster, backend="vllm", kv_cache_gib=-1)

@@ -50,6 +50,9 @@ def _plan_parser() -> argparse.ArgumentParser:
     parser.add_argument("--backend", default="native",
                         help=f"the actor's rollout engine, actor.generation.backend: {', '.join(ROLLOUT_BACKENDS)} "
                              f"(default native; vllm generates with tg = pg = 1 only)")
+    parser.add_argument("--kv-cache-gib", type=float, default=None,
+                        help="KV cache the rollout engine allocates per device, GiB (vllm: "
+                             "actor.generation.vllm_kv_cache_gib); default: all memory the roles leave")
     parser.add_argument("--top", type=int, default=10, help="placements to list (default 10)")
     parser.add_argument("--write", metavar="PATH", help="write the chosen plan as a YAML config fragment")
     return parser
@@ -87,7 +90,8 @@ def plan_main(argv: list[str]) -> int:
                           hardware=load_hardware(args.hardware))
         start = time.perf_counter()
         flow, models = _dataflow_and_models(args)
-        best = plan(flow, models, workload, cluster, top=args.top, backend=args.backend)
+        best = plan(flow, models, workload, cluster, top=args.top, backend=args.backend,
+                    kv_cache_gib=args.kv_cache_gib)
         search_seconds = time.perf_counter() - start
     except ValueError as error:
         print(f"hybridflow plan: {error}", file=sys.stderr)

@@ -98,8 +98,15 @@ class Planner:
     """Searches the mappings of one dataflow, its models, a workload and a cluster."""
 
     def __init__(self, *, dataflow: Dataflow, models: Mapping[str, ModelSpec], workload: Workload,
-                 cluster: Cluster, backend: str | RolloutBackend = "native") -> None:
-        """``backend``: the actor's rollout engine (``actor.generation.backend``: native or vllm)."""
+                 cluster: Cluster, backend: str | RolloutBackend = "native",
+                 kv_cache_gib: float | None = None) -> None:
+        """``backend``: the actor's rollout engine (``actor.generation.backend``: native or vllm).
+        ``kv_cache_gib``: the KV cache the rollout engine allocates per device, GiB (vllm:
+        ``actor.generation.vllm_kv_cache_gib``); None: whatever memory the colocated roles leave."""
+        if kv_cache_gib is not None and (isinstance(kv_cache_gib, bool) or not isinstance(kv_cache_gib, (int, float))
+                                         or not kv_cache_gib > 0):
+            raise ValueError(f"kv_cache_gib (actor.generation.vllm_kv_cache_gib) must be a number > 0 or None "
+                             f"(all memory left), got {kv_cache_gib!r}")
         missing = sorted(set(dataflow.roles) - set(models))
         extra = sorted(set(models) - set(dataflow.roles))
         if missing or extra:
@@ -110,6 +117,7 @@ class Planner:
         self.workload = workload
         self.cluster = cluster
         self.backend = rollout_backend(backend)
+        self.kv_cache_bytes = None if kv_cache_gib is None else kv_cache_gib * GIB
         self._simulators: dict[float, Simulator] = {}
         self.simulator = self._simulator(1.0)
         self._candidates: dict[tuple, list[RoleCost]] = {}
@@ -145,7 +153,8 @@ class Planner:
         if compute_share not in self._simulators:
             self._simulators[compute_share] = Simulator(workload=self.workload, cluster=self.cluster,
                                                         generation_passes=self.dataflow.generation_passes,
-                                                        compute_share=compute_share, backend=self.backend)
+                                                        compute_share=compute_share, backend=self.backend,
+                                                        kv_cache_bytes=self.kv_cache_bytes)
         return self._simulators[compute_share]
 
     def stage_shares(self, sets: Sequence[tuple[str, ...]], allocation: Sequence[int]) -> tuple[float, ...]:
@@ -414,7 +423,10 @@ class Planner:
         transient = simulator.transient_bytes(spec, head, strategy, trained=trained, num_devices=num_devices)
         if kind != "actor":
             return need + transient
-        generation = simulator.generation_extra_bytes(spec, strategy) + simulator.kv_bytes_per_sequence(spec, strategy)
+        kv_cache = simulator.kv_bytes_per_sequence(spec, strategy)
+        if self.kv_cache_bytes is not None:
+            kv_cache = max(kv_cache, self.kv_cache_bytes)
+        generation = simulator.generation_extra_bytes(spec, strategy) + kv_cache
         return need + max(transient, generation)
 
 
@@ -424,14 +436,16 @@ def resolve_models(models: Mapping[str, str | ModelSpec]) -> dict[str, ModelSpec
 
 
 def plan(dataflow: Dataflow | str, models: Mapping[str, str | ModelSpec], workload: Workload,
-         cluster: Cluster, *, top: int = 10, backend: str | RolloutBackend = "native") -> Plan:
+         cluster: Cluster, *, top: int = 10, backend: str | RolloutBackend = "native",
+         kv_cache_gib: float | None = None) -> Plan:
     """The fastest plan, with up to ``top - 1`` other placements (ranked) as ``alternatives``, for the actor's
-    rollout ``backend`` (``actor.generation.backend``: native or vllm; the plan records it)."""
+    rollout ``backend`` (``actor.generation.backend``: native or vllm; the plan records it), whose KV cache takes
+    ``kv_cache_gib`` per device (vllm: ``actor.generation.vllm_kv_cache_gib``) or, if None, all memory left."""
     flow = get_dataflow(dataflow)
     if not isinstance(top, int) or top < 1:
         raise ValueError(f"top must be a positive integer, got {top!r}")
     ranked = Planner(dataflow=flow, models=resolve_models(models), workload=workload, cluster=cluster,
-                     backend=backend).search()
+                     backend=backend, kv_cache_gib=kv_cache_gib).search()
     best = ranked[0]
     return Plan(pools=best.pools, strategies=best.strategies, stage_seconds=best.stage_seconds,
                 pool_stage_seconds=best.pool_stage_seconds, role_stage_seconds=best.role_stage_seconds,
@@ -439,11 +453,12 @@ def plan(dataflow: Dataflow | str, models: Mapping[str, str | ModelSpec], worklo
 
 
 def simulate_plan(layout: Plan, dataflow: Dataflow | str, models: Mapping[str, str | ModelSpec],
-                  workload: Workload, cluster: Cluster, *, backend: str | RolloutBackend | None = None) -> Plan:
+                  workload: Workload, cluster: Cluster, *, backend: str | RolloutBackend | None = None,
+                  kv_cache_gib: float | None = None) -> Plan:
     """``layout`` (e.g. ``Plan.from_config_fragment(config)``) with its predicted stage times filled in, for the
     rollout ``backend`` given, else the one the layout records, else native."""
     flow = get_dataflow(dataflow)
     backend = backend if backend is not None else (layout.backend or "native")
     planner = Planner(dataflow=flow, models=resolve_models(models), workload=workload, cluster=cluster,
-                      backend=backend)
+                      backend=backend, kv_cache_gib=kv_cache_gib)
     return planner.simulate(layout)

@@ -104,12 +104,17 @@ class Simulator:
     """Cost model of one workload on one cluster; every method is per role and per strategy."""
 
     def __init__(self, *, workload: Workload, cluster: Cluster, generation_passes: int = 1,
-                 compute_share: float = 1.0, backend: RolloutBackend = NATIVE) -> None:
+                 compute_share: float = 1.0, backend: RolloutBackend = NATIVE,
+                 kv_cache_bytes: float | None = None) -> None:
         """``compute_share``: the share of a device each process gets (Cluster.compute_share of the
         processes busy at the same time; below 1 only for CPU processes outnumbering cores).
-        ``backend``: the actor's rollout engine (``actor.generation.backend``)."""
+        ``backend``: the actor's rollout engine (``actor.generation.backend``). ``kv_cache_bytes``: the KV
+        cache the engine allocates per device (vLLM: ``actor.generation.vllm_kv_cache_gib``), which must fit
+        in the memory left; None: the KV cache takes all memory left."""
         assert 0 < compute_share <= 1, compute_share
+        assert kv_cache_bytes is None or kv_cache_bytes > 0, kv_cache_bytes
         self.backend = backend
+        self.kv_cache_bytes = kv_cache_bytes
         self.workload = workload
         self.cluster = cluster
         self.generation_passes = generation_passes
@@ -385,6 +390,10 @@ class Simulator:
         if kind == "actor":
             generation_extra = self.generation_extra_bytes(spec, strategy)
             kv_budget = self.budget_bytes - other_resident_bytes - resident - generation_extra
+            if self.kv_cache_bytes is not None:  # a fixed allocation: it fits whole or not at all
+                if self.kv_cache_bytes > kv_budget:
+                    return None
+                kv_budget = self.kv_cache_bytes
             generated = self.generation_seconds(spec, strategy, num_devices, kv_budget)
             if generated is None:
                 return None

@@ -100,7 +100,10 @@ def resolve_auto_mapping(config: RLConfig):
     devices_per_node = [count for counts in config.placement.pools.values() for count in counts]
     cluster = Cluster(num_devices=sum(devices_per_node), devices_per_node=max(devices_per_node),
                       hardware=hardware_of(config))
+    generation = config.actor.generation
+    # vLLM allocates exactly vllm_kv_cache_gib; the native engine's cache takes what is left
+    kv_cache_gib = generation.vllm_kv_cache_gib if generation.backend == "vllm" else None
     best = replace(plan(flow, {role: _model_of(config, role) for role in roles}, workload, cluster,
-                        backend=config.actor.generation.backend), workload=workload)
+                        backend=generation.backend, kv_cache_gib=kv_cache_gib), workload=workload)
     return apply_plan(config, best), best
 
