@@ -293,22 +293,26 @@ BACKEND_CASES = (("llama-7b", 16), ("llama-7b", 64), ("llama-13b", 16), ("llama-
                  ("llama-34b", 64), ("llama-34b", 128))
 
 
-def backend_comparison(hardware: str, workload: Workload = PAPER_WORKLOAD) -> None:
-    """The plan the planner picks for each rollout backend (actor.generation.backend), per case."""
-    print(f"\nrollout backend: native vs vllm ({hardware}, the paper's workload)")
+def backend_comparison(hardware: str, workload: Workload = PAPER_WORKLOAD, vllm_kv_cache_gib: float | None = None) -> None:
+    """The plan the planner picks for each rollout backend (actor.generation.backend), per case; vllm's KV cache
+    is ``vllm_kv_cache_gib`` per device, or all memory left."""
+    print(f"\nrollout backend: native vs vllm ({hardware}, the paper's workload; vllm KV cache "
+          f"{f'{vllm_kv_cache_gib:g} GiB' if vllm_kv_cache_gib else 'all memory left'})")
     print(f"{'model':<10} {'GPUs':>4}  {'backend':<7} {'planner':<44} {'actor (gen)':<26} {'waves x batch':>13} "
           f"{'load s':>6} {'gen s':>7} {'iter s':>7}")
     for model, num_devices in BACKEND_CASES:
         cluster = Cluster(num_devices=num_devices, devices_per_node=8, hardware=load_hardware(hardware))
         for backend in ("native", "vllm"):
+            kv_cache_gib = vllm_kv_cache_gib if backend == "vllm" else None
             try:
-                best = plan("ppo", dict.fromkeys(PPO_ROLES, model), workload, cluster, top=1, backend=backend)
+                best = plan("ppo", dict.fromkeys(PPO_ROLES, model), workload, cluster, top=1, backend=backend,
+                            kv_cache_gib=kv_cache_gib)
             except ValueError as error:
                 print(f"{model:<10} {num_devices:>4}  {backend:<7} no plan: {error}")
                 continue
             actor = best.strategies["actor"]
             planner = Planner(dataflow=dataflow("ppo"), models=resolve_models(dict.fromkeys(PPO_ROLES, model)),
-                              workload=workload, cluster=cluster, backend=backend)
+                              workload=workload, cluster=cluster, backend=backend, kv_cache_gib=kv_cache_gib)
             pool = best.pool_of("actor")
             cost = planner.set_result(pool.roles, pool.num_devices).costs["actor"]
             waves = f"{cost.details['generation_waves']:.0f} x {cost.details['generation_batch']:.0f}"
@@ -351,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pad-uneven", action="store_true",
                         help="sweep: allow layouts that do not split the batch evenly (padded, as the paper's 48-GPU "
                              "pools need); the trainer cannot run them")
+    parser.add_argument("--vllm-kv-cache-gib", type=float, default=None,
+                        help="--backends: vLLM's KV cache per device (default: all memory left)")
     parser.add_argument("--paged-kv", action="store_true",
                         help="sweep only, what-if: the native backend (tensor-parallel generation, no weight copy) with "
                              "vLLM's paged KV cache, as the paper's vLLM 0.3.1 inside the 3D-HybridEngine had")
@@ -379,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         native_decode_check()
     elif args.backends:
         backend_comparison(args.hardware, replace(PAPER_WORKLOAD, micro_batch_tokens=args.micro_batch_tokens,
-                                                  pad_uneven=args.pad_uneven))
+                                                  pad_uneven=args.pad_uneven), args.vllm_kv_cache_gib)
     elif args.paged_kv:
         paper_sweep(args.hardware, replace(PAPER_WORKLOAD, micro_batch_tokens=args.micro_batch_tokens,
                                            pad_uneven=args.pad_uneven), replace(NATIVE, paged_kv_cache=True))
