@@ -218,3 +218,34 @@ def test_a_fixed_kv_cache_size_bounds_the_batch_and_must_fit_in_the_memory_left(
     with pytest.raises(ValueError, match=r"kv_cache_gib \(actor.generation.vllm_kv_cache_gib\) must be a number > 0 "
                                          r"or None \(all memory left\), got -1"):
         plan("ppo", models, workload, cluster, backend="vllm", kv_cache_gib=-1)
+
+
+def test_auto_mapping_plans_for_the_configs_backend_and_its_vllm_kv_cache(monkeypatch):
+    import importlib.util
+
+    from hybridflow.trainers import auto_mapping
+    from hybridflow.trainers.config import load_rl_config
+
+    # the config refuses backend=vllm where vLLM is not installed; the planner itself does not need it
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: object() if name == "vllm" else real_find_spec(name, *args))
+    calls = []
+    import hybridflow.mapping
+
+    def recording_plan(*args, **kwargs):
+        calls.append(kwargs)
+        return hybridflow.mapping.search.plan(*args, **kwargs)
+
+    monkeypatch.setattr(hybridflow.mapping, "plan", recording_plan)  # auto_mapping imports it when it runs
+    base = ["data.train_path=train.jsonl", "actor.model.builtin=arithmetic", "reward.model.builtin=arithmetic",
+            "placement.pools={cluster: [4]}", "placement.mapping=auto", "placement.hardware=a100-80g",
+            "batch.prompts_per_step=16", "batch.mini_batch_size=16"]
+    resolved, chosen = auto_mapping.resolve_auto_mapping(load_rl_config(None, [
+        *base, "actor.generation.backend=vllm", "actor.generation.vllm_kv_cache_gib=0.5"]))
+    assert calls[-1]["backend"] == "vllm" and calls[-1]["kv_cache_gib"] == 0.5
+    assert chosen.backend == "vllm"
+    assert (resolved.actor.hybrid_engine.pp_size, resolved.actor.hybrid_engine.tp_size) == (1, 1)
+    _, native = auto_mapping.resolve_auto_mapping(load_rl_config(None, base))
+    assert calls[-1]["backend"] == "native" and calls[-1]["kv_cache_gib"] is None
+    assert native.backend == "native"
