@@ -293,7 +293,8 @@ BACKEND_CASES = (("llama-7b", 16), ("llama-7b", 64), ("llama-13b", 16), ("llama-
                  ("llama-34b", 64), ("llama-34b", 128))
 
 
-def backend_comparison(hardware: str, workload: Workload = PAPER_WORKLOAD, vllm_kv_cache_gib: float | None = None) -> None:
+def backend_comparison(hardware: str, workload: Workload = PAPER_WORKLOAD,
+                       vllm_kv_cache_gib: float | None = None) -> None:
     """The plan the planner picks for each rollout backend (actor.generation.backend), per case; vllm's KV cache
     is ``vllm_kv_cache_gib`` per device, or all memory left."""
     print(f"\nrollout backend: native vs vllm ({hardware}, the paper's workload; vllm KV cache "
@@ -358,8 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vllm-kv-cache-gib", type=float, default=None,
                         help="--backends: vLLM's KV cache per device (default: all memory left)")
     parser.add_argument("--paged-kv", action="store_true",
-                        help="sweep only, what-if: the native backend (tensor-parallel generation, no weight copy) with "
-                             "vLLM's paged KV cache, as the paper's vLLM 0.3.1 inside the 3D-HybridEngine had")
+                        help="sweep only, what-if: the native backend (tensor-parallel generation, no weight "
+                             "copy) with vLLM's paged KV cache, as the paper's vLLM 0.3.1 in the 3D-HybridEngine had")
     parser.add_argument("--backends", action="store_true",
                         help="print the plans the native and the vllm rollout backends get on the paper's workload")
     parser.add_argument("--native-decode", action="store_true",
