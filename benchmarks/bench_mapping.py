@@ -1,6 +1,8 @@
 """Auto-mapping benchmark: search time, the paper's placement sweep, and predicted-vs-measured ranking.
 
     python benchmarks/bench_mapping.py                      # paper vs planner, figure 15, search times
+    python benchmarks/bench_mapping.py --backends           # native vs vllm rollout: the plans each gets
+    python benchmarks/bench_mapping.py --native-decode      # the native engine's measured H100 decode, predicted
     python benchmarks/bench_mapping.py --template out.json  # tiny-PPO layouts to measure, with predictions
     python benchmarks/bench_mapping.py --measure runs.json  # run each layout with the PPO trainer (Ray)
     python benchmarks/bench_mapping.py --validate-measured measured.json   # Spearman rho vs measurements
@@ -23,6 +25,7 @@ from dataclasses import replace
 from hybridflow.mapping import (Cluster, Plan, PoolPlan, RoleStrategy, Workload, load_hardware, plan, simulate_plan,
                                 spearman_correlation)
 from hybridflow.mapping.dataflow import dataflow
+from hybridflow.mapping.rollout import NATIVE, RolloutBackend
 from hybridflow.mapping.search import Planner, resolve_models
 
 PPO_ROLES = ("actor", "critic", "reference", "reward")
@@ -45,8 +48,10 @@ def _short(plan: Plan) -> str:
     return f"{plan.placement_label} {plan.allocation_label}"
 
 
-def paper_sweep(hardware: str, workload: Workload = PAPER_WORKLOAD) -> None:
+def paper_sweep(hardware: str, workload: Workload = PAPER_WORKLOAD, backend: RolloutBackend = NATIVE) -> None:
     """Paper vs planner for every case of section 8.3, with the paper's placement's rank and time."""
+    if backend != NATIVE:
+        print(f"what-if rollout model: {backend}")
     print(f"PPO, 4 models of one size, {workload.prompts_per_step} prompts, prompt {workload.prompt_length} + "
           f"response {workload.response_length}, mini-batch {workload.samples_per_update}, micro-batch "
           f"{workload.sequences_per_micro_batch} sequence(s), {hardware}, 8 per node"
@@ -56,7 +61,7 @@ def paper_sweep(hardware: str, workload: Workload = PAPER_WORKLOAD) -> None:
     for (model, num_devices), paper in PAPER_PLACEMENTS.items():
         cluster = Cluster(num_devices=num_devices, devices_per_node=8, hardware=load_hardware(hardware))
         start = time.perf_counter()
-        best = plan("ppo", dict.fromkeys(PPO_ROLES, model), workload, cluster, top=15)
+        best = plan("ppo", dict.fromkeys(PPO_ROLES, model), workload, cluster, top=15, backend=backend)
         seconds = time.perf_counter() - start
         ranked = [best, *best.alternatives]
         label = PAPER_LABELS[paper.split()[0]]
@@ -284,6 +289,65 @@ def validate_measured(path: str) -> float:
     return rho
 
 
+BACKEND_CASES = (("llama-7b", 16), ("llama-7b", 64), ("llama-13b", 16), ("llama-13b", 64), ("llama-13b", 128),
+                 ("llama-34b", 64), ("llama-34b", 128))
+
+
+def backend_comparison(hardware: str, workload: Workload = PAPER_WORKLOAD,
+                       vllm_kv_cache_gib: float | None = None) -> None:
+    """The plan the planner picks for each rollout backend (actor.generation.backend), per case; vllm's KV cache
+    is ``vllm_kv_cache_gib`` per device, or all memory left."""
+    print(f"\nrollout backend: native vs vllm ({hardware}, the paper's workload; vllm KV cache "
+          f"{f'{vllm_kv_cache_gib:g} GiB' if vllm_kv_cache_gib else 'all memory left'})")
+    print(f"{'model':<10} {'GPUs':>4}  {'backend':<7} {'planner':<44} {'actor (gen)':<26} {'waves x batch':>13} "
+          f"{'load s':>6} {'gen s':>7} {'iter s':>7}")
+    for model, num_devices in BACKEND_CASES:
+        cluster = Cluster(num_devices=num_devices, devices_per_node=8, hardware=load_hardware(hardware))
+        for backend in ("native", "vllm"):
+            kv_cache_gib = vllm_kv_cache_gib if backend == "vllm" else None
+            try:
+                best = plan("ppo", dict.fromkeys(PPO_ROLES, model), workload, cluster, top=1, backend=backend,
+                            kv_cache_gib=kv_cache_gib)
+            except ValueError as error:
+                print(f"{model:<10} {num_devices:>4}  {backend:<7} no plan: {error}")
+                continue
+            actor = best.strategies["actor"]
+            planner = Planner(dataflow=dataflow("ppo"), models=resolve_models(dict.fromkeys(PPO_ROLES, model)),
+                              workload=workload, cluster=cluster, backend=backend, kv_cache_gib=kv_cache_gib)
+            pool = best.pool_of("actor")
+            cost = planner.set_result(pool.roles, pool.num_devices).costs["actor"]
+            waves = f"{cost.details['generation_waves']:.0f} x {cost.details['generation_batch']:.0f}"
+            print(f"{model:<10} {num_devices:>4}  {backend:<7} {_short(best):<44} {actor.describe():<26} "
+                  f"{waves:>13} {cost.details['weight_load_seconds']:>6.2f} "
+                  f"{best.stage_seconds['generation']:>7.1f} {best.total_seconds:>7.1f}")
+
+
+def native_decode_check() -> None:
+    """The native engine's one GPU decode measurement (benchmarks/README.md, "GPU smoke plan": TinyLlama-1.1B's
+    shape, bf16, 128 rows, prompt 128, 256 new tokens, one H100: 17,794-24,041 tokens/s) as the simulator
+    predicts it with h100-80g, and with the host time per sequence traded for a lower decode bandwidth."""
+    from hybridflow.mapping.hardware import HardwareProfile
+    from hybridflow.mapping.model_spec import spec_from_hf_config
+    from hybridflow.mapping.rollout import NATIVE
+    from hybridflow.mapping.simulator import Simulator
+
+    spec = spec_from_hf_config({"hidden_size": 2048, "num_hidden_layers": 22, "num_attention_heads": 32,
+                                "num_key_value_heads": 4, "intermediate_size": 5632, "vocab_size": 32000},
+                               name="tinyllama-1.1b")
+    workload = Workload(prompts_per_step=128, prompt_length=128, response_length=256)
+    strategy = RoleStrategy(layout="3d", generation_pp_size=1, generation_tp_size=1)
+    base = load_hardware("h100-80g")
+    print("native decode, TinyLlama-1.1B shape, 128 rows, prompt 128 + 256 new tokens, one H100 "
+          "(measured 17,794-24,041 tokens/s)")
+    for changes in ({}, {"decode_host_seconds_per_sequence": 0.0},
+                    {"decode_host_seconds_per_sequence": 0.0, "native_decode_bandwidth_fraction": 0.12}):
+        hardware = HardwareProfile(**(base.to_dict() | changes))
+        simulator = Simulator(workload=workload, cluster=Cluster(num_devices=1, devices_per_node=1, hardware=hardware),
+                              backend=NATIVE)
+        seconds, _ = simulator.generation_seconds(spec, strategy, 1, 60 * 1024**3)
+        print(f"  h100-80g {changes or '(as shipped)'}: {128 * 256 / seconds:,.0f} tokens/s predicted")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hardware", default="a100-80g", help="profile of the sweep (default a100-80g)")
@@ -292,6 +356,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pad-uneven", action="store_true",
                         help="sweep: allow layouts that do not split the batch evenly (padded, as the paper's 48-GPU "
                              "pools need); the trainer cannot run them")
+    parser.add_argument("--vllm-kv-cache-gib", type=float, default=None,
+                        help="--backends: vLLM's KV cache per device (default: all memory left)")
+    parser.add_argument("--paged-kv", action="store_true",
+                        help="sweep only, what-if: the native backend (tensor-parallel generation, no weight "
+                             "copy) with vLLM's paged KV cache, as the paper's vLLM 0.3.1 in the 3D-HybridEngine had")
+    parser.add_argument("--backends", action="store_true",
+                        help="print the plans the native and the vllm rollout backends get on the paper's workload")
+    parser.add_argument("--native-decode", action="store_true",
+                        help="predict the native engine's measured H100 decode (benchmarks/README.md)")
     parser.add_argument("--template", metavar="PATH", help="write the tiny-PPO layouts to measure (cpu-local)")
     parser.add_argument("--template-hardware", default="cpu-local", help="profile of the template's predictions")
     parser.add_argument("--model", default="tiny", help="template: model of every role (name or HF directory)")
@@ -309,6 +382,14 @@ def main(argv: list[str] | None = None) -> int:
         measure(args.measure, steps=args.steps)
     elif args.validate_measured:
         validate_measured(args.validate_measured)
+    elif args.native_decode:
+        native_decode_check()
+    elif args.backends:
+        backend_comparison(args.hardware, replace(PAPER_WORKLOAD, micro_batch_tokens=args.micro_batch_tokens,
+                                                  pad_uneven=args.pad_uneven), args.vllm_kv_cache_gib)
+    elif args.paged_kv:
+        paper_sweep(args.hardware, replace(PAPER_WORKLOAD, micro_batch_tokens=args.micro_batch_tokens,
+                                           pad_uneven=args.pad_uneven), replace(NATIVE, paged_kv_cache=True))
     else:
         workload = replace(PAPER_WORKLOAD, micro_batch_tokens=args.micro_batch_tokens, pad_uneven=args.pad_uneven)
         paper_sweep(args.hardware, workload)

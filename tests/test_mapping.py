@@ -231,7 +231,7 @@ def test_generation_runs_in_as_many_waves_as_the_kv_budget_requires():
     assert simulator.kv_bytes_per_sequence(spec, strategy) == per_sequence
     # 2 replicas of 32 sequences; room for 10 at once -> 4 waves of 8
     seconds, details = simulator.generation_seconds(spec, strategy, 2, 10.5 * per_sequence)
-    assert details == {"generation_waves": 4.0, "generation_batch": 8.0}
+    assert details == {"generation_waves": 4.0, "generation_batch": 8.0, "weight_load_seconds": 0.0}
     assert simulator.generation_seconds(spec, strategy, 2, 0.5 * per_sequence) is None
     # decoding streams the weights every step: it is memory-bound, so it beats compute-bound time
     decode_floor = 4 * 28 * spec.matmul_params() * 2 / (2.039e12 * 0.8)

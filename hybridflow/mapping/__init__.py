@@ -16,6 +16,7 @@ from hybridflow.mapping.hardware import HardwareProfile, load_hardware
 from hybridflow.mapping.model_spec import KNOWN_MODELS, ModelSpec, model_spec
 from hybridflow.mapping.plan import Plan, PoolPlan, format_table
 from hybridflow.mapping.ranking import spearman_correlation
+from hybridflow.mapping.rollout import ROLLOUT_BACKENDS, RolloutBackend, rollout_backend
 from hybridflow.mapping.search import Planner, plan, set_partitions, simulate_plan
 from hybridflow.mapping.strategy import RoleStrategy
 from hybridflow.mapping.workload import Workload
@@ -23,5 +24,6 @@ from hybridflow.mapping.workload import Workload
 __all__ = [
     "Cluster", "DATAFLOWS", "STAGES", "Dataflow", "dataflow", "HardwareProfile", "load_hardware",
     "KNOWN_MODELS", "ModelSpec", "model_spec", "Plan", "PoolPlan", "format_table", "spearman_correlation",
+    "ROLLOUT_BACKENDS", "RolloutBackend", "rollout_backend",
     "Planner", "plan", "set_partitions", "simulate_plan", "RoleStrategy", "Workload",
 ]

@@ -17,6 +17,7 @@ from hybridflow.mapping.dataflow import DATAFLOWS, Dataflow, dataflow
 from hybridflow.mapping.hardware import LOCAL_PROFILE_NAMES, builtin_profile_names, load_hardware
 from hybridflow.mapping.model_spec import KNOWN_MODELS
 from hybridflow.mapping.plan import format_table
+from hybridflow.mapping.rollout import ROLLOUT_BACKENDS
 from hybridflow.mapping.search import plan
 from hybridflow.mapping.workload import Workload
 
@@ -46,6 +47,12 @@ def _plan_parser() -> argparse.ArgumentParser:
     parser.add_argument("--hardware", default="a100-80g",
                         help=f"{', '.join(builtin_profile_names())}, {' or '.join(LOCAL_PROFILE_NAMES.values())} "
                              f"(after `hybridflow calibrate`) or a profile JSON file (default a100-80g)")
+    parser.add_argument("--backend", default="native",
+                        help=f"the actor's rollout engine, actor.generation.backend: {', '.join(ROLLOUT_BACKENDS)} "
+                             f"(default native; vllm generates with tg = pg = 1 only)")
+    parser.add_argument("--kv-cache-gib", type=float, default=None,
+                        help="KV cache the rollout engine allocates per device, GiB (vllm: "
+                             "actor.generation.vllm_kv_cache_gib); default: all memory the roles leave")
     parser.add_argument("--top", type=int, default=10, help="placements to list (default 10)")
     parser.add_argument("--write", metavar="PATH", help="write the chosen plan as a YAML config fragment")
     return parser
@@ -70,6 +77,9 @@ def _dataflow_and_models(args: argparse.Namespace) -> tuple[Dataflow, dict[str, 
 def plan_main(argv: list[str]) -> int:
     args = _plan_parser().parse_args(argv)
     try:
+        if args.backend not in ROLLOUT_BACKENDS:
+            raise ValueError(f"--backend (actor.generation.backend) must be one of {', '.join(ROLLOUT_BACKENDS)}, "
+                             f"got {args.backend!r}")
         if args.write:
             _check_writable(args.write)
         workload = Workload(prompts_per_step=args.batch, prompt_length=args.prompt_len,
@@ -80,12 +90,14 @@ def plan_main(argv: list[str]) -> int:
                           hardware=load_hardware(args.hardware))
         start = time.perf_counter()
         flow, models = _dataflow_and_models(args)
-        best = plan(flow, models, workload, cluster, top=args.top)
+        best = plan(flow, models, workload, cluster, top=args.top, backend=args.backend,
+                    kv_cache_gib=args.kv_cache_gib)
         search_seconds = time.perf_counter() - start
     except ValueError as error:
         print(f"hybridflow plan: {error}", file=sys.stderr)
         return 2
-    print(f"{args.algorithm} on {args.devices} x {cluster.hardware.name} ({args.per_node} per node); "
+    print(f"{args.algorithm} on {args.devices} x {cluster.hardware.name} ({args.per_node} per node), "
+          f"{best.backend} rollout; "
           f"search took {search_seconds:.2f} s\n")
     print(best.describe())
     print(f"\ntop placements (each with its best allocation):\n{format_table([best, *best.alternatives])}")
@@ -95,7 +107,7 @@ def plan_main(argv: list[str]) -> int:
         with open(args.write, "w") as handle:
             handle.write(f"# hybridflow plan: {best.placement_label} on {best.allocation_label} devices, "
                          f"predicted {best.total_seconds:.1f} s per iteration ({cluster.hardware.name})\n"
-                         f"# planned for: {_workload_text(workload)}\n")
+                         f"# planned for: {_workload_text(workload)}, rollout backend {best.backend}\n")
             yaml.safe_dump(best.to_config_fragment(), handle, sort_keys=False)
         print(f"\nwrote {args.write}")
     return 0

@@ -65,6 +65,11 @@ class HardwareProfile:
     """Host seconds per sequence of a replica's batch per decode step that do not overlap the device
     (the rollout engine's scheduling, sampling and bookkeeping run between steps): a replica decoding
     B sequences pays B times this per generated token. 0 where decoding is device-bound."""
+    native_decode_bandwidth_fraction: float | None = None
+    """Achievable share of memory_bandwidth by the decode of hybridflow's own rollout engine
+    (``actor.generation.backend: native``: plain PyTorch ops, static decode replayed as CUDA graphs), where
+    it differs from a serving engine's fused kernels (memory_bandwidth_fraction, which the vllm backend
+    uses). None: the same as memory_bandwidth_fraction (not measured on this device type)."""
     layer_overhead_s: float = 0.0
     """Host seconds per decoder layer per forward pass that do not overlap with compute (a backward
     counts twice): eager op dispatch on CPU, measured by calibrate; 0 on GPUs, whose kernel launches run
@@ -89,6 +94,11 @@ class HardwareProfile:
             value = getattr(self, field_name)
             if not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"HardwareProfile.{field_name} must be >= 0 seconds, got {value!r}")
+        fraction = self.native_decode_bandwidth_fraction
+        if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, (int, float))
+                                     or not 0 < fraction <= 1):
+            raise ValueError(f"HardwareProfile.native_decode_bandwidth_fraction must be in (0, 1] or null "
+                             f"(same as memory_bandwidth_fraction), got {fraction!r}")
         if self.compute_dtype not in ("bf16", "fp32"):
             raise ValueError(f"HardwareProfile.compute_dtype must be 'bf16' or 'fp32', got {self.compute_dtype!r}")
         if not isinstance(self.compute_units_per_node, int) or self.compute_units_per_node < 0:

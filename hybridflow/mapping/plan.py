@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from hybridflow.mapping.dataflow import STAGES
+from hybridflow.mapping.rollout import rollout_backend
 from hybridflow.mapping.strategy import RoleStrategy
 
 
@@ -51,8 +52,13 @@ class Plan:
     workload: Any = field(default=None, compare=False)
     """The ``Workload`` (batch, lengths, epochs) this plan was planned for; None for a plan read from a config.
     Applying a plan to a run with another workload is refused (``apply_plan``)."""
+    backend: str | None = None
+    """The actor's rollout engine it was planned for (``actor.generation.backend``: native or vllm; written into
+    the config fragment); None for a fragment that does not name one."""
 
     def __post_init__(self) -> None:
+        if self.backend is not None:
+            rollout_backend(self.backend)  # ValueError naming the allowed values
         placed = [role for pool in self.pools for role in pool.roles]
         if len(placed) != len(set(placed)):
             raise ValueError(f"Plan places a role on several pools: {placed}")
@@ -87,7 +93,8 @@ class Plan:
     # ---- config fragment ---------------------------------------------------------------------
     def to_config_fragment(self) -> dict[str, Any]:
         """The trainer config keys of this plan: placement.pools/roles, <role>.engine.*, actor.hybrid_engine.*
-        (what ``hybridflow plan --out`` writes; ``hybridflow train`` applies a plan with typed replacement,
+        and actor.generation.backend when the plan records one
+        (what ``hybridflow plan --write`` writes; ``hybridflow train`` applies a plan with typed replacement,
         ``hybridflow.trainers.auto_mapping.apply_plan``)."""
         fragment: dict[str, Any] = {
             "placement": {
@@ -101,6 +108,8 @@ class Plan:
             if strategy.generates:
                 section["hybrid_engine"] = {"pp_size": strategy.generation_pp_size,
                                          "tp_size": strategy.generation_tp_size}
+                if self.backend is not None:
+                    section["generation"] = {"backend": self.backend}
         return fragment
 
     @classmethod
@@ -125,6 +134,7 @@ class Plan:
             for name, counts in pools_cfg.items() if name in roles_cfg.values()
         )
         strategies = {}
+        backend = None
         for role in roles_cfg:
             section = fragment.get(role, {}) or {}
             engine = section.get("engine", {}) or {}
@@ -135,7 +145,9 @@ class Plan:
                 generation_pp_size=int(generation.get("pp_size", 1)) if generation is not None else 0,
                 generation_tp_size=int(generation.get("tp_size", 1)) if generation is not None else 0,
             )
-        return cls(pools=pools, strategies=strategies)
+            if generation is not None:
+                backend = (section.get("generation", {}) or {}).get("backend", backend)
+        return cls(pools=pools, strategies=strategies, backend=backend)
 
     # ---- text --------------------------------------------------------------------------------
     def describe(self) -> str:

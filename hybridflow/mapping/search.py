@@ -22,6 +22,7 @@ from hybridflow.mapping.dataflow import STAGES, Dataflow, dataflow as get_datafl
 from hybridflow.mapping.hardware import GIB
 from hybridflow.mapping.model_spec import ModelSpec, model_spec
 from hybridflow.mapping.plan import Plan, PoolPlan
+from hybridflow.mapping.rollout import RolloutBackend, rollout_backend
 from hybridflow.mapping.simulator import RoleCost, Simulator
 from hybridflow.mapping.strategy import RoleStrategy, generation_strategies, training_strategies
 from hybridflow.mapping.workload import Workload
@@ -97,7 +98,15 @@ class Planner:
     """Searches the mappings of one dataflow, its models, a workload and a cluster."""
 
     def __init__(self, *, dataflow: Dataflow, models: Mapping[str, ModelSpec], workload: Workload,
-                 cluster: Cluster) -> None:
+                 cluster: Cluster, backend: str | RolloutBackend = "native",
+                 kv_cache_gib: float | None = None) -> None:
+        """``backend``: the actor's rollout engine (``actor.generation.backend``: native or vllm).
+        ``kv_cache_gib``: the KV cache the rollout engine allocates per device, GiB (vllm:
+        ``actor.generation.vllm_kv_cache_gib``); None: whatever memory the colocated roles leave."""
+        if kv_cache_gib is not None and (isinstance(kv_cache_gib, bool) or not isinstance(kv_cache_gib, (int, float))
+                                         or not kv_cache_gib > 0):
+            raise ValueError(f"kv_cache_gib (actor.generation.vllm_kv_cache_gib) must be a number > 0 or None "
+                             f"(all memory left), got {kv_cache_gib!r}")
         missing = sorted(set(dataflow.roles) - set(models))
         extra = sorted(set(models) - set(dataflow.roles))
         if missing or extra:
@@ -107,6 +116,8 @@ class Planner:
         self.models = dict(models)
         self.workload = workload
         self.cluster = cluster
+        self.backend = rollout_backend(backend)
+        self.kv_cache_bytes = None if kv_cache_gib is None else kv_cache_gib * GIB
         self._simulators: dict[float, Simulator] = {}
         self.simulator = self._simulator(1.0)
         self._candidates: dict[tuple, list[RoleCost]] = {}
@@ -119,7 +130,8 @@ class Planner:
         """The role's layouts on ``num_devices`` that split the batch evenly, as the trainer requires:
         d divides the samples per step (and, for trained roles, the samples per update); the actor's
         generation replicas n / (pg tg) divide the prompts per step. With ``Workload.pad_uneven`` every layout
-        is allowed (the simulator charges each rank ceil(samples / d))."""
+        is allowed (the simulator charges each rank ceil(samples / d)). The actor generates only with the
+        (pg, tg) its rollout backend supports (vllm: 1, 1)."""
         spec, kind, workload = self.models[role], self.dataflow.roles[role], self.workload
         even = not workload.pad_uneven
         for strategy in training_strategies(spec, num_devices=num_devices, node_size=self.cluster.node_size):
@@ -131,6 +143,8 @@ class Planner:
                 yield strategy
                 continue
             for with_generation in generation_strategies(strategy):
+                if not self.backend.supports(with_generation.generation_pp_size, with_generation.generation_tp_size):
+                    continue
                 replicas = num_devices // (with_generation.generation_pp_size * with_generation.generation_tp_size)
                 if not even or workload.prompts_per_step % replicas == 0:
                     yield with_generation
@@ -139,7 +153,8 @@ class Planner:
         if compute_share not in self._simulators:
             self._simulators[compute_share] = Simulator(workload=self.workload, cluster=self.cluster,
                                                         generation_passes=self.dataflow.generation_passes,
-                                                        compute_share=compute_share)
+                                                        compute_share=compute_share, backend=self.backend,
+                                                        kv_cache_bytes=self.kv_cache_bytes)
         return self._simulators[compute_share]
 
     def stage_shares(self, sets: Sequence[tuple[str, ...]], allocation: Sequence[int]) -> tuple[float, ...]:
@@ -284,7 +299,7 @@ class Planner:
         pools = tuple(PoolPlan(name="_".join(roles), roles=roles,
                                devices_per_node=tuple(self.cluster.pool_nodes(count)))
                       for roles, count in zip(sets, allocation))
-        return self._assemble(pools, results)
+        return replace(self._assemble(pools, results), backend=self.backend.name)
 
     @staticmethod
     def _assemble(pools: Sequence[PoolPlan], results: Sequence[SetResult]) -> Plan:
@@ -319,6 +334,11 @@ class Planner:
                                      f"node of {self.cluster.node_size}")
                 if (self.dataflow.roles[role] == "actor") != strategy.generates:
                     raise ValueError(f"role {role!r}: generation sizes must be given for the actor and only for it")
+                if strategy.generates and not self.backend.supports(strategy.generation_pp_size,
+                                                                    strategy.generation_tp_size):
+                    raise ValueError(f"role {role!r}: actor.generation.backend={self.backend.name!r} generates with "
+                                     f"hybrid_engine pp_size = tp_size = 1 only, got pp_size="
+                                     f"{strategy.generation_pp_size}, tp_size={strategy.generation_tp_size}")
             actor = self.dataflow.actor_role if self.dataflow.actor_role in pool.roles else None
             costs = {}
             for role in pool.roles:
@@ -333,7 +353,7 @@ class Planner:
                 raise ValueError(f"pool {pool.name!r} ({', '.join(pool.roles)}) does not fit in "
                                  f"{count} devices of {self._usable_text()} with the given strategies")
             results.append(SetResult(costs=costs))
-        return self._assemble(layout.pools, results)
+        return replace(self._assemble(layout.pools, results), backend=self.backend.name)
 
     def search(self) -> list[Plan]:
         """The fastest allocation of every feasible placement, fastest placement first."""
@@ -390,7 +410,10 @@ class Planner:
                 f"{total} devices: its most memory-frugal layout needs {need / GIB:.1f} GiB per device "
                 f"(weights{', gradients, optimizer state' if kind != 'inference' else ''}, activations"
                 f"{', generation weights and one sequence of KV cache' if kind == 'actor' else ''}), "
-                f"but a device has {self._usable_text()}; use more devices or a smaller model")
+                f"but a device has {self._usable_text()}; use more devices or a smaller model"
+                + (f" (actor.generation.backend={self.backend.name!r} generates with tg = pg = 1 and keeps its own "
+                   f"copy of the weights: the whole model twice per device; the native backend shards it)"
+                   if kind == "actor" and not self.backend.model_parallel_generation else ""))
 
     def _footprint(self, role: str, strategy: RoleStrategy, num_devices: int) -> float:
         simulator = self.simulator
@@ -400,7 +423,10 @@ class Planner:
         transient = simulator.transient_bytes(spec, head, strategy, trained=trained, num_devices=num_devices)
         if kind != "actor":
             return need + transient
-        generation = simulator.generation_extra_bytes(spec, strategy) + simulator.kv_bytes_per_sequence(spec, strategy)
+        kv_cache = simulator.kv_bytes_per_sequence(spec, strategy)
+        if self.kv_cache_bytes is not None:
+            kv_cache = max(kv_cache, self.kv_cache_bytes)
+        generation = simulator.generation_extra_bytes(spec, strategy) + kv_cache
         return need + max(transient, generation)
 
 
@@ -410,21 +436,29 @@ def resolve_models(models: Mapping[str, str | ModelSpec]) -> dict[str, ModelSpec
 
 
 def plan(dataflow: Dataflow | str, models: Mapping[str, str | ModelSpec], workload: Workload,
-         cluster: Cluster, *, top: int = 10) -> Plan:
-    """The fastest plan, with up to ``top - 1`` other placements (ranked) as ``alternatives``."""
+         cluster: Cluster, *, top: int = 10, backend: str | RolloutBackend = "native",
+         kv_cache_gib: float | None = None) -> Plan:
+    """The fastest plan, with up to ``top - 1`` other placements (ranked) as ``alternatives``, for the actor's
+    rollout ``backend`` (``actor.generation.backend``: native or vllm; the plan records it), whose KV cache takes
+    ``kv_cache_gib`` per device (vllm: ``actor.generation.vllm_kv_cache_gib``) or, if None, all memory left."""
     flow = get_dataflow(dataflow)
     if not isinstance(top, int) or top < 1:
         raise ValueError(f"top must be a positive integer, got {top!r}")
-    ranked = Planner(dataflow=flow, models=resolve_models(models), workload=workload, cluster=cluster).search()
+    ranked = Planner(dataflow=flow, models=resolve_models(models), workload=workload, cluster=cluster,
+                     backend=backend, kv_cache_gib=kv_cache_gib).search()
     best = ranked[0]
     return Plan(pools=best.pools, strategies=best.strategies, stage_seconds=best.stage_seconds,
                 pool_stage_seconds=best.pool_stage_seconds, role_stage_seconds=best.role_stage_seconds,
-                alternatives=tuple(ranked[1:top]))
+                alternatives=tuple(ranked[1:top]), backend=best.backend)
 
 
 def simulate_plan(layout: Plan, dataflow: Dataflow | str, models: Mapping[str, str | ModelSpec],
-                  workload: Workload, cluster: Cluster) -> Plan:
-    """``layout`` (e.g. ``Plan.from_config_fragment(config)``) with its predicted stage times filled in."""
+                  workload: Workload, cluster: Cluster, *, backend: str | RolloutBackend | None = None,
+                  kv_cache_gib: float | None = None) -> Plan:
+    """``layout`` (e.g. ``Plan.from_config_fragment(config)``) with its predicted stage times filled in, for the
+    rollout ``backend`` given, else the one the layout records, else native."""
     flow = get_dataflow(dataflow)
-    planner = Planner(dataflow=flow, models=resolve_models(models), workload=workload, cluster=cluster)
+    backend = backend if backend is not None else (layout.backend or "native")
+    planner = Planner(dataflow=flow, models=resolve_models(models), workload=workload, cluster=cluster,
+                      backend=backend, kv_cache_gib=kv_cache_gib)
     return planner.simulate(layout)

@@ -7,7 +7,9 @@ all-reduce (3d), overlapped parameter gathers (fsdp). Generation is modeled as m
 decode step streams the weights and the KV cache of its batch through memory (roofline with the
 step's FLOPs), pays 2 tensor-parallel all-reduces per layer and the rollout engine's host time per
 sequence of the replica's batch; the batch is bounded by the memory left for the KV cache, and the
-actor pays the 3D-HybridEngine's resharding (paper Table 2) before generating. Links (NVLink or
+actor pays the 3D-HybridEngine's resharding (paper Table 2) before generating. The rollout backend
+(hybridflow.mapping.rollout: native or vllm) sets the KV cache a sequence in flight holds, whether the
+engine keeps (and loads every step) a weight copy of its own, and the decode bandwidth. Links (NVLink or
 the inter-node network) follow the rank order of hybridflow.parallel.layout.
 
 Symbols in the formulas: N parameters (that multiply per token), L layers, h hidden size,
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field
 
 from hybridflow.mapping.cluster import Cluster
 from hybridflow.mapping.model_spec import ModelSpec
+from hybridflow.mapping.rollout import NATIVE, RolloutBackend
 from hybridflow.mapping.strategy import RoleStrategy
 from hybridflow.mapping.workload import Workload
 from hybridflow.parallel.layout import GenerationLayout, ParallelLayout
@@ -101,10 +104,17 @@ class Simulator:
     """Cost model of one workload on one cluster; every method is per role and per strategy."""
 
     def __init__(self, *, workload: Workload, cluster: Cluster, generation_passes: int = 1,
-                 compute_share: float = 1.0) -> None:
+                 compute_share: float = 1.0, backend: RolloutBackend = NATIVE,
+                 kv_cache_bytes: float | None = None) -> None:
         """``compute_share``: the share of a device each process gets (Cluster.compute_share of the
-        processes busy at the same time; below 1 only for CPU processes outnumbering cores)."""
+        processes busy at the same time; below 1 only for CPU processes outnumbering cores).
+        ``backend``: the actor's rollout engine (``actor.generation.backend``). ``kv_cache_bytes``: the KV
+        cache the engine allocates per device (vLLM: ``actor.generation.vllm_kv_cache_gib``), which must fit
+        in the memory left; None: the KV cache takes all memory left."""
         assert 0 < compute_share <= 1, compute_share
+        assert kv_cache_bytes is None or kv_cache_bytes > 0, kv_cache_bytes
+        self.backend = backend
+        self.kv_cache_bytes = kv_cache_bytes
         self.workload = workload
         self.cluster = cluster
         self.generation_passes = generation_passes
@@ -113,6 +123,8 @@ class Simulator:
         self.element_bytes = hardware.element_bytes
         self.flops = hardware.peak_flops * hardware.flops_fraction * compute_share
         self.memory_bandwidth = hardware.memory_bandwidth * hardware.memory_bandwidth_fraction * compute_share
+        self.decode_memory_bandwidth = (hardware.memory_bandwidth * backend.decode_bandwidth_fraction(hardware)
+                                        * compute_share)
         self.budget_bytes = hardware.usable_memory_bytes
         # dispatch is host work: an oversubscribed core slows it down like compute
         self.layer_overhead_s = hardware.layer_overhead_s / compute_share
@@ -261,15 +273,25 @@ class Simulator:
         return spec.num_params(head="lm") * self.element_bytes / gen_size
 
     def generation_extra_bytes(self, spec: ModelSpec, strategy: RoleStrategy) -> float:
-        """Per device: the generation weights the actor holds beside its training state while generating."""
+        """Per device: the generation weights the actor holds beside its training state while generating
+        (with a backend that keeps its own copy, at the moment that copy is loaded, when the KV cache is
+        already allocated)."""
         model_bytes = spec.num_params(head="lm") * self.element_bytes
+        own_copy = self.generation_weight_bytes(spec, strategy) if self.backend.own_weight_copy else 0.0
         if strategy.layout == "fsdp":
-            return model_bytes  # a full compute-dtype copy next to the fp32 shards
+            return model_bytes + own_copy  # a full compute-dtype copy next to the fp32 shards
         if self.element_bytes == MASTER_WEIGHT_BYTES:  # fp32: the training shard is one piece of the
             # generation shard, used in place (zero redundancy): only the gathered pieces are extra
-            return self.generation_weight_bytes(spec, strategy) - model_bytes / strategy.model_parallel_size
+            return self.generation_weight_bytes(spec, strategy) - model_bytes / strategy.model_parallel_size + own_copy
         # bf16 generation from fp32 master weights: the hybrid engine casts into a new shard
-        return self.generation_weight_bytes(spec, strategy)
+        return self.generation_weight_bytes(spec, strategy) + own_copy
+
+    def weight_load_seconds(self, spec: ModelSpec, strategy: RoleStrategy) -> float:
+        """A backend with its own weight copy: the in-place copy of the generation shard into it before the
+        rollout, one read and one write of the shard per device at memory bandwidth; 0 for the native engine."""
+        if not self.backend.own_weight_copy:
+            return 0.0
+        return 2 * self.generation_weight_bytes(spec, strategy) / self.memory_bandwidth
 
     def transition_seconds(self, spec: ModelSpec, strategy: RoleStrategy, num_devices: int) -> float:
         """3D-HybridEngine train -> generate: all-gather inside micro-DP groups of dg = t p / (tg pg) ranks.
@@ -293,7 +315,8 @@ class Simulator:
         return (micro_dp_size - 1) * latency + received / bandwidth
 
     def kv_bytes_per_sequence(self, spec: ModelSpec, strategy: RoleStrategy) -> float:
-        """Per device: keys and values of one full sequence on this rank's layers and heads."""
+        """Per device: keys and values of one full sequence on this rank's layers and heads (what must fit for
+        generation to run at all, with either backend: vLLM refuses to start below one such sequence)."""
         kv_shards = min(strategy.generation_tp_size, spec.num_kv_heads)
         layers = spec.num_layers / strategy.generation_pp_size
         return 2 * layers * spec.kv_dim / kv_shards * self.workload.sequence_length * self.element_bytes
@@ -304,9 +327,14 @@ class Simulator:
         workload = self.workload
         tg, pg = strategy.generation_tp_size, strategy.generation_pp_size
         kv_per_sequence = self.kv_bytes_per_sequence(spec, strategy)
-        max_batch = int(kv_budget_bytes // kv_per_sequence) if kv_budget_bytes > 0 else 0
-        if max_batch < 1:
+        if kv_budget_bytes < kv_per_sequence:
             return None
+        # sequences in flight: the native engine preallocates P + T positions per row of a wave; a paged
+        # cache with continuous batching holds each sequence's live context, P + T/2 on average
+        occupied = self.backend.kv_tokens_per_sequence(workload.prompt_length, workload.response_length)
+        kv_in_flight = kv_per_sequence if occupied == workload.sequence_length \
+            else kv_per_sequence * occupied / workload.sequence_length
+        max_batch = int(kv_budget_bytes // kv_in_flight)
         replicas = num_devices // (tg * pg)
         sequences = math.ceil(workload.num_samples / replicas)
         waves = math.ceil(sequences / max_batch)
@@ -327,7 +355,7 @@ class Simulator:
             stage_bytes = matmul_params * e / (tg * pg) + kv_tokens * kv_bytes_per_token
             stage_flops = (2 * new_tokens * matmul_params + 4 * attention_pairs * h * layers) / (tg * pg)
             stage_tp = 2 * layers / pg * self.all_reduce_seconds(new_tokens * h * e, tg, tg)
-            stage = max(stage_bytes / self.memory_bandwidth, stage_flops / self.flops) + stage_tp \
+            stage = max(stage_bytes / self.decode_memory_bandwidth, stage_flops / self.flops) + stage_tp \
                 + layers / pg * self.layer_overhead_s
             sends = (pg - 1) * self.send_seconds(new_tokens * h * e, tg * pg) if pg > 1 else 0.0
             return pg * stage + sends
@@ -339,8 +367,11 @@ class Simulator:
         # pay more of it than many small ones
         host = batch * self.cluster.hardware.decode_host_seconds_per_sequence / self.compute_share
         decode = response_len * (pass_seconds(batch, batch * mean_context, batch * mean_context) + host)
-        seconds = self.generation_passes * waves * (prefill + decode)
-        return seconds, {"generation_waves": float(waves), "generation_batch": float(batch)}
+        # a backend with its own weight copy loads it once per step (remax's second pass reuses it)
+        weight_load = self.weight_load_seconds(spec, strategy)
+        seconds = self.generation_passes * waves * (prefill + decode) + weight_load
+        return seconds, {"generation_waves": float(waves), "generation_batch": float(batch),
+                         "weight_load_seconds": weight_load}
 
     # ---- one role ----------------------------------------------------------------------------
     def role_cost(self, *, kind: str, spec: ModelSpec, head: str, strategy: RoleStrategy, num_devices: int,
@@ -359,6 +390,10 @@ class Simulator:
         if kind == "actor":
             generation_extra = self.generation_extra_bytes(spec, strategy)
             kv_budget = self.budget_bytes - other_resident_bytes - resident - generation_extra
+            if self.kv_cache_bytes is not None:  # a fixed allocation: it fits whole or not at all
+                if self.kv_cache_bytes > kv_budget:
+                    return None
+                kv_budget = self.kv_cache_bytes
             generated = self.generation_seconds(spec, strategy, num_devices, kv_budget)
             if generated is None:
                 return None

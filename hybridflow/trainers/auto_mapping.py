@@ -40,10 +40,14 @@ def workload_of(config: RLConfig):
 
 def apply_plan(config: RLConfig, plan) -> RLConfig:
     """``config`` placed and laid out as ``plan`` says (a manual placement): pools, roles, engine sizes, the
-    actor's generation sizes. Refuses a plan made for another workload."""
+    actor's generation sizes. Refuses a plan made for another workload or another rollout backend."""
     if plan.workload is not None and plan.workload != workload_of(config):
         raise ValueError(f"the plan was made for {plan.workload}, not this run's {workload_of(config)}; "
                          f"plan again for this config")
+    backend = config.actor.generation.backend
+    if plan.backend is not None and plan.backend != backend:
+        raise ValueError(f"the plan was made for actor.generation.backend={plan.backend!r}, not this run's "
+                         f"{backend!r}; plan again for this config")
     sections = {}
     for role, strategy in plan.strategies.items():
         section = config.section_of(role)
@@ -96,6 +100,10 @@ def resolve_auto_mapping(config: RLConfig):
     devices_per_node = [count for counts in config.placement.pools.values() for count in counts]
     cluster = Cluster(num_devices=sum(devices_per_node), devices_per_node=max(devices_per_node),
                       hardware=hardware_of(config))
-    best = replace(plan(flow, {role: _model_of(config, role) for role in roles}, workload, cluster), workload=workload)
+    generation = config.actor.generation
+    # vLLM allocates exactly vllm_kv_cache_gib; the native engine's cache takes what is left
+    kv_cache_gib = generation.vllm_kv_cache_gib if generation.backend == "vllm" else None
+    best = replace(plan(flow, {role: _model_of(config, role) for role in roles}, workload, cluster,
+                        backend=generation.backend, kv_cache_gib=kv_cache_gib), workload=workload)
     return apply_plan(config, best), best
 
