@@ -57,6 +57,9 @@ def _rollouts_under_tp(rank: int, world_size: int, tp_size: int, gen_tp_size: in
     from hybridflow.workers.actor import next_token_loss_fn
     from hybridflow.workers.base import SEQUENCE_KEYS, tensors_of
 
+    from hybridflow.controller.worker import WorkerContext, set_worker_context
+
+    set_worker_context(WorkerContext(rank=rank, world_size=world_size, local_rank=rank, node_id="local"))
     native, vllm = _actor("native", tp_size, gen_tp_size), _actor("vllm", tp_size, gen_tp_size)
     replica = vllm.hybrid.replica
     prompts = _prompts(4, seed=replica)  # each replica its own prompts
