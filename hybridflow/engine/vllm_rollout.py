@@ -8,9 +8,12 @@ Life of the engine on one actor rank:
    no weights are read from disk and no tokenizer is loaded (token ids in, token ids out). On CPU, vLLM
    prepacks every linear weight into a oneDNN/SGL handle and drops the tensor; we give each linear layer
    back a plain weight tensor of our own and route it through ``F.linear``, so later updates are copies
-   into existing tensors instead of a repack (``WEIGHTS_NOTE``).
+   into existing tensors instead of a repack (``WEIGHTS_NOTE``). With tg > 1 every rank builds its engine
+   at once (``external_launcher`` executor over the caller's torch.distributed world), vLLM's TP groups
+   being the hybrid engine's generation TP groups (``vllm_tp_groups``) and its vocabulary split into the
+   same equal chunks (``vocab_padding``).
 2. Every rollout: the hybrid engine gathers this rank's generation shard (its micro-DP all-gather, the
-   bytes of the paper's Table 2); ``load_weights`` copies its pieces straight into vLLM's fused
+   bytes of the paper's Table 2); ``load_weights`` copies its pieces straight into vLLM's (TP-sharded) fused
    parameters (q/k/v rows into ``qkv_proj``, gate/up rows into ``gate_up_proj``, the vocabulary into the
    padded embedding and head). The gathered pieces are then dropped and vLLM generates.
 3. After the rollout the KV cache and the weight copy are released for training: vLLM's sleep mode where
