@@ -135,3 +135,39 @@ def test_vllm_tg2_of_a_tp2_actor_loads_each_ranks_training_shard_and_equals_the_
     results = run_distributed(_rollouts_under_tp, 2, 2, 2, timeout_s=600)
     assert [r["vllm_stats"]["bytes_received"] for r in results] == [0, 0]
     _check(results, 2, expected_groups=[[0, 1]])
+
+
+@pytest.mark.slow
+def test_grpo_on_ray_with_a_tp2_actor_rolls_out_on_vllm_tg2_with_rollout_logprobs_matching_training(
+        ray_session, tmp_path):
+    """The driver, protocols and workers unchanged: two Ray actor ranks, one vLLM replica of tg = 2."""
+    from hybridflow.data import write_jsonl
+    from hybridflow.data.builtin import ArithmeticTaskConfig, prompt_rows
+    from hybridflow.trainers.config import load_rl_config
+    from hybridflow.trainers.ppo import RLTrainer
+
+    write_jsonl(tmp_path / "train.jsonl", prompt_rows(8, split="train", seed=0, config=ArithmeticTaskConfig(max_digits=1)))
+    config = load_rl_config(None, [
+        f"data.train_path={tmp_path / 'train.jsonl'}", "actor.model.builtin=arithmetic", "reward.function=arithmetic",
+        "placement.pools={all: [2]}", "actor.engine.layout=3d", "actor.engine.tp_size=2",
+        "actor.hybrid_engine.tp_size=2", "actor.generation.backend=vllm", "actor.generation.vllm_kv_cache_gib=0.0625",
+        "actor.generation.max_new_tokens=4", "algorithm.advantage_estimator=grpo", "batch.prompts_per_step=2",
+        "batch.samples_per_prompt=2", "batch.mini_batch_size=4", "trainer.total_steps=2",
+        "trainer.progress_bar=false", "trainer.resume=false", f"trainer.output_dir={tmp_path / 'run'}"])
+    trainer = RLTrainer(config, mode="ray", tensorboard=False)
+    try:
+        history = trainer.fit()
+    finally:
+        trainer.shutdown()
+    from hybridflow.engine.hybrid_engine import parameter_shapes
+    from hybridflow.models.config import ModelConfig
+    from hybridflow.models.loader import hf_config_of
+    from hybridflow.trainers.build import model_config_of
+
+    hf_config = hf_config_of(model_config_of(ModelConfig(builtin="arithmetic"), head="lm", seed=0))
+    assert set(parameter_shapes(hf_config))  # the shard formula below covers every parameter
+    for step in history:
+        assert step["rollout/vllm_bytes_loaded"] == _generation_shard_bytes(hf_config, 2)
+        assert step["rollout/bytes_received"] == 0  # t = tg: the training shard is the generation shard
+        # fp32 on both sides: vLLM's sampled log-probs are the training engine's to rounding
+        assert step["rollout/logprob_abs_diff_max"] < 1e-4 and step["rollout/sequence_kl"] < 1e-6
