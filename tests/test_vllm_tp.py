@@ -171,3 +171,56 @@ def test_grpo_on_ray_with_a_tp2_actor_rolls_out_on_vllm_tg2_with_rollout_logprob
         assert step["rollout/bytes_received"] == 0  # t = tg: the training shard is the generation shard
         # fp32 on both sides: vLLM's sampled log-probs are the training engine's to rounding
         assert step["rollout/logprob_abs_diff_max"] < 1e-4 and step["rollout/sequence_kl"] < 1e-6
+
+
+def _smollm2_under_tg3(rank: int, world_size: int) -> dict:
+    """SmolLM2-135M cut into t = 3 training shards; the hybrid engine's tg = 3 shard generates natively and in vLLM."""
+    from transformers import AutoModelForCausalLM
+
+    from hybridflow.engine.generation import GenerationConfig
+    from hybridflow.engine.hybrid_engine import HybridEngine, HybridEngineConfig, cut_training_shards
+    from hybridflow.engine.vllm_rollout import VllmRollout
+    from hybridflow.models import load_tokenizer
+    from hybridflow.models.smollm2 import smollm2_path
+    from hybridflow.parallel.layout import ParallelLayout
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2_path(), dtype=torch.float32)
+    hf_config, state = model.config, model.state_dict()
+    layout = ParallelLayout.for_world(world_size, tp_size=world_size)
+    shards = cut_training_shards(state, hf_config, layout, rank)
+    del model, state
+    tokenizer = load_tokenizer(smollm2_path())  # left padding
+    texts = ["The capital of France is", "Question: what is 12 + 30? Answer:",
+             "def fibonacci(n):", "Once upon a time, in a small village,"]
+    encoded = tokenizer(texts, return_tensors="pt", padding=True)
+    prompts_BP, mask_BP = encoded["input_ids"], encoded["attention_mask"]
+    config = GenerationConfig(backend="vllm", max_new_tokens=8, greedy=True, vllm_kv_cache_gib=0.125)
+    hybrid = HybridEngine(hf_config, layout, HybridEngineConfig(tp_size=world_size))
+    hybrid.to_generation(shards)
+    native = hybrid.generate(prompts_BP, mask_BP, config)
+    rollout = VllmRollout(hf_config, dtype=torch.float32, config=config,
+                          tp_groups=[hybrid.generation_layout.replica_ranks(0)])
+    load = rollout.load_weights(hybrid.engine.stage.weights)
+    hybrid.to_training()
+    got = rollout.generate(prompts_BP, mask_BP, config)
+    rollout.release()
+    return {"native": {k: native[k].numpy() for k in ("responses", "logprobs")},
+            "vllm": {k: got[k].numpy() for k in ("responses", "logprobs")},
+            "loaded": load.bytes_loaded, "shard": sum(s.numel() * 4 for s in shards.values())}
+
+
+@pytest.mark.slow
+@pytest.mark.needs_smollm2
+def test_vllm_tg3_on_smollm2_equals_the_native_engine_in_fp32():
+    """SmolLM2's 9 heads and 3 key/value heads split 3 ways (tg = 2 does not divide them)."""
+    from hybridflow.models.smollm2 import smollm2_path
+
+    if smollm2_path() is None:
+        pytest.skip("SmolLM2-135M not converted; run `python scripts/get_smollm2.py`")
+    results = run_distributed(_smollm2_under_tg3, 3, timeout_s=1200)
+    for result in results:
+        assert (result["vllm"]["responses"] == result["native"]["responses"]).all()
+        torch.testing.assert_close(torch.from_numpy(result["vllm"]["logprobs"]),
+                                   torch.from_numpy(result["native"]["logprobs"]), rtol=1e-3, atol=1e-3)
+        assert result["loaded"] == result["shard"]  # t = tg: each rank loads exactly its training shard
+    assert (results[0]["vllm"]["responses"] == results[1]["vllm"]["responses"]).all()
