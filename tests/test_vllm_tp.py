@@ -2,8 +2,9 @@
 
 Every rank of a spawned gloo world builds a native actor and a vLLM actor with the same model, layout and
 seed; each generation replica generates its own prompts with both, before and after one training step.
-Skipped where vLLM is not installed. Starting vLLM engines on every rank takes minutes on a loaded 2-core
-machine, so these tests are slow and each spawns one world.
+SmolLM2 runs under tg = 3, and GRPO on Ray with a tg = 2 rollout. Skipped where vLLM is not installed.
+Starting vLLM engines on every rank takes minutes on a loaded 2-core machine, so these tests are slow and
+each starts one world (a vLLM engine per process, built once).
 """
 
 from __future__ import annotations
