@@ -121,6 +121,32 @@ def _check(results: list[dict], gen_tp_size: int, expected_groups: list[list[int
                 assert (a["before"][1]["responses"] == b["before"][1]["responses"]).all()
 
 
+def test_vllms_group_lists_go_through_the_hybrid_order_and_its_vocabulary_pads_to_tg_only_while_building(
+        monkeypatch):
+    import inspect
+
+    import vllm.distributed.parallel_state as parallel_state
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    from hybridflow.engine.vllm_rollout import vllm_tp_groups, vocab_padding
+
+    calls = []
+    monkeypatch.setattr(parallel_state, "init_model_parallel_group",
+                        lambda group_ranks, *args, **kwargs: calls.append(group_ranks))
+    with vllm_tp_groups([[0, 2], [1, 3]]):  # t = 4, tg = 2: the hybrid grouping's strided TP groups
+        parallel_state.init_model_parallel_group([[0, 1], [2, 3]], 0, "gloo", group_name="tp")
+        parallel_state.init_model_parallel_group([[0], [1], [2], [3]], 0, "gloo", group_name="pp")
+    parallel_state.init_model_parallel_group([[0, 1], [2, 3]], 0, "gloo", group_name="tp")  # restored
+    assert calls == [[[0, 2], [1, 3]], [[0], [2], [1], [3]], [[0, 1], [2, 3]]]
+
+    def padding(cls):
+        return inspect.signature(cls.__init__).parameters["padding_size"].default
+
+    with vocab_padding(2):
+        assert padding(VocabParallelEmbedding) == padding(ParallelLMHead) == 2
+    assert padding(VocabParallelEmbedding) == padding(ParallelLMHead) == 64
+
+
 @pytest.mark.slow
 def test_vllm_tg2_over_strided_generation_groups_of_a_tp4_actor_equals_the_native_engine():
     """t = 4 -> tg = 2: generation TP groups {0, 2} and {1, 3} (stride t/tg), micro-DP groups {0, 1} and
