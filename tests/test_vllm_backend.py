@@ -53,14 +53,16 @@ def _full_weights(actor: ActorWorker) -> dict[str, list[torch.Tensor]]:
     return {name: [tensor.detach()] for name, tensor in training_shards(actor.engine).items()}
 
 
-def test_backend_vllm_with_generation_tensor_parallel_is_refused_naming_the_key():
+def test_backend_vllm_with_generation_pipeline_stages_is_refused_naming_the_key():
     from hybridflow.trainers.config import load_rl_config
 
-    with pytest.raises(ValueError, match=r"hybrid_engine.tp_size got 2; allowed: 1 with actor.generation.backend=vllm"):
-        load_rl_config(None, ["data.train_path=unused.jsonl", "actor.model.builtin=arithmetic",
-                              "reward.function=arithmetic", "actor.engine.layout=3d", "actor.engine.tp_size=2",
-                              "actor.hybrid_engine.tp_size=2",
-                              "actor.generation.backend=vllm"])
+    overrides = ["data.train_path=unused.jsonl", "actor.model.builtin=arithmetic", "reward.function=arithmetic",
+                 "actor.engine.layout=3d", "actor.generation.backend=vllm", "placement.pools.global=[2]"]
+    with pytest.raises(ValueError, match=r"hybrid_engine.pp_size got 2; allowed: 1 with actor.generation.backend=vllm"):
+        load_rl_config(None, [*overrides, "actor.engine.pp_size=2", "actor.hybrid_engine.pp_size=2"])
+    # tensor-parallel generation is accepted (tests/test_vllm_tp.py runs it)
+    config = load_rl_config(None, [*overrides, "actor.engine.tp_size=2", "actor.hybrid_engine.tp_size=2"])
+    assert config.actor.hybrid_engine.tp_size == 2
 
 
 def test_greedy_tokens_from_vllm_equal_the_native_engines_in_fp32(actors):

@@ -11,7 +11,8 @@ import torch
 from hybridflow.algorithms import rollout_logprob_mismatch
 from hybridflow.engine.generation_config import GenerationConfig
 from hybridflow.engine.hybrid_engine import parameter_shapes
-from hybridflow.engine.vllm_rollout import check_supported, copy_pieces, cut_at_stop_sequence, vllm_parameter_plan
+from hybridflow.engine.vllm_rollout import (check_supported, check_tp_groups, copy_pieces, cut_at_stop_sequence,
+                                           max_model_len, vllm_parameter_plan)
 from hybridflow.models.tiny import tiny_config
 
 
@@ -46,6 +47,39 @@ def test_vllm_plan_stacks_qkv_and_gate_up_rows_in_order_and_ties_the_head_to_the
     assert [s.hf_name for s in plan["model.layers.0.self_attn.o_proj.weight"]] == ["model.layers.0.self_attn.o_proj.weight"]
     with pytest.raises(ValueError, match="supports the llama, mistral and qwen2 families"):
         vllm_parameter_plan(shapes, ["model.layers.0.block_sparse_moe.gate.weight"], tie_word_embeddings=True)
+
+
+def test_vllm_plan_under_tensor_parallelism_stacks_each_parts_shard_and_keeps_row_parallel_rows_whole():
+    config = tiny_config("qwen2", num_hidden_layers=1, tie_word_embeddings=True)
+    shapes = parameter_shapes(config)
+    names = ["model.embed_tokens.weight", "model.layers.0.self_attn.qkv_proj.weight",
+             "model.layers.0.mlp.gate_up_proj.weight", "model.layers.0.self_attn.o_proj.weight",
+             "model.layers.0.input_layernorm.weight"]
+    plan = vllm_parameter_plan(shapes, names, tie_word_embeddings=True, tp_size=2)
+    q, kv = 64 // 2, 2 * 16 // 2  # this rank's 2 query heads and 1 kv head of 16 dims
+    assert [(s.offset, s.rows) for s in plan["model.layers.0.self_attn.qkv_proj.weight"]] == [
+        (0, q), (q, kv), (q + kv, kv)]
+    assert [(s.offset, s.rows) for s in plan["model.layers.0.mlp.gate_up_proj.weight"]] == [(0, 64), (64, 64)]
+    assert [s.rows for s in plan["model.embed_tokens.weight"]] == [256 // 2]
+    assert [s.rows for s in plan["model.layers.0.self_attn.o_proj.weight"]] == [64]  # split along dim 1
+    assert [s.rows for s in plan["model.layers.0.input_layernorm.weight"]] == [64]
+
+
+def test_vllm_tp_groups_must_be_equal_and_divide_the_heads_and_vocabulary():
+    config = tiny_config("llama")  # 4 heads, 2 kv heads, vocab 256
+    assert check_tp_groups([[0], [1]], config) == 1
+    with pytest.raises(ValueError, match=r"tp_groups must all have one size, got sizes \[1, 2\]"):
+        check_tp_groups([[0, 2], [1]], config)
+    with pytest.raises(ValueError, match="tensor_parallel_size 4 does not divide the model's num_key_value_heads 2"):
+        check_tp_groups([[0, 1, 2, 3]], config)
+    with pytest.raises(ValueError, match=r"must cover every rank of the torch.distributed world \(0..0\)"):
+        check_tp_groups([[0, 1]], config)  # this process's world has one rank (or none)
+
+
+def test_each_tp_rank_holds_its_share_of_the_kv_heads_so_a_longer_sequence_fits_its_kv_cache():
+    config = tiny_config("llama", hidden_size=128, max_position_embeddings=1 << 20)
+    one, two = (max_model_len(config, torch.float32, 0.0625, tp_size=size) for size in (1, 2))
+    assert one == 0.0625 * 2**30 * 0.9 // (2 * 4 * 2 * 32 * 4) // 128 * 128 and two > one  # K and V, 4 layers, 2 kv heads
 
 
 def test_pieces_of_a_generation_shard_are_copied_side_by_side_along_their_tensor_parallel_dim():

@@ -21,7 +21,7 @@ class GenerationConfig:
     backend: str = "native"
     """Rollout engine: "native" (hybridflow's decoder: any tg/pg, any device) or "vllm" (one in-process vLLM
     engine per generation replica, weights copied in place from the hybrid engine before every rollout;
-    needs ``pip install hybridflow[vllm]``, tg = pg = 1; see docs/generation.md)."""
+    needs ``pip install hybridflow[vllm]``, any tg, pg = 1; see docs/generation.md)."""
     vllm_kv_cache_gib: float = 1.0
     """backend=vllm: memory of vLLM's paged KV cache (GiB, allocated once, released between rollouts on
     CPU). Rows that do not fit wait for a free slot, as in vLLM's scheduler. It also caps the longest

@@ -8,9 +8,12 @@ Life of the engine on one actor rank:
    no weights are read from disk and no tokenizer is loaded (token ids in, token ids out). On CPU, vLLM
    prepacks every linear weight into a oneDNN/SGL handle and drops the tensor; we give each linear layer
    back a plain weight tensor of our own and route it through ``F.linear``, so later updates are copies
-   into existing tensors instead of a repack (``WEIGHTS_NOTE``).
+   into existing tensors instead of a repack (``WEIGHTS_NOTE``). With tg > 1 every rank builds its engine
+   at once (``external_launcher`` executor over the caller's torch.distributed world), vLLM's TP groups
+   being the hybrid engine's generation TP groups (``vllm_tp_groups``) and its vocabulary split into the
+   same equal chunks (``vocab_padding``).
 2. Every rollout: the hybrid engine gathers this rank's generation shard (its micro-DP all-gather, the
-   bytes of the paper's Table 2); ``load_weights`` copies its pieces straight into vLLM's fused
+   bytes of the paper's Table 2); ``load_weights`` copies its pieces straight into vLLM's (TP-sharded) fused
    parameters (q/k/v rows into ``qkv_proj``, gate/up rows into ``gate_up_proj``, the vocabulary into the
    padded embedding and head). The gathered pieces are then dropped and vLLM generates.
 3. After the rollout the KV cache and the weight copy are released for training: vLLM's sleep mode where
@@ -22,6 +25,7 @@ Shape legend: B rows (prompts x samples per prompt), P prompt length, T max new 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -65,11 +69,13 @@ class _Slot:
 
 
 def vllm_parameter_plan(hf_shapes: dict[str, torch.Size], vllm_names: list[str],
-                        tie_word_embeddings: bool) -> dict[str, list[_Slot]]:
-    """vLLM parameter name -> the Hugging Face parameters it is made of (full shapes, tg = 1).
+                        tie_word_embeddings: bool, tp_size: int = 1) -> dict[str, list[_Slot]]:
+    """vLLM parameter name -> the Hugging Face parameters it is made of, on one of ``tp_size`` ranks.
 
     q/k/v stack into ``qkv_proj`` and gate/up into ``gate_up_proj`` (weights and biases alike); every other
-    parameter maps to the one of the same name (``lm_head`` to the embedding when tied).
+    parameter maps to the one of the same name (``lm_head`` to the embedding when tied). Under tensor
+    parallelism a rank's fused parameter stacks the rank's shard of each part (its q heads, then its k and
+    v heads), so a part split along dim 0 takes 1/tp_size of its rows.
     """
     plan = {}
     for name in vllm_names:
@@ -87,7 +93,7 @@ def vllm_parameter_plan(hf_shapes: dict[str, torch.Size], vllm_names: list[str],
                              f"backend supports the llama, mistral and qwen2 families")
         slots, offset = [], 0
         for source in sources:
-            rows = hf_shapes[source][0]
+            rows = hf_shapes[source][0] // (tp_size if tp_shard_dim(source) == 0 else 1)
             slots.append(_Slot(source, offset, rows))
             offset += rows
         plan[name] = slots
@@ -142,11 +148,21 @@ def cut_at_stop_sequence(tokens: list[int], stop_sequences) -> int:
 
 
 class VllmRollout:
-    """One vLLM engine inside this process for this rank's generation replica (tg = pg = 1)."""
+    """One vLLM engine inside this process for this rank's generation replica (tg >= 1, pg = 1)."""
 
-    def __init__(self, hf_config, *, dtype: torch.dtype, config: GenerationConfig, seed: int = 0) -> None:
-        """Builds the engine once (tens of seconds): from ``hf_config`` only, with dummy weights."""
+    def __init__(self, hf_config, *, dtype: torch.dtype, config: GenerationConfig, seed: int = 0,
+                 tp_groups: list[list[int]] | None = None) -> None:
+        """Builds the engine once (tens of seconds): from ``hf_config`` only, with dummy weights.
+
+        ``tp_groups``: the generation tensor-parallel groups of the whole torch.distributed world (the
+        same list on every rank, each group ordered by generation TP rank), as the 3D-HybridEngine built
+        them. Groups of one rank (or None): each rank runs its own engine (uniprocess executor). Larger
+        groups: every rank of the world builds its engine in the same call (collective), vLLM's tensor
+        parallelism running over exactly these groups (``external_launcher`` executor, ``vllm_tp_groups``).
+        """
         check_supported(hf_config)
+        tp_groups = tp_groups or [[0]]
+        self.tp_size = check_tp_groups(tp_groups, hf_config)
         # an in-process engine core: no extra process, the caller's threads and torch.distributed world
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
@@ -158,25 +174,36 @@ class VllmRollout:
         # the temperature-1 distribution, as the native engine and the training engine record; with another
         # temperature, the tempered one (vLLM's processed log-probs, also shaped by top-k/top-p)
         tempered = not config.greedy and config.temperature != 1.0
+        parallel = {}
+        if self.tp_size > 1:
+            import torch.distributed as dist
+
+            # the executor reads this rank from the environment; torch.distributed is already ours
+            os.environ["RANK"] = str(dist.get_rank())
+            os.environ.setdefault("LOCAL_RANK", "0")
+            parallel = dict(tensor_parallel_size=self.tp_size, distributed_executor_backend="external_launcher")
         # vLLM's CPU worker replaces torch.set_num_threads process-wide with a no-op and drops torch to one
         # thread "for serving": both are restored below, so training keeps its threads (and so does vLLM)
         set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
         try:
-            self.llm = LLM(model=self._model_dir.name, skip_tokenizer_init=True, load_format="dummy",
-                           dtype=str(dtype).removeprefix("torch."), seed=seed,
-                           enforce_eager=config.vllm_enforce_eager,
-                           kv_cache_memory_bytes=int(config.vllm_kv_cache_gib * 2**30),
-                           max_model_len=max_model_len(hf_config, dtype, config.vllm_kv_cache_gib),
-                           enable_prefix_caching=True,
-                           logprobs_mode="processed_logprobs" if tempered else "raw_logprobs",
-                           enable_sleep_mode=_sleep_mode_available())
+            with vllm_tp_groups(tp_groups), vocab_padding(self.tp_size if self.tp_size > 1 else None):
+                self.llm = LLM(model=self._model_dir.name, skip_tokenizer_init=True, load_format="dummy",
+                               dtype=str(dtype).removeprefix("torch."), seed=seed,
+                               enforce_eager=config.vllm_enforce_eager,
+                               kv_cache_memory_bytes=int(config.vllm_kv_cache_gib * 2**30),
+                               max_model_len=max_model_len(hf_config, dtype, config.vllm_kv_cache_gib,
+                                                           tp_size=self.tp_size),
+                               enable_prefix_caching=True,
+                               logprobs_mode="processed_logprobs" if tempered else "raw_logprobs",
+                               enable_sleep_mode=_sleep_mode_available(), **parallel)
         finally:
             torch.set_num_threads = set_num_threads
             torch.set_num_threads(threads)
         self.model = _model_runner(self.llm).model
         self.params = dict(self.model.named_parameters())
         shapes = {name: torch.Size(shape) for name, shape in _hf_shapes(hf_config).items()}
-        self.plan = vllm_parameter_plan(shapes, list(self.params), hf_config.tie_word_embeddings)
+        self.plan = vllm_parameter_plan(shapes, list(self.params), hf_config.tie_word_embeddings,
+                                        tp_size=self.tp_size)
         self.sleeps = _sleep_mode_available()
         if not self.sleeps:
             self._own_linear_weights(shapes)
@@ -195,7 +222,7 @@ class VllmRollout:
             if weight.numel() == 0:
                 slots = self.plan[name]
                 rows = slots[-1].offset + slots[-1].rows
-                cols = shapes[slots[0].hf_name][1]
+                cols = shapes[slots[0].hf_name][1] // (self.tp_size if tp_shard_dim(slots[0].hf_name) == 1 else 1)
                 module.weight = torch.nn.Parameter(torch.zeros((rows, cols), dtype=weight.dtype), requires_grad=False)
                 self.params[name] = module.weight
             module.cpu_linear = torch.nn.functional.linear
@@ -205,8 +232,9 @@ class VllmRollout:
     @torch.no_grad()
     def load_weights(self, weights: dict[str, list[torch.Tensor]]) -> WeightLoadStats:
         """Copy this rank's generation shard (Hugging Face name -> pieces, as the hybrid engine built it)
-        into vLLM's parameters in place. Rows past the vocabulary (vLLM pads it to a multiple of 64) are never
-        read: no token id reaches them and vLLM cuts the logits to the vocabulary."""
+        into vLLM's parameters in place (this rank's TP shard of every layer when tg > 1). Rows past the
+        vocabulary (vLLM pads it to a multiple of 64 when tg = 1) are never read: no token id reaches them
+        and vLLM cuts the logits to the vocabulary."""
         start = time.perf_counter()
         self._reacquire()
         stats = WeightLoadStats()
@@ -306,11 +334,100 @@ def check_supported(hf_config) -> None:
                          f"{hf_config.num_attention_heads} heads). Use backend='native' for it")
 
 
-def max_model_len(hf_config, dtype: torch.dtype, kv_cache_gib: float) -> int:
-    """The longest sequence vLLM accepts: the model's context, or what one sequence's KV cache can take
-    within ``kv_cache_gib`` (vLLM refuses to start when one sequence of its max length does not fit)."""
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+def check_tp_groups(tp_groups: list[list[int]], hf_config) -> int:
+    """tg, the size of every group in ``tp_groups``; ValueError unless they partition the world into equal
+    groups (of distinct ranks) whose size divides the model's heads, key/value heads and vocabulary."""
+    sizes = {len(group) for group in tp_groups}
+    if len(sizes) != 1:
+        raise ValueError(f"vLLM tp_groups must all have one size, got sizes {sorted(sizes)} in {tp_groups}")
+    tp_size = sizes.pop()
+    if tp_size == 1:
+        return 1
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    for name, count in (("num_attention_heads", hf_config.num_attention_heads),
+                        ("num_key_value_heads", kv_heads), ("vocab_size", hf_config.vocab_size)):
+        if count % tp_size:
+            raise ValueError(f"vLLM tensor_parallel_size {tp_size} does not divide the model's {name} {count}; "
+                             f"allowed: a divisor of {count}")
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    ranks = sorted(r for group in tp_groups for r in group)
+    if ranks != list(range(world)):
+        raise ValueError(f"vLLM tp_groups must cover every rank of the torch.distributed world "
+                         f"(0..{world - 1}) exactly once, got {tp_groups}")
+    return tp_size
+
+
+@contextlib.contextmanager
+def vllm_tp_groups(tp_groups: list[list[int]]):
+    """While vLLM builds its engine, its parallel groups are made over ``tp_groups`` instead of consecutive ranks.
+
+    vLLM lays the world out as (external DP, DP, PP, PCP, TP) over ranks 0..N-1, TP innermost, so its TP
+    groups are consecutive ranks. We give vLLM the ranks in the order of ``tp_groups`` concatenated: every
+    group list vLLM computes (TP, PP, DP, EP, ...) goes through that order, so its position i stands for
+    world rank ``order[i]`` and its TP groups are exactly ``tp_groups`` (strided ones included). Nothing
+    else of vLLM reads rank numbers while the groups are built (``GroupCoordinator`` finds this rank in
+    each group it is given). No-op for groups of one rank.
+    """
+    if len({len(group) for group in tp_groups}) == 1 and len(tp_groups[0]) == 1:
+        yield
+        return
+    import vllm.distributed.parallel_state as parallel_state
+
+    order = [rank for group in tp_groups for rank in group]
+    original = parallel_state.init_model_parallel_group
+
+    def init_model_parallel_group(group_ranks, *args, **kwargs):
+        return original([[order[position] for position in group] for group in group_ranks], *args, **kwargs)
+
+    parallel_state.init_model_parallel_group = init_model_parallel_group
+    try:
+        yield
+    finally:
+        parallel_state.init_model_parallel_group = original
+
+
+@contextlib.contextmanager
+def vocab_padding(multiple: int | None):
+    """While vLLM builds its model, its vocabulary layers pad the vocabulary to ``multiple`` rows (None:
+    vLLM's default, 64).
+
+    vLLM pads the vocabulary to a multiple of 64 and splits the *padded* rows evenly over TP ranks, so
+    with a vocabulary that is not a multiple of 64*tg rank g's rows are not the g-th equal chunk of the
+    vocabulary that the hybrid engine's generation shard holds (vocab 24, tg 2: vLLM's rank 0 would hold
+    rows 0-23 and rank 1 only padding). Padding to tg (which divides the vocabulary) makes every rank's
+    rows exactly its chunk, so the embedding and head load from the shard with no exchange.
+    """
+    if multiple is None:
+        yield
+        return
+    import inspect
+
+    from vllm.model_executor.layers import vocab_parallel_embedding as vocab
+
+    saved = []
+    for cls in (vocab.VocabParallelEmbedding, vocab.ParallelLMHead):
+        init = cls.__init__
+        names = [p.name for p in inspect.signature(init).parameters.values()
+                 if p.default is not inspect.Parameter.empty and p.kind == p.POSITIONAL_OR_KEYWORD]
+        defaults = list(init.__defaults__)
+        defaults[names.index("padding_size")] = multiple
+        saved.append((init, init.__defaults__))
+        init.__defaults__ = tuple(defaults)
+    try:
+        yield
+    finally:
+        for init, defaults in saved:
+            init.__defaults__ = defaults
+
+
+def max_model_len(hf_config, dtype: torch.dtype, kv_cache_gib: float, *, tp_size: int = 1) -> int:
+    """The longest sequence vLLM accepts: the model's context, or what one sequence's KV cache can take
+    within ``kv_cache_gib`` on one of ``tp_size`` ranks (each holds 1/tp_size of the key/value heads;
+    vLLM refuses to start when one sequence of its max length does not fit)."""
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    kv_heads = (getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads) // tp_size
     bytes_per_token = 2 * hf_config.num_hidden_layers * kv_heads * head_dim * torch.finfo(dtype).bits // 8
     fits = int(kv_cache_gib * 2**30 * 0.9 // bytes_per_token) // 128 * 128  # 10% margin, whole 128-token blocks
     return min(int(getattr(hf_config, "max_position_embeddings", 4096)), max(128, fits))

@@ -69,9 +69,9 @@ class ActorSection:
             size, train_size = getattr(self.hybrid_engine, name), getattr(self.engine, name)
             require(train_size % size == 0, f"hybrid_engine.{name}", size,
                     f"a divisor of actor.engine.{name}={train_size}")
-            # the vLLM backend runs one engine per rank (docs/generation.md: why tg > 1 is not wired up)
-            require(self.generation.backend != "vllm" or size == 1, f"hybrid_engine.{name}", size,
-                    "1 with actor.generation.backend=vllm (use backend=native for tg/pg > 1)")
+        # the vLLM backend runs tensor-parallel generation only (docs/generation.md: why pg > 1 is not wired up)
+        require(self.generation.backend != "vllm" or self.hybrid_engine.pp_size == 1, "hybrid_engine.pp_size",
+                self.hybrid_engine.pp_size, "1 with actor.generation.backend=vllm (use backend=native for pg > 1)")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -101,16 +101,20 @@ class ActorWorker(ModelWorker):
         """This rank's vLLM engine, built once (tens of seconds) and reused by every later rollout."""
         if self.rollout is None:
             layout = self.hybrid.generation_layout
-            if not self.hybrid.strategy.whole_model and (layout.tp_size, layout.pp_size) != (1, 1):
-                raise ValueError(f"actor.generation.backend='vllm' runs tg = pg = 1 (one engine per rank); got "
-                                 f"actor.hybrid_engine tp_size={layout.tp_size}, pp_size={layout.pp_size}. "
-                                 "Use backend='native' for tg > 1 or pg > 1 (see docs/generation.md)")
+            whole = self.hybrid.strategy.whole_model
+            if not whole and layout.pp_size != 1:
+                raise ValueError(f"actor.hybrid_engine.pp_size={layout.pp_size}: backend='vllm' runs pg = 1 "
+                                 "(tensor-parallel generation only); use backend='native' for pg > 1 "
+                                 "(see docs/generation.md)")
             from hybridflow.engine.vllm_rollout import VllmRollout
 
+            # one vLLM engine per generation replica, tensor-parallel over the hybrid engine's own
+            # generation TP groups (each ordered by generation TP rank)
+            tp_groups = None if whole else [layout.replica_ranks(r) for r in range(layout.num_replicas)]
             # the spec's sampling defaults (not this call's overrides: a greedy validation may come first)
             # fix which log-probs vLLM records for the whole run
             self.rollout = VllmRollout(self.engine.hf_config, dtype=self.hybrid.dtype,
-                                       config=self.actor_spec.generation, seed=config.seed)
+                                       config=self.actor_spec.generation, seed=config.seed, tp_groups=tp_groups)
         return self.rollout
 
     @register("3D_ALL_MICRO_DP")
