@@ -46,6 +46,7 @@ def build_score_model_dir(policy_dir: Path, directory: Path, *, seed: int = 0) -
     """
     import torch
     from transformers import AutoConfig, AutoModelForTokenClassification
+    from transformers.utils import logging as transformers_logging
 
     target = directory / f"{policy_dir.name}-score"
     if (target / "model.safetensors").exists():
@@ -56,7 +57,12 @@ def build_score_model_dir(policy_dir: Path, directory: Path, *, seed: int = 0) -
             shutil.copy(path, target / path.name)
     config = AutoConfig.from_pretrained(str(policy_dir), num_labels=1)
     config.classifier_dropout = 0.0
-    model = AutoModelForTokenClassification.from_pretrained(str(policy_dir), config=config, dtype=torch.float32)
+    verbosity = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()  # the load report lists the new head and the unused lm_head
+    try:
+        model = AutoModelForTokenClassification.from_pretrained(str(policy_dir), config=config, dtype=torch.float32)
+    finally:
+        transformers_logging.set_verbosity(verbosity)
     generator = torch.Generator().manual_seed(seed)
     hidden = model.score.in_features
     with torch.no_grad():
