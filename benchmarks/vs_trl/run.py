@@ -156,8 +156,8 @@ def run_algorithm(algorithm: str, args, work: Path, prompts: Path, total_steps: 
             if side != "trl":
                 ratio = results[side]["tokens_per_s"] / results["trl"]["tokens_per_s"]
                 cpu_ratio = results[side]["tokens_per_cpu_s"] / results["trl"]["tokens_per_cpu_s"]
-                print(f"{label}{model:6s} {side} / trl throughput ratio: {ratio:.2f}x wall, {cpu_ratio:.2f}x per CPU-second",
-                      flush=True)
+                print(f"{label}{model:6s} {side} / trl throughput ratio: {ratio:.2f}x wall, "
+                      f"{cpu_ratio:.2f}x per CPU-second", flush=True)
     return rows
 
 

@@ -31,7 +31,8 @@ def main() -> None:
     parser.add_argument("--output-dir", required=True)
     args = parser.parse_args()
     if args.samples_per_prompt != 1:
-        raise ValueError(f"--samples-per-prompt: PPOTrainer samples one response per prompt, got {args.samples_per_prompt}")
+        raise ValueError(f"--samples-per-prompt: PPOTrainer samples one response per prompt (allowed: 1), "
+                         f"got {args.samples_per_prompt}")
 
     import torch
     from datasets import load_dataset
