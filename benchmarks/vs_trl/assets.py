@@ -36,6 +36,42 @@ def build_model_dir(name: str, directory: Path, *, seed: int = 0) -> Path:
     return target
 
 
+def build_score_model_dir(policy_dir: Path, directory: Path, *, seed: int = 0) -> Path:
+    """The PPO reward model and value-model init: the policy's backbone under a one-label scalar head.
+
+    Saved as ``LlamaForTokenClassification`` (what hybridflow's critic and reward workers load, head
+    ``score`` with a bias) with the head drawn from ``seed`` and the bias zeroed, so TRL's
+    ``AutoModelForSequenceClassification`` (the same ``score`` weight, no bias) computes the same
+    function. Both sides load this one directory for the reward model and for the value model.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForTokenClassification
+    from transformers.utils import logging as transformers_logging
+
+    target = directory / f"{policy_dir.name}-score"
+    if (target / "model.safetensors").exists():
+        return target
+    target.mkdir(parents=True, exist_ok=True)
+    for path in policy_dir.iterdir():
+        if path.name.startswith("tokenizer") or path.name == "special_tokens_map.json":
+            shutil.copy(path, target / path.name)
+    config = AutoConfig.from_pretrained(str(policy_dir), num_labels=1)
+    config.classifier_dropout = 0.0
+    verbosity = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()  # the load report lists the new head and the unused lm_head
+    try:
+        model = AutoModelForTokenClassification.from_pretrained(str(policy_dir), config=config, dtype=torch.float32)
+    finally:
+        transformers_logging.set_verbosity(verbosity)
+    generator = torch.Generator().manual_seed(seed)
+    hidden = model.score.in_features
+    with torch.no_grad():
+        model.score.weight.copy_(torch.randn(model.score.weight.shape, generator=generator) / (hidden + 1))
+        model.score.bias.zero_()
+    model.save_pretrained(str(target))
+    return target
+
+
 def build_prompts(path: Path, count: int, *, seed: int = 0) -> Path:
     """``count`` addition prompts ("a+b=") as JSON lines with a ``prompt`` field."""
     from hybridflow.data import write_jsonl

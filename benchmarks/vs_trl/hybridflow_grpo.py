@@ -40,9 +40,7 @@ def main() -> None:
     parser.add_argument("--local", action="store_true", help="single-process mode instead of the default Ray")
     args = parser.parse_args()
 
-    from hybridflow.controller import local_mode
     from hybridflow.trainers.config import load_rl_config
-    from hybridflow.trainers.ppo import RLTrainer
 
     samples = args.prompts_per_step * args.samples_per_prompt
     config = load_rl_config(None, [
@@ -53,6 +51,14 @@ def main() -> None:
         f"actor.engine.optim.lr={args.lr}", f"batch.prompts_per_step={args.prompts_per_step}",
         f"batch.samples_per_prompt={args.samples_per_prompt}", f"batch.mini_batch_size={samples}",
         f"trainer.total_steps={args.steps}", "trainer.progress_bar=false", f"trainer.output_dir={args.output_dir}"])
+    run_trainer(config, local=args.local)
+
+
+def run_trainer(config, *, local: bool) -> None:
+    """Build RLTrainer from ``config`` (in-process with ``local``, else on Ray) and print one JSON line per step."""
+    from hybridflow.controller import local_mode
+    from hybridflow.trainers.ppo import RLTrainer
+
     peak = {"worker": 0.0}
     last = {"t": time.perf_counter(), "cpu": 0.0}
 
@@ -70,7 +76,7 @@ def main() -> None:
         last["t"], last["cpu"] = time.perf_counter(), cpu
 
     start = time.perf_counter()
-    if args.local:
+    if local:
         with local_mode():
             trainer = RLTrainer(config, tensorboard=False)
     else:
@@ -78,7 +84,7 @@ def main() -> None:
     print(json.dumps({"startup_s": time.perf_counter() - start}), flush=True)
     last["t"], last["cpu"] = time.perf_counter(), time.process_time() + worker_usage()[1]
     try:
-        if args.local:
+        if local:
             with local_mode():
                 trainer.fit(on_step=on_step)
         else:

@@ -1,13 +1,18 @@
-"""hybridflow against TRL on identical GRPO work, side by side: `python benchmarks/vs_trl/run.py`.
+"""hybridflow against TRL on identical GRPO and PPO work, side by side: `python benchmarks/vs_trl/run.py`.
 
-1. Makes its own virtual environment under ``$HYBRIDFLOW_CACHE/vs_trl`` (default ~/.cache/hybridflow):
-   torch==2.13.0 first, then trl (1.16 for GRPOTrainer); reused on later runs.
+1. Makes its own virtual environments under ``$HYBRIDFLOW_CACHE/vs_trl`` (default ~/.cache/hybridflow):
+   torch==2.13.0 first, then trl (1.16 for GRPOTrainer, 1.12 for PPOTrainer, the last release that
+   has it); reused on later runs.
 2. Builds the shared assets: the built-in character tokenizer, random-init Llama directories
    (tiny, small; ``--models smollm2`` uses the converted SmolLM2-135M-Instruct), an addition prompt file; the reward is ``reward.py``, a plain function both call.
-3. Per model runs TRL's GRPOTrainer, then ``hybridflow`` at its defaults (Ray, one worker), with
-   matched settings: 32 prompts x 4 samples per step, at most 32 new tokens, temperature 1, no
-   top-p/top-k, stop at EOS, the same learning rate, one optimizer step per batch, no KL/reference,
-   fp32, 2 threads. The first ``--warmup`` steps are dropped.
+   PPO also gets a score model (the policy's backbone under a seeded one-label head,
+   ``assets.build_score_model_dir``): the reward model and the value model's init on both sides.
+3. Per algorithm (``--algorithms``, default both) and model runs TRL's trainer, then ``hybridflow``
+   at its defaults (Ray, one worker), with matched settings: 32 prompts per step (GRPO: x 4
+   samples, no KL/reference; PPO: 1 sample, reference, critic, reward model, KL in the reward with
+   ``--kl-coef``, GAE gamma 1 lambda 0.95, one PPO epoch of one mini-batch), at most 32 new tokens,
+   temperature 1, no top-p/top-k, stop at EOS, the same learning rate, one optimizer step per batch
+   per trained model, fp32, 2 threads. The first ``--warmup`` steps are dropped.
 4. Prints per-step time, tokens/s (prompt + response tokens per second of RL step), the
    generate / score / update split, peak memory, mean completion length, the load average and the
    ratio. The machine is shared: compare only within one run.
@@ -27,6 +32,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 TORCH_VERSION = "2.13.0"
 TRL_GRPO_VERSION = "1.16.0"
+TRL_PPO_VERSION = "1.12.0"
 
 
 def cache_dir() -> Path:
@@ -68,31 +74,47 @@ def run_side(command: list[str], env: dict, warmup: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=["tiny", "small"], help="tiny, small, smollm2")
+    parser.add_argument("--algorithms", nargs="+", default=["grpo", "ppo"], choices=["grpo", "ppo"])
     parser.add_argument("--steps", type=int, default=4, help="timed steps after warm-up")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--prompts-per-step", type=int, default=32)
     parser.add_argument("--samples-per-prompt", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--kl-coef", type=float, default=0.05, help="PPO's KL-in-reward coefficient (both sides)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--local", action="store_true", help="also run hybridflow --local (single process)")
     args = parser.parse_args()
 
     sys.path.insert(0, str(HERE))
     sys.path.insert(0, str(REPO))
-    from assets import build_model_dir, build_prompts
-    from transformers import AutoTokenizer
+    from assets import build_prompts
 
     work = cache_dir()
     total_steps = args.steps + args.warmup
     prompts = build_prompts(work / "prompts.jsonl", args.prompts_per_step * total_steps)
-    python_trl = trl_python(TRL_GRPO_VERSION)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": str(REPO), "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
+    rows = []
+    for algorithm in args.algorithms:
+        rows += run_algorithm(algorithm, args, work, prompts, total_steps, env)
+    (work / "results.json").write_text(json.dumps(rows, indent=1))
+
+
+def run_algorithm(algorithm: str, args, work: Path, prompts: Path, total_steps: int, env: dict) -> list:
+    """TRL then hybridflow on every model for ``algorithm``; prints a line per side and the ratios."""
+    from assets import build_model_dir, build_score_model_dir
+    from transformers import AutoTokenizer
+
+    samples_per_prompt = args.samples_per_prompt if algorithm == "grpo" else 1  # PPO: one response per prompt
+    python_trl = trl_python(TRL_GRPO_VERSION if algorithm == "grpo" else TRL_PPO_VERSION)
     common = ["--prompts", str(prompts), "--steps", str(total_steps), "--prompts-per-step",
-              str(args.prompts_per_step), "--samples-per-prompt", str(args.samples_per_prompt),
+              str(args.prompts_per_step), "--samples-per-prompt", str(samples_per_prompt),
               "--max-new-tokens", str(args.max_new_tokens), "--lr", str(args.lr)]
-    samples = args.prompts_per_step * args.samples_per_prompt
+    if algorithm == "ppo":
+        common += ["--kl-coef", str(args.kl_coef)]
+    samples = args.prompts_per_step * samples_per_prompt
+    label = "" if algorithm == "grpo" else "ppo "
     rows = []
     for model in args.models:
         if model == "smollm2":  # the converted checkpoint (hybridflow/models/smollm2.py), its own tokenizer
@@ -107,20 +129,24 @@ def main() -> None:
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         texts = [json.loads(line)["prompt"] for line in prompts.read_text().splitlines()]
         prompt_tokens = statistics.mean(len(tokenizer(text)["input_ids"]) for text in texts)
-        sides = {"trl": [python_trl, str(HERE / "trl_grpo.py"), "--threads", str(args.threads)],
-                 "hybridflow": [sys.executable, str(HERE / "hybridflow_grpo.py")]}
+        sides = {"trl": [python_trl, str(HERE / f"trl_{algorithm}.py"), "--threads", str(args.threads)],
+                 "hybridflow": [sys.executable, str(HERE / f"hybridflow_{algorithm}.py")]}
+        if algorithm == "ppo":
+            score_dir = ["--score-dir", str(build_score_model_dir(model_dir, work / "models"))]
+            sides = {side: command + score_dir for side, command in sides.items()}
         if args.local:
             sides["hybridflow --local"] = sides["hybridflow"] + ["--local"]
         results = {}
         for side, command in sides.items():
-            out = work / "runs" / model / side.replace(" ", "")
+            out = work / "runs" / (model if algorithm == "grpo" else f"ppo-{model}") / side.replace(" ", "")
             results[side] = run_side(command + ["--model-dir", str(model_dir), "--output-dir", str(out)] + common,
                                      env, args.warmup)
             r = results[side]
             r["tokens_per_s"] = samples * (prompt_tokens + r["completion_length"]) / r["step_s"]
+            r["algorithm"] = algorithm
             rows.append((model, side, r))
             r["tokens_per_cpu_s"] = samples * (prompt_tokens + r["completion_length"]) / r["cpu_s"]
-            print(f"{model:6s} {side:18s} step={r['step_s']:.3f}s tok/s={r['tokens_per_s']:8.0f} "
+            print(f"{label}{model:6s} {side:18s} step={r['step_s']:.3f}s tok/s={r['tokens_per_s']:8.0f} "
                   f"cpu={r['cpu_s']:.3f}s tok/cpu-s={r['tokens_per_cpu_s']:8.0f} "
                   f"gen={r['generate_s']:.3f} score={r['score_s']:.3f} update={r['update_s']:.3f} "
                   f"len={r['completion_length']:.1f} peak={r['peak_rss_gib']:.2f}GiB load={r['load']:.1f} "
@@ -130,9 +156,9 @@ def main() -> None:
             if side != "trl":
                 ratio = results[side]["tokens_per_s"] / results["trl"]["tokens_per_s"]
                 cpu_ratio = results[side]["tokens_per_cpu_s"] / results["trl"]["tokens_per_cpu_s"]
-                print(f"{model:6s} {side} / trl throughput ratio: {ratio:.2f}x wall, {cpu_ratio:.2f}x per CPU-second",
-                      flush=True)
-    (work / "results.json").write_text(json.dumps(rows, indent=1))
+                print(f"{label}{model:6s} {side} / trl throughput ratio: {ratio:.2f}x wall, "
+                      f"{cpu_ratio:.2f}x per CPU-second", flush=True)
+    return rows
 
 
 if __name__ == "__main__":

@@ -1,0 +1,51 @@
+"""hybridflow's side of PPO: the RL trainer at its default settings on the shared assets.
+
+The config states only the workload: PPO (``advantage_estimator: gae``, KL in the reward, the
+default k1 estimator), the policy and reference from ``--model-dir``, the critic and the reward
+model from ``--score-dir``, batch sizes, lengths, learning rate (the critic's set to the actor's, as
+TRL trains policy and value with one optimizer) and the KL coefficient; no performance knob. Prints
+one JSON line per step, like trl_ppo.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model-dir", required=True)
+    parser.add_argument("--score-dir", required=True)
+    parser.add_argument("--prompts", required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--prompts-per-step", type=int, required=True)
+    parser.add_argument("--samples-per-prompt", type=int, required=True)
+    parser.add_argument("--max-new-tokens", type=int, required=True)
+    parser.add_argument("--lr", type=float, required=True)
+    parser.add_argument("--kl-coef", type=float, required=True)
+    parser.add_argument("--output-dir", required=True)
+    parser.add_argument("--local", action="store_true", help="single-process mode instead of the default Ray")
+    args = parser.parse_args()
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from hybridflow_grpo import run_trainer
+
+    from hybridflow.trainers.config import load_rl_config
+
+    samples = args.prompts_per_step * args.samples_per_prompt
+    config = load_rl_config(None, [
+        f"data.train_path={args.prompts}", f"actor.model.path={args.model_dir}",
+        f"reward.model={{path: {args.score_dir}}}", f"critic.model={{path: {args.score_dir}}}",
+        "algorithm.advantage_estimator=gae", "algorithm.kl_mode=reward", f"algorithm.kl_coef={args.kl_coef}",
+        f"actor.generation.max_new_tokens={args.max_new_tokens}", "actor.generation.temperature=1.0",
+        f"actor.engine.optim.lr={args.lr}", f"critic.engine.optim.lr={args.lr}",
+        f"batch.prompts_per_step={args.prompts_per_step}", f"batch.samples_per_prompt={args.samples_per_prompt}",
+        f"batch.mini_batch_size={samples}", f"trainer.total_steps={args.steps}", "trainer.progress_bar=false",
+        f"trainer.output_dir={args.output_dir}"])
+    run_trainer(config, local=args.local)
+
+
+if __name__ == "__main__":
+    main()
