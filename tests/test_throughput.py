@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 from hybridflow.controller import local_mode
-from hybridflow.controller.host import threads_per_worker
+from hybridflow.controller.host import driver_thread_limit, threads_per_worker
 from hybridflow.data import write_jsonl
 from hybridflow.data.builtin import ArithmeticTaskConfig, prompt_rows
 from hybridflow.trainers.config import load_rl_config
@@ -17,6 +17,20 @@ def test_one_worker_uses_every_core_and_many_workers_split_them():
     assert threads_per_worker(1, cores=2) == 2
     assert threads_per_worker(2, cores=16) == 8
     assert threads_per_worker(4, cores=2) == 1
+
+
+def test_the_drivers_omp_num_threads_caps_each_workers_share_of_the_cores():
+    assert driver_thread_limit({}) is None
+    assert driver_thread_limit({"OMP_NUM_THREADS": "1"}) == 1
+    assert threads_per_worker(1, cores=2, limit=driver_thread_limit({"OMP_NUM_THREADS": "1"})) == 1
+    assert threads_per_worker(2, cores=16, limit=4) == 4
+    assert threads_per_worker(4, cores=2, limit=8) == 1
+
+
+@pytest.mark.parametrize("value", ["0", "two", "-1", "1.5"])
+def test_a_malformed_omp_num_threads_is_a_value_error_naming_the_variable(value):
+    with pytest.raises(ValueError, match=f"OMP_NUM_THREADS must be a positive integer, got '{value}'"):
+        driver_thread_limit({"OMP_NUM_THREADS": value})
 
 
 def test_zero_workers_per_node_is_a_value_error():

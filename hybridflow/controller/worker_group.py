@@ -11,7 +11,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from hybridflow.controller.errors import WorkerTimeoutError
 from hybridflow.controller.future import WATCHDOG_INTERVAL_S, Future, FutureValue, gather, output_pad, resolve_pad
-from hybridflow.controller.host import RoleSpec, WorkerHost, build_roles, run_method
+from hybridflow.controller.host import RoleSpec, WorkerHost, build_roles, driver_thread_limit, run_method
 from hybridflow.controller.local import init_local_process_group
 from hybridflow.controller.protocols import Dispatch, GroupMesh, Protocol, get_protocol
 from hybridflow.controller.register import Registration, registered_methods
@@ -59,6 +59,7 @@ class _Hosts:
         pool = self.pool
         share = 1.0 / pool.max_processes_per_slot
         actor_cls = ray.remote(WorkerHost)
+        thread_limit = driver_thread_limit()
         for rank, (bundle, local_rank) in enumerate(pool.slots()):
             options = dict(
                 num_cpus=share, num_gpus=share if pool.use_gpu else 0, max_restarts=0,
@@ -69,7 +70,7 @@ class _Hosts:
             )
             self.actors.append(actor_cls.options(**options).remote(
                 rank=rank, world_size=pool.world_size, local_rank=local_rank,
-                local_world_size=pool.devices_per_node[bundle]))
+                local_world_size=pool.devices_per_node[bundle], thread_limit=thread_limit))
         master_addr, master_port = gather({0: self.actors[0].address.remote()}, role=self.label, method="address",
                                           timeout_s=self.timeout_s, count=False, watchdog_s=self.watchdog_s)[0]
         setups = {rank: actor.setup.remote(master_addr=master_addr, master_port=master_port,
