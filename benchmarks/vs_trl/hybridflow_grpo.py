@@ -6,12 +6,13 @@ rate); no performance knob. Prints one JSON line per step, like trl_grpo.py.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
 import time
 from pathlib import Path
+
+from side_args import side_parser
 
 
 def worker_usage() -> tuple[float, float]:
@@ -28,17 +29,7 @@ def worker_usage() -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model-dir", required=True)
-    parser.add_argument("--prompts", required=True)
-    parser.add_argument("--steps", type=int, required=True)
-    parser.add_argument("--prompts-per-step", type=int, required=True)
-    parser.add_argument("--samples-per-prompt", type=int, required=True)
-    parser.add_argument("--max-new-tokens", type=int, required=True)
-    parser.add_argument("--lr", type=float, required=True)
-    parser.add_argument("--output-dir", required=True)
-    parser.add_argument("--local", action="store_true", help="single-process mode instead of the default Ray")
-    args = parser.parse_args()
+    args = side_parser(local=True).parse_args()
 
     from hybridflow.trainers.config import load_rl_config
 

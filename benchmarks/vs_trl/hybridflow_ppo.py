@@ -9,25 +9,14 @@ one JSON line per step, like trl_ppo.py.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
+from side_args import side_parser
+
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model-dir", required=True)
-    parser.add_argument("--score-dir", required=True)
-    parser.add_argument("--prompts", required=True)
-    parser.add_argument("--steps", type=int, required=True)
-    parser.add_argument("--prompts-per-step", type=int, required=True)
-    parser.add_argument("--samples-per-prompt", type=int, required=True)
-    parser.add_argument("--max-new-tokens", type=int, required=True)
-    parser.add_argument("--lr", type=float, required=True)
-    parser.add_argument("--kl-coef", type=float, required=True)
-    parser.add_argument("--output-dir", required=True)
-    parser.add_argument("--local", action="store_true", help="single-process mode instead of the default Ray")
-    args = parser.parse_args()
+    args = side_parser(score_model=True, local=True).parse_args()
 
     sys.path.insert(0, str(Path(__file__).parent))
     from hybridflow_grpo import run_trainer

@@ -6,7 +6,6 @@ Prints one JSON line per optimizer step.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
@@ -14,19 +13,11 @@ import sys
 import time
 from pathlib import Path
 
+from side_args import side_parser
+
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model-dir", required=True)
-    parser.add_argument("--prompts", required=True)
-    parser.add_argument("--steps", type=int, required=True)
-    parser.add_argument("--prompts-per-step", type=int, required=True)
-    parser.add_argument("--samples-per-prompt", type=int, required=True)
-    parser.add_argument("--max-new-tokens", type=int, required=True)
-    parser.add_argument("--lr", type=float, required=True)
-    parser.add_argument("--threads", type=int, required=True)
-    parser.add_argument("--output-dir", required=True)
-    args = parser.parse_args()
+    args = side_parser(threads=True).parse_args()
 
     import torch
     from datasets import load_dataset

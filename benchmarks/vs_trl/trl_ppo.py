@@ -9,27 +9,16 @@ KL shaping, GAE), update = the policy + value forward/backward and optimizer ste
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
 import time
 
+from side_args import side_parser
+
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model-dir", required=True)
-    parser.add_argument("--score-dir", required=True)
-    parser.add_argument("--prompts", required=True)
-    parser.add_argument("--steps", type=int, required=True)
-    parser.add_argument("--prompts-per-step", type=int, required=True)
-    parser.add_argument("--samples-per-prompt", type=int, required=True)
-    parser.add_argument("--max-new-tokens", type=int, required=True)
-    parser.add_argument("--lr", type=float, required=True)
-    parser.add_argument("--kl-coef", type=float, required=True)
-    parser.add_argument("--threads", type=int, required=True)
-    parser.add_argument("--output-dir", required=True)
-    args = parser.parse_args()
+    args = side_parser(score_model=True, threads=True).parse_args()
     if args.samples_per_prompt != 1:
         raise ValueError(f"--samples-per-prompt: PPOTrainer samples one response per prompt (allowed: 1), "
                          f"got {args.samples_per_prompt}")

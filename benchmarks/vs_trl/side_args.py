@@ -1,0 +1,29 @@
+"""The command line every side of the suite takes (run.py passes the same flags to each); stdlib only, so
+TRL's venv imports it too."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def side_parser(*, score_model: bool = False, threads: bool = False, local: bool = False) -> argparse.ArgumentParser:
+    """The shared workload flags, plus ``--score-dir``/``--kl-coef`` (PPO), ``--threads`` (TRL) or ``--local``
+    (hybridflow) where the side takes them."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model-dir", required=True)
+    if score_model:
+        parser.add_argument("--score-dir", required=True)
+    parser.add_argument("--prompts", required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--prompts-per-step", type=int, required=True)
+    parser.add_argument("--samples-per-prompt", type=int, required=True)
+    parser.add_argument("--max-new-tokens", type=int, required=True)
+    parser.add_argument("--lr", type=float, required=True)
+    if score_model:
+        parser.add_argument("--kl-coef", type=float, required=True)
+    if threads:
+        parser.add_argument("--threads", type=int, required=True)
+    parser.add_argument("--output-dir", required=True)
+    if local:
+        parser.add_argument("--local", action="store_true", help="single-process mode instead of the default Ray")
+    return parser
