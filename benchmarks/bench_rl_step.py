@@ -20,11 +20,10 @@ from pathlib import Path
 
 import torch
 
-from hybridflow.controller import local_mode
 from hybridflow.data import write_jsonl
 from hybridflow.data.builtin import ArithmeticTaskConfig, prompt_rows
 from hybridflow.trainers.config import load_rl_config
-from hybridflow.trainers.ppo import RLTrainer
+from hybridflow.trainers.ppo import run_rl
 
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "smollm2_gsm8k"
@@ -58,12 +57,7 @@ def measure(estimator: str, *, steps: int, prompts: int, samples: int, directory
         f"batch.prompts_per_step={prompts}", f"batch.samples_per_prompt={samples}",
         f"batch.mini_batch_size={prompts * samples}", f"trainer.total_steps={steps}", "trainer.progress_bar=false",
         f"trainer.output_dir={directory / f'{estimator}_{backend}'}", *extra])
-    with local_mode():
-        trainer = RLTrainer(config, tensorboard=False)
-        try:
-            history = trainer.fit()
-        finally:
-            trainer.shutdown()
+    history = run_rl(config, mode="local", tensorboard=False)
     timed = history[1:] if len(history) > 1 else history
     times = {name: statistics.mean(record[f"time/{name}_s"] for record in timed) for name in ("generate", "score", "update")}
     if backend == "vllm":  # the in-place weight copy into vLLM, part of generate

@@ -19,7 +19,7 @@ from hybridflow.data import write_jsonl
 from hybridflow.data.builtin import ArithmeticTaskConfig, prompt_rows
 from hybridflow.protocol import DataProto
 from hybridflow.trainers.config import load_rl_config
-from hybridflow.trainers.ppo import RLTrainer, _concat_rounds
+from hybridflow.trainers.ppo import RLTrainer, _concat_rounds, run_rl
 
 TASK = ArithmeticTaskConfig(max_digits=1)
 
@@ -267,12 +267,7 @@ def test_reward_rises_within_twenty_steps(data_dir, tmp_path, algorithm):
     config = _config(data_dir, tmp_path / "run", f"reward.function={__file__}:starts_with_5",
                      "batch.prompts_per_step=8", "batch.samples_per_prompt=4", "batch.mini_batch_size=16",
                      "trainer.total_steps=20", *RISING[algorithm])
-    with local_mode():
-        trainer = RLTrainer(config, tensorboard=False)
-        try:
-            history = trainer.fit()
-        finally:
-            trainer.shutdown()
+    history = run_rl(config, mode="local", tensorboard=False)
     _assert_finite(history)
     # the score before the dynamic-sampling filter is not logged; reward/function_mean is of the kept batch,
     # so DAPO is judged on the same metric as the others (its kept groups are biased towards mixed outcomes)

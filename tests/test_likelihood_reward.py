@@ -329,7 +329,7 @@ def test_token_rewards_split_a_rule_plus_likelihood_reward_into_sequence_and_den
 
 def test_ppo_runs_two_steps_against_a_likelihood_reward_model_crediting_tokens_densely(tmp_path, monkeypatch):
     from hybridflow.trainers import ppo
-    from hybridflow.trainers.ppo import RLTrainer
+    from hybridflow.trainers.ppo import run_rl
 
     advantage_calls = []
 
@@ -353,12 +353,7 @@ def test_ppo_runs_two_steps_against_a_likelihood_reward_model_crediting_tokens_d
     # same tokenizer in another directory: the reward model reads the actor's tokens (dense credit possible)
     specs = role_specs(config)
     assert specs.reward.tokenizer is None and specs.reward.engine.model.head == "lm"
-    with local_mode():
-        trainer = RLTrainer(config, tensorboard=False)
-        try:
-            history = trainer.fit()
-        finally:
-            trainer.shutdown()
+    history = run_rl(config, mode="local", tensorboard=False)
     assert [record["step"] for record in history] == [1, 2]
     for record in history:
         numbers = {name: value for name, value in record.items() if isinstance(value, float)}

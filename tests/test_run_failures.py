@@ -9,12 +9,11 @@ import time
 
 import pytest
 
-from hybridflow.controller import local_mode
 from hybridflow.data import write_jsonl
 from hybridflow.data.builtin import ArithmeticTaskConfig, prompt_rows
 from hybridflow.rewards import RewardError
 from hybridflow.trainers.config import load_rl_config
-from hybridflow.trainers.ppo import RLTrainer
+from hybridflow.trainers.ppo import run_rl
 
 
 def slow_reward(prompt: str, response: str, **extra_fields) -> float:
@@ -46,13 +45,8 @@ def test_a_reward_function_that_never_returns_fails_the_step_within_its_timeout_
     config = load_rl_config(None, _overrides(tmp_path, "slow_reward", "reward.function_timeout_s=1"))
     assert config.trainer.worker_timeout_s == 3600.0 and config.trainer.watchdog_s == 120.0
     start = time.monotonic()
-    with local_mode():
-        trainer = RLTrainer(config, tensorboard=False)
-        try:
-            with pytest.raises(RewardError, match="slow_reward"):
-                trainer.fit()
-        finally:
-            trainer.shutdown()
+    with pytest.raises(RewardError, match="slow_reward"):
+        run_rl(config, mode="local", tensorboard=False)
     assert time.monotonic() - start < 25  # not the 30 s the function sleeps
 
 

@@ -4,12 +4,11 @@ with the same update as running it."""
 from __future__ import annotations
 
 import pytest
-from hybridflow.controller import local_mode
 from hybridflow.controller.host import driver_thread_limit, threads_per_worker
 from hybridflow.data import write_jsonl
 from hybridflow.data.builtin import ArithmeticTaskConfig, prompt_rows
 from hybridflow.trainers.config import load_rl_config
-from hybridflow.trainers.ppo import RLTrainer
+from hybridflow.trainers.ppo import run_rl
 from hybridflow.trainers.redundant_passes import old_log_prob_is_redundant
 
 
@@ -53,12 +52,7 @@ def _grpo_history(directory, mini_batch_size: int, steps: int = 1) -> list[dict]
         "actor.engine.optim.lr=1e-3", "batch.prompts_per_step=4", "batch.samples_per_prompt=2",
         f"batch.mini_batch_size={mini_batch_size}", f"trainer.total_steps={steps}", "trainer.progress_bar=false",
         f"trainer.output_dir={directory / str(mini_batch_size)}"])
-    with local_mode():
-        trainer = RLTrainer(config, tensorboard=False)
-        try:
-            return trainer.fit()
-        finally:
-            trainer.shutdown()
+    return run_rl(config, mode="local", tensorboard=False)
 
 
 def test_skipped_old_log_prob_pass_is_reported_and_gives_ratio_one(tmp_path):

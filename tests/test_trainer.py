@@ -14,7 +14,7 @@ from hybridflow.data import write_jsonl
 from hybridflow.data.builtin import ArithmeticTaskConfig, prompt_rows, sft_rows
 from hybridflow.rewards import RewardError
 from hybridflow.trainers.config import load_rl_config
-from hybridflow.trainers.ppo import RLTrainer
+from hybridflow.trainers.ppo import RLTrainer, run_rl
 
 TASK = ArithmeticTaskConfig(max_digits=1)
 
@@ -52,12 +52,7 @@ def _config(data_dir, output_dir, *overrides):
 
 
 def _run(config) -> list[dict]:
-    with local_mode():
-        trainer = RLTrainer(config, tensorboard=False)
-        try:
-            return trainer.fit()
-        finally:
-            trainer.shutdown()
+    return run_rl(config, mode="local", tensorboard=False)
 
 
 def _export(trainer: RLTrainer, role: str, directory) -> dict[str, torch.Tensor]:
@@ -154,3 +149,36 @@ def test_missing_dataset_file_is_a_clear_error(data_dir, tmp_path):
     config = _config(data_dir, tmp_path, f"data.train_path={tmp_path / 'absent.jsonl'}")
     with pytest.raises(ValueError, match=r"absent\.jsonl"):
         RLTrainer(config, tensorboard=False)
+
+
+class _RecordingTrainer:
+    """Stands in for RLTrainer in ``run_rl``: records how it was built and whether it was shut down."""
+
+    built: list[tuple] = []
+    shut_down: list[bool] = []
+    fit_error: Exception | None = None
+
+    def __init__(self, config, *, mode=None, tensorboard=True):
+        self.built.append((config, mode, tensorboard))
+
+    def fit(self) -> list[dict]:
+        if self.fit_error is not None:
+            raise self.fit_error
+        return [{"step": 1}, {"step": 2}]
+
+    def shutdown(self) -> None:
+        self.shut_down.append(True)
+
+
+def test_run_rl_passes_mode_and_tensorboard_on_returns_the_history_and_shuts_down_after_a_failed_fit(monkeypatch):
+    from hybridflow.trainers import ppo
+
+    monkeypatch.setattr(ppo, "RLTrainer", _RecordingTrainer)
+    monkeypatch.setattr(_RecordingTrainer, "built", [])
+    monkeypatch.setattr(_RecordingTrainer, "shut_down", [])
+    assert run_rl("config", mode="local", tensorboard=False) == [{"step": 1}, {"step": 2}]
+    assert _RecordingTrainer.built == [("config", "local", False)] and _RecordingTrainer.shut_down == [True]
+    monkeypatch.setattr(_RecordingTrainer, "fit_error", RewardError("reward function crashed"))
+    with pytest.raises(RewardError, match="reward function crashed"):
+        run_rl("other")
+    assert _RecordingTrainer.built[1] == ("other", None, True) and _RecordingTrainer.shut_down == [True, True]

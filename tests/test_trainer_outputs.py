@@ -10,13 +10,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hybridflow.controller import local_mode
 from hybridflow.data import write_jsonl
 from hybridflow.data.builtin import ArithmeticTaskConfig, prompt_rows
 from hybridflow.trainers.config import load_rl_config
 from hybridflow.trainers.export import export_main
 from hybridflow.trainers.metrics import StepReporter
-from hybridflow.trainers.ppo import RLTrainer
+from hybridflow.trainers.ppo import RLTrainer, run_rl
 
 TASK = ArithmeticTaskConfig(max_digits=1)
 TOKENIZER_FILES = ("tokenizer_config.json",)
@@ -40,12 +39,7 @@ def _config(data_dir, output_dir, *overrides):
 
 
 def _run(config) -> list[dict]:
-    with local_mode():
-        trainer = RLTrainer(config, tensorboard=False)
-        try:
-            return trainer.fit()
-        finally:
-            trainer.shutdown()
+    return run_rl(config, mode="local", tensorboard=False)
 
 
 def _weights(directory) -> dict[str, torch.Tensor]:

@@ -188,10 +188,9 @@ def test_greedy_tokens_from_vllm_equal_the_native_engines_on_smollm2_in_fp32():
 @pytest.mark.slow
 def test_rl_training_with_backend_vllm_logs_the_rollout_transition_and_a_small_logprob_mismatch(tmp_path):
     """The driver and workers unchanged: PPO with a critic and a reference, TIS on; a second engine (slow)."""
-    from hybridflow.controller import local_mode
     from hybridflow.data import write_jsonl
     from hybridflow.trainers.config import load_rl_config
-    from hybridflow.trainers.ppo import RLTrainer
+    from hybridflow.trainers.ppo import run_rl
 
     task = ArithmeticTaskConfig(max_digits=1)
     write_jsonl(tmp_path / "train.jsonl", prompt_rows(16, split="train", seed=0, config=task))
@@ -201,12 +200,7 @@ def test_rl_training_with_backend_vllm_logs_the_rollout_transition_and_a_small_l
         "actor.generation.vllm_kv_cache_gib=0.0625", "actor.loss.tis_cap=2.0", "algorithm.kl_coef=0.01",
         "batch.prompts_per_step=4", "batch.samples_per_prompt=2", "batch.mini_batch_size=4",
         "trainer.total_steps=2", "trainer.progress_bar=false", f"trainer.output_dir={tmp_path / 'run'}"])
-    with local_mode():
-        trainer = RLTrainer(config, tensorboard=False)
-        try:
-            history = trainer.fit()
-        finally:
-            trainer.shutdown()
+    history = run_rl(config, mode="local", tensorboard=False)
     for step in history:
         assert step["rollout/vllm_bytes_loaded"] > 0 and step["rollout/vllm_kv_cache_bytes"] == 0.0625 * 2**30
         # fp32 on both sides: the rollout's sampled log-probs are the training engine's to rounding

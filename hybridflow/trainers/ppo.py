@@ -409,6 +409,21 @@ class RLTrainer:
             pool.release()
 
 
+def run_rl(config: RLConfig, *, mode: str | None = None, tensorboard: bool = True) -> list[dict]:
+    """Build an ``RLTrainer`` for ``config``, run it to ``trainer.total_steps`` and stop its workers, also when
+    the run fails; returns the logged history (one metrics dict per step, as ``RLTrainer.fit``).
+
+    ``mode="local"`` runs every role inside this process (no Ray; as ``local_mode()`` or HYBRIDFLOW_LOCAL=1 do),
+    ``"ray"`` one process per device slot, ``None`` whichever the environment says. Keep an ``RLTrainer`` instead
+    when you need its worker groups or validation between the steps.
+    """
+    trainer = RLTrainer(config, mode=mode, tensorboard=tensorboard)
+    try:
+        return trainer.fit()
+    finally:
+        trainer.shutdown()
+
+
 def _first(per_rank: list[dict]) -> dict:
     """Update metrics come back once per data-parallel rank, already averaged over ranks: take one."""
     return per_rank[0]
