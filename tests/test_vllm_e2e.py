@@ -6,20 +6,17 @@ Both run in local mode (every role inside the test process), as the demo and the
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm")
 
-from hybridflow.controller import local_mode  # noqa: E402
 from hybridflow.models import smollm2_path  # noqa: E402
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "smollm2_gsm8k"
+from smollm2_example import run_two_grpo_steps  # noqa: E402
 # vLLM's KV cache for these runs: small models, short sequences (the default 1 GiB would only cost memory)
 VLLM = ["actor.generation.backend=vllm", "actor.generation.vllm_kv_cache_gib=0.125"]
 # fp32 on both sides: the rollout's log-probs and the training engine's differ by rounding only
@@ -81,21 +78,8 @@ def test_the_reduced_demo_runs_every_stage_with_vllm_generating_the_ppo_rollouts
 @pytest.mark.slow
 @pytest.mark.needs_smollm2
 def test_two_grpo_steps_on_smollm2_run_with_vllm_generating_the_rollouts(tmp_path):
-    if smollm2_path() is None:
-        pytest.skip("SmolLM2-135M-Instruct not converted (run scripts/get_smollm2.py)")
-    if importlib.util.find_spec("reasoning_gym") is None:
-        pytest.skip("reasoning-gym not installed (pip install 'hybridflow[math]')")
-    sys.path.insert(0, str(EXAMPLE))
-    try:
-        import run as example
-    finally:
-        sys.path.remove(str(EXAMPLE))
-    with local_mode():
-        history = example.run([f"trainer.output_dir={tmp_path}", "trainer.total_steps=2", "trainer.val_every=0",
-                               "trainer.save_every=0", "trainer.progress_bar=false", "batch.prompts_per_step=2",
-                               "batch.samples_per_prompt=2", "batch.mini_batch_size=4",
-                               "actor.generation.max_new_tokens=16", *VLLM], num_train=4, num_eval=2,
-                              problems="arithmetic")
+    history = run_two_grpo_steps(tmp_path, max_new_tokens=16, overrides=VLLM, num_train=4, num_eval=2,
+                                 problems="arithmetic")
     assert [record["step"] for record in history] == [1, 2]
     for record in history:
         assert 1 <= record["response/length_mean"] <= 16
