@@ -399,7 +399,7 @@ class Planner:
                 rules = [f"its data-parallel size must divide the {workload.num_samples} samples per step"]
                 if kind != "inference":
                     rules.append(f"the {workload.samples_per_update} samples per update")
-                if kind == "actor":
+                if kind == "actor" and not workload.pad_generation:
                     rules.append(f"its generation replicas the {workload.prompts_per_step} prompts")
                 raise ValueError(
                     f"role {role!r} ({spec.name}) has no layout on {total} devices that splits the batch evenly: "
