@@ -664,6 +664,8 @@ def test_a_plan_made_for_padded_batches_is_refused_by_the_trainer_which_splits_e
                                                              hardware=load_hardware("a100-80g")))
     with pytest.raises(ValueError, match="the plan was made for .*pad_uneven=True"):
         apply_plan(config, replace(chosen, workload=padded))
+    with pytest.raises(ValueError, match="the plan was made for .*pad_generation=True"):
+        apply_plan(config, replace(chosen, workload=replace(workload_of(config), pad_generation=True)))
     assert apply_plan(config, replace(chosen, workload=workload_of(config))).placement.mapping == "manual"
 
 

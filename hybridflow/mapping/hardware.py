@@ -73,7 +73,7 @@ class HardwareProfile:
     layer_overhead_s: float = 0.0
     """Host seconds per decoder layer per forward pass that do not overlap with compute (a backward
     counts twice): eager op dispatch on CPU, measured by calibrate; 0 on GPUs, whose kernel launches run
-    ahead asynchronously (and decode engines replay CUDA graphs)."""
+    ahead asynchronously (where the host cannot keep up in decoding: decode_dispatch_seconds_per_layer)."""
     decode_dispatch_seconds_per_layer: float = 0.0
     """Host seconds to launch one decoder layer's kernels in a decode step run eagerly (verl's rollout runs
     vLLM with ``enforce_eager: True``; hybridflow's native engine replays CUDA graphs only at tg = 1).
