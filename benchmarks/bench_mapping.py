@@ -54,8 +54,9 @@ def paper_sweep(hardware: str, workload: Workload = PAPER_WORKLOAD, backend: Rol
         print(f"what-if rollout model: {backend}")
     print(f"PPO, 4 models of one size, {workload.prompts_per_step} prompts, prompt {workload.prompt_length} + "
           f"response {workload.response_length}, mini-batch {workload.samples_per_update}, micro-batch "
-          f"{workload.sequences_per_micro_batch} sequence(s), {hardware}, 8 per node"
-          + (", uneven batches padded" if workload.pad_uneven else ""))
+          f"{workload.sequences_per_micro_batch} sequence(s), {load_hardware(hardware).name}, 8 per node"
+          + (", uneven batches padded" if workload.pad_uneven else "")
+          + (", prompts padded over the generation replicas" if workload.pad_generation else ""))
     print(f"{'model':<10} {'GPUs':>4} {'search s':>8}  {'paper':<36} {'planner':<44} {'iter s':>7}  "
           f"paper's placement: rank, iter s")
     for (model, num_devices), paper in PAPER_PLACEMENTS.items():
@@ -356,6 +357,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pad-uneven", action="store_true",
                         help="sweep: allow layouts that do not split the batch evenly (padded, as the paper's 48-GPU "
                              "pools need); the trainer cannot run them")
+    parser.add_argument("--pad-generation", action="store_true",
+                        help="sweep, what-if: pad only the prompts over the generation replicas (the controller's "
+                             "dispatch can; the trainer's config check refuses), training splits stay even")
+    parser.add_argument("--decode-dispatch-us", type=float, default=None,
+                        help="sweep, what-if: the profile's decode_dispatch_seconds_per_layer in microseconds (eager "
+                             "decode: a step takes at least layers x this)")
     parser.add_argument("--vllm-kv-cache-gib", type=float, default=None,
                         help="--backends: vLLM's KV cache per device (default: all memory left)")
     parser.add_argument("--paged-kv", action="store_true",
@@ -391,12 +398,17 @@ def main(argv: list[str] | None = None) -> int:
         paper_sweep(args.hardware, replace(PAPER_WORKLOAD, micro_batch_tokens=args.micro_batch_tokens,
                                            pad_uneven=args.pad_uneven), replace(NATIVE, paged_kv_cache=True))
     else:
-        workload = replace(PAPER_WORKLOAD, micro_batch_tokens=args.micro_batch_tokens, pad_uneven=args.pad_uneven)
-        paper_sweep(args.hardware, workload)
-        break_even(args.hardware, workload)
-        generation_tp_sweep(args.hardware, workload)
-        if workload == PAPER_WORKLOAD:
-            search_times(args.hardware)
+        workload = replace(PAPER_WORKLOAD, micro_batch_tokens=args.micro_batch_tokens, pad_uneven=args.pad_uneven,
+                           pad_generation=args.pad_generation)
+        hardware = args.hardware
+        if args.decode_dispatch_us is not None:
+            hardware = replace(load_hardware(hardware), decode_dispatch_seconds_per_layer=args.decode_dispatch_us * 1e-6)
+            print(f"what-if: decode dispatch floor {args.decode_dispatch_us:g} us per layer and step")
+        paper_sweep(hardware, workload)
+        break_even(hardware, workload)
+        generation_tp_sweep(hardware, workload)
+        if workload == PAPER_WORKLOAD and args.decode_dispatch_us is None:
+            search_times(hardware)
     return 0
 
 

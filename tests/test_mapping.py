@@ -664,4 +664,50 @@ def test_a_plan_made_for_padded_batches_is_refused_by_the_trainer_which_splits_e
                                                              hardware=load_hardware("a100-80g")))
     with pytest.raises(ValueError, match="the plan was made for .*pad_uneven=True"):
         apply_plan(config, replace(chosen, workload=padded))
+    with pytest.raises(ValueError, match="the plan was made for .*pad_generation=True"):
+        apply_plan(config, replace(chosen, workload=replace(workload_of(config), pad_generation=True)))
     assert apply_plan(config, replace(chosen, workload=workload_of(config))).placement.mapping == "manual"
+
+
+def test_padding_only_the_prompts_lets_a_48_gpu_pool_generate_unpipelined_while_training_splits_stay_even():
+    # the controller's generation dispatch pads the prompts over the replicas (repeated rows, dropped
+    # again); Workload.pad_generation plans for that while every data-parallel split stays even
+    sets, allocation = [("actor", "reference"), ("critic", "reward")], (48, 48)
+    generation = {}
+    for pad_generation in (False, True):
+        workload = replace(PAPER_PPO, pad_generation=pad_generation)
+        planner = Planner(dataflow=dataflow("ppo"), models=resolve_models(same_model("llama-13b")),
+                          workload=workload, cluster=a100_cluster(96))
+        chosen = planner.plan_for(sets, allocation)
+        actor = chosen.strategies["actor"]
+        replicas = 48 // (actor.generation_pp_size * actor.generation_tp_size)
+        assert (actor.generation_pp_size == 1) == pad_generation
+        assert (1024 % replicas == 0) == (not pad_generation)
+        for role, strategy in chosen.strategies.items():
+            assert 1024 % strategy.dp_size(48) == 0
+            if role in ("actor", "critic"):
+                assert 128 % strategy.dp_size(48) == 0
+        generation[pad_generation] = chosen.stage_seconds["generation"]
+    assert generation[True] < 0.5 * generation[False]  # no token crosses three pipeline stages one after another
+    with pytest.raises(ValueError, match="Workload.pad_generation must be True or False, got 1"):
+        replace(PAPER_PPO, pad_generation=1)
+
+
+def test_an_eager_decode_step_takes_at_least_the_hosts_launches_of_every_layer():
+    workload = Workload(prompts_per_step=64, prompt_length=100, response_length=28)
+    spec = model_spec("llama-7b")
+    strategy = RoleStrategy(layout="3d", tp_size=2, generation_pp_size=1, generation_tp_size=1)
+    hardware = load_hardware("a100-80g").to_dict() | {"decode_host_seconds_per_sequence": 0.0}
+    per_sequence = 2 * 32 * 4096 * 128 * 2
+
+    def generation(dispatch: float) -> tuple[float, dict]:
+        profile = HardwareProfile(**(hardware | {"decode_dispatch_seconds_per_layer": dispatch}))
+        cluster = Cluster(num_devices=2, devices_per_node=2, hardware=profile)
+        return Simulator(workload=workload, cluster=cluster).generation_seconds(spec, strategy, 2, 10.5 * per_sequence)
+
+    device_bound, details = generation(0.0)
+    assert generation(1e-9)[0] == pytest.approx(device_bound)  # a floor below the device time changes nothing
+    # 10 ms per layer: every pass (the prefill and each of the 28 decode steps) takes 32 layers x 10 ms
+    assert generation(0.01)[0] == pytest.approx(details["generation_waves"] * 29 * 32 * 0.01)
+    with pytest.raises(ValueError, match="decode_dispatch_seconds_per_layer must be >= 0 seconds"):
+        HardwareProfile(**(hardware | {"decode_dispatch_seconds_per_layer": -1.0}))

@@ -73,7 +73,12 @@ class HardwareProfile:
     layer_overhead_s: float = 0.0
     """Host seconds per decoder layer per forward pass that do not overlap with compute (a backward
     counts twice): eager op dispatch on CPU, measured by calibrate; 0 on GPUs, whose kernel launches run
-    ahead asynchronously (and decode engines replay CUDA graphs)."""
+    ahead asynchronously (where the host cannot keep up in decoding: decode_dispatch_seconds_per_layer)."""
+    decode_dispatch_seconds_per_layer: float = 0.0
+    """Host seconds to launch one decoder layer's kernels in a decode step run eagerly (verl's rollout runs
+    vLLM with ``enforce_eager: True``; hybridflow's native engine replays CUDA graphs only at tg = 1).
+    Launches run ahead of the device, so a step takes max(device time, layers per stage x this): a floor
+    that binds when a replica's batch is small. 0: no floor (not measured on any device type yet)."""
     source: str = ""
     """Where the numbers come from (spec sheet, calibration command and date)."""
 
@@ -90,7 +95,7 @@ class HardwareProfile:
             if not isinstance(value, (int, float)) or not 0 < value <= 1:
                 raise ValueError(f"HardwareProfile.{field_name} must be in (0, 1], got {value!r}")
         for field_name in ("intra_node_latency_s", "inter_node_latency_s", "layer_overhead_s",
-                           "decode_host_seconds_per_sequence"):
+                           "decode_host_seconds_per_sequence", "decode_dispatch_seconds_per_layer"):
             value = getattr(self, field_name)
             if not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"HardwareProfile.{field_name} must be >= 0 seconds, got {value!r}")

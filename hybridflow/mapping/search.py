@@ -130,10 +130,12 @@ class Planner:
         """The role's layouts on ``num_devices`` that split the batch evenly, as the trainer requires:
         d divides the samples per step (and, for trained roles, the samples per update); the actor's
         generation replicas n / (pg tg) divide the prompts per step. With ``Workload.pad_uneven`` every layout
-        is allowed (the simulator charges each rank ceil(samples / d)). The actor generates only with the
-        (pg, tg) its rollout backend supports (vllm: 1, 1)."""
+        is allowed (the simulator charges each rank ceil(samples / d)); with ``Workload.pad_generation`` only
+        the generation replica rule is lifted. The actor generates only with the (pg, tg) its rollout backend
+        supports (vllm: 1, 1)."""
         spec, kind, workload = self.models[role], self.dataflow.roles[role], self.workload
         even = not workload.pad_uneven
+        even_prompts = even and not workload.pad_generation
         for strategy in training_strategies(spec, num_devices=num_devices, node_size=self.cluster.node_size):
             dp_size = strategy.dp_size(num_devices)
             if even and (workload.num_samples % dp_size
@@ -146,7 +148,7 @@ class Planner:
                 if not self.backend.supports(with_generation.generation_pp_size, with_generation.generation_tp_size):
                     continue
                 replicas = num_devices // (with_generation.generation_pp_size * with_generation.generation_tp_size)
-                if not even or workload.prompts_per_step % replicas == 0:
+                if not even_prompts or workload.prompts_per_step % replicas == 0:
                     yield with_generation
 
     def _simulator(self, compute_share: float) -> Simulator:
@@ -397,7 +399,7 @@ class Planner:
                 rules = [f"its data-parallel size must divide the {workload.num_samples} samples per step"]
                 if kind != "inference":
                     rules.append(f"the {workload.samples_per_update} samples per update")
-                if kind == "actor":
+                if kind == "actor" and not workload.pad_generation:
                     rules.append(f"its generation replicas the {workload.prompts_per_step} prompts")
                 raise ValueError(
                     f"role {role!r} ({spec.name}) has no layout on {total} devices that splits the batch evenly: "

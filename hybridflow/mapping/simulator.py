@@ -128,6 +128,7 @@ class Simulator:
         self.budget_bytes = hardware.usable_memory_bytes
         # dispatch is host work: an oversubscribed core slows it down like compute
         self.layer_overhead_s = hardware.layer_overhead_s / compute_share
+        self.decode_dispatch_s = hardware.decode_dispatch_seconds_per_layer / compute_share
 
     # ---- links -------------------------------------------------------------------------------
     def crosses_nodes(self, group_span: int) -> bool:
@@ -355,8 +356,10 @@ class Simulator:
             stage_bytes = matmul_params * e / (tg * pg) + kv_tokens * kv_bytes_per_token
             stage_flops = (2 * new_tokens * matmul_params + 4 * attention_pairs * h * layers) / (tg * pg)
             stage_tp = 2 * layers / pg * self.all_reduce_seconds(new_tokens * h * e, tg, tg)
-            stage = max(stage_bytes / self.decode_memory_bandwidth, stage_flops / self.flops) + stage_tp \
-                + layers / pg * self.layer_overhead_s
+            device = max(stage_bytes / self.decode_memory_bandwidth, stage_flops / self.flops) + stage_tp
+            # eager decode: the host launches every layer's kernels; launches run ahead of the device, so
+            # the stage takes at least their time (0 unless the profile measured it)
+            stage = max(device, layers / pg * self.decode_dispatch_s) + layers / pg * self.layer_overhead_s
             sends = (pg - 1) * self.send_seconds(new_tokens * h * e, tg * pg) if pg > 1 else 0.0
             return pg * stage + sends
 

@@ -32,6 +32,13 @@ class Workload:
     """Plan for a system that pads a batch its data-parallel size or generation replica count does not divide
     (each rank then works on ceil(samples / d) rows), e.g. 1024 prompts on the paper's 48-GPU pools.
     hybridflow's trainer splits batches evenly: it plans with False and refuses plans made with True."""
+    pad_generation: bool = False
+    """What-if, narrower than ``pad_uneven``: pad only the prompts a generation replica count does not divide
+    (each replica generates ceil(prompts / replicas) rows; the padding rows are repeats whose responses are
+    dropped), while every training and scoring split stays even. The controller's generation dispatch already
+    pads this way (``controller/protocols.py``: ``split_rows`` repeats rows, collect drops them); what refuses
+    such a layout is the trainer's config check ``batch.prompts_per_step`` % generation replicas
+    (``RLConfig.derived``). Like ``pad_uneven``, the trainer refuses plans made with True."""
 
     def __post_init__(self) -> None:
         for name in ("prompts_per_step", "prompt_length", "response_length", "samples_per_prompt", "ppo_epochs"):
@@ -40,8 +47,9 @@ class Workload:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"Workload.{name} must be an integer >= 0 (0: default), got {value!r}")
-        if not isinstance(self.pad_uneven, bool):
-            raise ValueError(f"Workload.pad_uneven must be True or False, got {self.pad_uneven!r}")
+        for name in ("pad_uneven", "pad_generation"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Workload.{name} must be True or False, got {getattr(self, name)!r}")
         if self.mini_batch_size and self.num_samples % self.mini_batch_size:
             raise ValueError(f"Workload.mini_batch_size {self.mini_batch_size} must divide prompts_per_step * "
                              f"samples_per_prompt = {self.num_samples}")
