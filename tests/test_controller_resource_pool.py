@@ -9,7 +9,7 @@ import pytest
 import ray._private.utils
 
 from hybridflow.controller import ResourcePool, Worker, WorkerGroup
-from hybridflow.controller.resource_pool import MIN_LOCAL_CPU_SLOTS, ray_init_options
+from hybridflow.controller.resource_pool import MIN_LOCAL_CPU_SLOTS, ray_init_options, runtime_mode
 
 
 @pytest.fixture
@@ -74,3 +74,38 @@ def test_more_slots_than_the_cluster_has_is_a_value_error_at_once_not_a_placemen
 def test_a_worker_group_timeout_that_is_not_positive_is_a_value_error_naming_it(argument, value):
     with pytest.raises(ValueError, match=argument):
         WorkerGroup(ResourcePool([1], mode="local"), Worker, **{argument: value})
+
+
+@pytest.fixture
+def not_connected(no_recorded_cluster, monkeypatch):
+    """No cluster to join and no ``ray.init()`` before (whatever other tests of the session started)."""
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+
+
+def test_runtime_auto_runs_a_one_device_run_in_the_driver_when_not_connected_to_ray(not_connected):
+    assert runtime_mode("auto", [[1]]) == "local"
+
+
+@pytest.mark.parametrize("pools", [[[2]], [[1, 1]], [[1], [1]]], ids=["two devices", "two nodes", "two pools"])
+def test_runtime_auto_leaves_a_run_of_several_processes_to_ray(not_connected, pools):
+    assert runtime_mode("auto", pools) is None
+
+
+def test_runtime_auto_uses_ray_once_the_driver_has_joined_it_or_a_cluster_is_recorded(not_connected, monkeypatch):
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    assert runtime_mode("auto", [[1]]) is None
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    assert runtime_mode("auto", [[1]]) is None
+
+
+def test_an_explicit_runtime_or_mode_overrides_auto(not_connected):
+    assert runtime_mode("ray", [[1]]) == "ray"
+    assert runtime_mode("local", [[4]]) == "local"
+    assert runtime_mode("auto", [[1]], mode="ray") == "ray"
+    assert runtime_mode("ray", [[1]], mode="local") == "local"
+
+
+def test_an_unknown_runtime_is_a_value_error_naming_the_allowed_values():
+    with pytest.raises(ValueError, match=r"runtime must be one of auto, ray, local, got 'docker'"):
+        runtime_mode("docker", [[1]])

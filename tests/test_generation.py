@@ -156,6 +156,35 @@ def test_eos_and_stop_tokens_end_responses_and_finished_rows_stop_costing_comput
     assert stats.decode_steps == max(lengths) - 1
 
 
+@pytest.mark.parametrize("fraction", [0.0, 0.5, 1.01], ids=["every end", "half the rows", "never"])
+def test_finished_rows_leave_the_batch_once_they_are_the_compact_fraction_and_outputs_do_not_change(fraction,
+                                                                                                  monkeypatch):
+    import hybridflow.engine.generation as generation
+
+    engine = engine_for(tiny_model())
+    prompts, mask = batch(rows=8)
+    greedy = engine.generate(prompts, mask, GenerationConfig(max_new_tokens=T, greedy=True))["responses"]
+    config = GenerationConfig(max_new_tokens=T, greedy=True, eos_token_ids=(int(greedy[0, 1]),), pad_token_id=0)
+    monkeypatch.setattr(generation, "COMPACT_FRACTION", 0.0)
+    every_end = engine.generate(prompts, mask, config)
+    lengths = every_end["response_mask"].sum(-1).tolist()
+    assert 1 < len(set(lengths))  # rows end at different steps
+    monkeypatch.setattr(generation, "COMPACT_FRACTION", fraction)
+    out = engine.generate(prompts, mask, config)
+    for key in ("responses", "response_mask", "logprobs", "input_ids", "attention_mask"):
+        assert torch.equal(out[key], every_end[key]), key
+    stats = engine.last_stats
+    # replay the rule: rows that ended stay in the batch (decoded, ignored) until they are `fraction` of it
+    expected, batch_rows, ended = 0, 8, 0
+    for step in range(stats.decode_steps):
+        ended += sum(1 for length in lengths if length == step + 1)
+        if ended and ended >= fraction * batch_rows:
+            batch_rows, ended = batch_rows - ended, 0
+        expected += batch_rows
+    assert stats.rows_decoded == expected
+    assert stats.decode_steps == max(lengths) - 1
+
+
 def test_samples_per_prompt_are_prompt_major_and_differ_between_samples():
     engine = engine_for(tiny_model())
     prompts, mask = batch(2)

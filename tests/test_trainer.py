@@ -182,3 +182,19 @@ def test_run_rl_passes_mode_and_tensorboard_on_returns_the_history_and_shuts_dow
     with pytest.raises(RewardError, match="reward function crashed"):
         run_rl("other")
     assert _RecordingTrainer.built[1] == ("other", None, True) and _RecordingTrainer.shut_down == [True, True]
+
+
+def test_a_one_device_run_not_connected_to_ray_builds_its_workers_in_the_driver_by_default(data_dir, tmp_path,
+                                                                                           monkeypatch):
+    import ray
+    import ray._private.utils
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.delenv("HYBRIDFLOW_LOCAL", raising=False)
+    monkeypatch.setattr(ray._private.utils, "read_ray_address", lambda temp_dir=None: None)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # other tests of the session may have started Ray
+    trainer = RLTrainer(_config(data_dir, tmp_path / "run"), tensorboard=False)  # placement.runtime: auto
+    try:
+        assert [pool.mode for pool in trainer.pools] == ["local"]
+    finally:
+        trainer.shutdown()

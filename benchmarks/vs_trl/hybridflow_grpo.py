@@ -1,4 +1,4 @@
-"""hybridflow's side: the RL trainer at its default settings (Ray, one worker) on the shared assets.
+"""hybridflow's side: the RL trainer at its default settings on the shared assets (``--runtime ray`` forces Ray).
 
 The config states only the workload (model, data, reward, algorithm, batch sizes, lengths, learning
 rate); no performance knob. Prints one JSON line per step, like trl_grpo.py.
@@ -29,7 +29,7 @@ def worker_usage() -> tuple[float, float]:
 
 
 def main() -> None:
-    args = side_parser(local=True).parse_args()
+    args = side_parser(runtime=True).parse_args()
 
     from hybridflow.trainers.config import load_rl_config
 
@@ -42,14 +42,16 @@ def main() -> None:
         f"actor.engine.optim.lr={args.lr}", f"batch.prompts_per_step={args.prompts_per_step}",
         f"batch.samples_per_prompt={args.samples_per_prompt}", f"batch.mini_batch_size={samples}",
         f"trainer.total_steps={args.steps}", "trainer.progress_bar=false", f"trainer.output_dir={args.output_dir}"])
-    run_trainer(config, local=args.local)
+    run_trainer(config, runtime=args.runtime)
 
 
-def run_trainer(config, *, local: bool) -> None:
-    """Build RLTrainer from ``config`` (in-process with ``local``, else on Ray) and print one JSON line per step."""
-    from hybridflow.controller import local_mode
+def run_trainer(config, *, runtime: str) -> None:
+    """Build RLTrainer from ``config`` with ``placement.runtime=runtime`` and print one JSON line per step."""
+    from dataclasses import replace
+
     from hybridflow.trainers.ppo import RLTrainer
 
+    config = replace(config, placement=replace(config.placement, runtime=runtime))
     peak = {"worker": 0.0}
     last = {"t": time.perf_counter(), "cpu": 0.0}
 
@@ -67,19 +69,11 @@ def run_trainer(config, *, local: bool) -> None:
         last["t"], last["cpu"] = time.perf_counter(), cpu
 
     start = time.perf_counter()
-    if local:
-        with local_mode():
-            trainer = RLTrainer(config, tensorboard=False)
-    else:
-        trainer = RLTrainer(config, tensorboard=False)
+    trainer = RLTrainer(config, tensorboard=False)
     print(json.dumps({"startup_s": time.perf_counter() - start}), flush=True)
     last["t"], last["cpu"] = time.perf_counter(), time.process_time() + worker_usage()[1]
     try:
-        if local:
-            with local_mode():
-                trainer.fit(on_step=on_step)
-        else:
-            trainer.fit(on_step=on_step)
+        trainer.fit(on_step=on_step)
     finally:
         trainer.shutdown()
 

@@ -16,7 +16,7 @@ from side_args import side_parser
 
 
 def main() -> None:
-    args = side_parser(score_model=True, local=True).parse_args()
+    args = side_parser(score_model=True, runtime=True).parse_args()
 
     sys.path.insert(0, str(Path(__file__).parent))
     from hybridflow_grpo import run_trainer
@@ -33,7 +33,7 @@ def main() -> None:
         f"batch.prompts_per_step={args.prompts_per_step}", f"batch.samples_per_prompt={args.samples_per_prompt}",
         f"batch.mini_batch_size={samples}", f"trainer.total_steps={args.steps}", "trainer.progress_bar=false",
         f"trainer.output_dir={args.output_dir}"])
-    run_trainer(config, local=args.local)
+    run_trainer(config, runtime=args.runtime)
 
 
 if __name__ == "__main__":

@@ -83,7 +83,9 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--kl-coef", type=float, default=0.05, help="PPO's KL-in-reward coefficient (both sides)")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--local", action="store_true", help="also run hybridflow --local (single process)")
+    parser.add_argument("--local", action="store_true", help="also run hybridflow with placement.runtime=local")
+    parser.add_argument("--ray", action="store_true", help="also run hybridflow with placement.runtime=ray "
+                        "(the default, auto, runs this one-device workload in the driver's process)")
     args = parser.parse_args()
 
     sys.path.insert(0, str(HERE))
@@ -135,7 +137,9 @@ def run_algorithm(algorithm: str, args, work: Path, prompts: Path, total_steps: 
             score_dir = ["--score-dir", str(build_score_model_dir(model_dir, work / "models"))]
             sides = {side: command + score_dir for side, command in sides.items()}
         if args.local:
-            sides["hybridflow --local"] = sides["hybridflow"] + ["--local"]
+            sides["hybridflow --local"] = sides["hybridflow"] + ["--runtime", "local"]
+        if args.ray:
+            sides["hybridflow --ray"] = sides["hybridflow"] + ["--runtime", "ray"]
         results = {}
         for side, command in sides.items():
             out = work / "runs" / (model if algorithm == "grpo" else f"ppo-{model}") / side.replace(" ", "")

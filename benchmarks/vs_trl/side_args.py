@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 
 
-def side_parser(*, score_model: bool = False, threads: bool = False, local: bool = False) -> argparse.ArgumentParser:
-    """The shared workload flags, plus ``--score-dir``/``--kl-coef`` (PPO), ``--threads`` (TRL) or ``--local``
+def side_parser(*, score_model: bool = False, threads: bool = False, runtime: bool = False) -> argparse.ArgumentParser:
+    """The shared workload flags, plus ``--score-dir``/``--kl-coef`` (PPO), ``--threads`` (TRL) or ``--runtime``
     (hybridflow) where the side takes them."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--model-dir", required=True)
@@ -24,6 +24,7 @@ def side_parser(*, score_model: bool = False, threads: bool = False, local: bool
     if threads:
         parser.add_argument("--threads", type=int, required=True)
     parser.add_argument("--output-dir", required=True)
-    if local:
-        parser.add_argument("--local", action="store_true", help="single-process mode instead of the default Ray")
+    if runtime:
+        parser.add_argument("--runtime", choices=("auto", "ray", "local"), default="auto",
+                            help="placement.runtime (default auto: in the driver's process for this one-device run)")
     return parser

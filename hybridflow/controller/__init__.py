@@ -20,7 +20,7 @@ from hybridflow.controller.protocols import (
     split_arguments,
 )
 from hybridflow.controller.register import register
-from hybridflow.controller.resource_pool import ResourcePool
+from hybridflow.controller.resource_pool import ResourcePool, runtime_mode
 from hybridflow.controller.worker import Worker
 from hybridflow.controller.worker_group import WorkerGroup
 
@@ -29,5 +29,5 @@ __all__ = [
     "WorkerGroup", "WorkerTimeoutError", "broadcast", "driver_fetch_stats", "get_protocol", "lazy_fetch_stats",
     "local_mode",
     "local_mode_enabled", "protocol_names", "register", "register_protocol", "reset_driver_fetch_stats",
-    "split_arguments",
+    "runtime_mode", "split_arguments",
 ]

@@ -30,6 +30,26 @@ def running_cluster_address() -> str | None:
     return os.environ.get("RAY_ADDRESS") or read_ray_address()
 
 
+RUNTIMES = ("auto", "ray", "local")
+
+
+def runtime_mode(runtime: str, pools: list[list[int]], *, mode: str | None = None) -> str | None:
+    """The ``mode`` of a run's pools (``pools``: devices per node of each pool in use) under a config's
+    ``runtime`` (auto | ray | local); ``mode``, when the caller chose one (``--local``), wins.
+
+    ``auto`` is ``local`` when the run is one process anyway (one pool of one device on one node) and
+    the driver is not connected to Ray (no ``ray.init()`` before, no RAY_ADDRESS, no ``ray start`` on
+    this machine), else None: ``ResourcePool``'s own rule (``local_mode()`` / HYBRIDFLOW_LOCAL, else Ray).
+    """
+    if runtime not in RUNTIMES:
+        raise ValueError(f"runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
+    if mode is not None or runtime != "auto":
+        return mode or runtime
+    one_process = len(pools) == 1 and list(pools[0]) == [1]
+    connected = ray.is_initialized() or running_cluster_address() is not None
+    return "local" if one_process and not connected else None
+
+
 def ray_init_options() -> dict:
     """Arguments of the on-demand ``ray.init``: join a running cluster as it is, or size a new local one.
 

@@ -183,7 +183,8 @@ class GenerationEngine:
         T = config.max_new_tokens
         responses_BT, logprobs_BT, response_mask_BT, stops = _wave_buffers(prompts_BP, prompt_mask_BP, config)
 
-        rows_B = torch.arange(B, device=device)  # output row of each active row
+        rows_B = torch.arange(B, device=device)  # output row of each row in the batch
+        alive_B = torch.ones(B, dtype=torch.bool, device=device)  # rows of the batch still generating
         cache = self.stage.new_cache(batch=B, max_len=P + T)
         key_valid_BS = torch.zeros((B, P + T), dtype=torch.bool, device=device)
         key_valid_BS[:, :P] = prompt_mask_BP.bool()
@@ -197,19 +198,25 @@ class GenerationEngine:
                           if needs_history else None)
             tokens_B, logprobs_B = self._sample_and_share(logits_BV, config, generator, len(rows_B),
                                                           history_BL=history_BL, step=step, end_ids=stops)
-            responses_BT[rows_B, step] = tokens_B
-            logprobs_BT[rows_B, step] = logprobs_B
-            response_mask_BT[rows_B, step] = 1
+            written_B = rows_B[alive_B]
+            responses_BT[written_B, step] = tokens_B[alive_B]
+            logprobs_BT[written_B, step] = logprobs_B[alive_B]
+            response_mask_BT[written_B, step] = 1
             finished_B = torch.isin(tokens_B, stops)
             finished_B |= _ends_with_stop_sequence(responses_BT[rows_B], step, config)
-            if step == T - 1 or bool(finished_B.all()):
+            alive_B = alive_B & ~finished_B
+            if step == T - 1 or not bool(alive_B.any()):
                 break
             key_valid_BS[:, P + step] = True
-            if bool(finished_B.any()):
-                keep_B = ~finished_B
-                rows_B, tokens_B, next_position_B = rows_B[keep_B], tokens_B[keep_B], next_position_B[keep_B]
-                key_valid_BS = key_valid_BS[keep_B]
-                cache.keep_rows(keep_B)
+            # Finished rows leave the batch and the KV cache once they are a COMPACT_FRACTION of it: cutting
+            # them out copies every layer's cache, so it is done in batches, not at every step a row ends
+            # (until then a finished row is decoded and ignored)
+            finished = len(alive_B) - int(alive_B.sum())
+            if finished and finished >= COMPACT_FRACTION * len(alive_B):
+                rows_B, tokens_B, next_position_B = rows_B[alive_B], tokens_B[alive_B], next_position_B[alive_B]
+                key_valid_BS = key_valid_BS[alive_B]
+                cache.keep_rows(alive_B)
+                alive_B = alive_B[alive_B]
             logits_BV = self._forward(tokens_B[:, None], next_position_B[:, None], cache, key_valid_BS)
             next_position_B = next_position_B + 1
             stats.decode_steps += 1
@@ -344,6 +351,10 @@ def _wave_output(prompts_BP, prompt_mask_BP, responses_BT, response_mask_BT, log
         "logprobs": logprobs_BT,
     }
 
+
+COMPACT_FRACTION = 0.25
+"""Compacting decode cuts finished rows out of the batch and the KV cache once they are at least this
+fraction of the rows decoded (0: at every step a row finishes)."""
 
 STATIC_END_CHECK_EVERY = 8
 """Static decode asks the device whether every row has finished once per this many steps."""

@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from hybridflow.controller import ResourcePool, WorkerGroup
+from hybridflow.controller import ResourcePool, WorkerGroup, runtime_mode
 from hybridflow.engine.config import EngineConfig
 from hybridflow.engine.generation import GenerationConfig
 from hybridflow.models.config import ModelConfig
@@ -142,6 +142,13 @@ def _scorer_spec(source: ModelConfig, engine: EngineConfig, *, head: str, seed: 
                       tokenizer=None if tokenizer.encodes_like(actor_tokenizer) else tokenizer)
 
 
+def resolve_runtime(config: RLConfig, mode: str | None = None) -> str | None:
+    """The pools' mode for this run: ``mode`` when the caller chose one (``--local``), else what
+    ``placement.runtime`` gives for the pools the active roles use (``controller.runtime_mode``)."""
+    pools_in_use = {config.placement.pool_of(role) for role in config.active_roles}
+    return runtime_mode(config.placement.runtime, [config.placement.pools[name] for name in pools_in_use], mode=mode)
+
+
 def build_worker_groups(config: RLConfig, specs: RoleSpecs, *,
                         mode: str | None = None) -> tuple[dict[str, WorkerGroup], list[ResourcePool]]:
     """One pool per ``placement.pools`` entry in use; the roles of a pool colocated in one process per slot.
@@ -154,6 +161,7 @@ def build_worker_groups(config: RLConfig, specs: RoleSpecs, *,
                  "reward": (RewardWorker, (specs.reward,)),
                  "cost": (CostWorker, (specs.cost,)),
                  "cost_critic": (CriticWorker, specs.cost_critic, {"prefix": COST_CRITIC_PREFIX})}
+    mode = resolve_runtime(config, mode)
     by_pool: dict[str, dict[str, tuple]] = {}
     for role in config.active_roles:
         by_pool.setdefault(config.placement.pool_of(role), {})[role] = arguments[role]

@@ -195,6 +195,10 @@ class BatchSection:
                  f"a divisor of prompts_per_step * samples_per_prompt = {samples}")
 
 
+RUNTIMES = ("auto", "ray", "local")
+"""``placement.runtime`` values (``controller.runtime_mode`` applies them)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class PlacementSection:
     """Which devices each role runs on. Roles on the same pool are colocated."""
@@ -208,12 +212,19 @@ class PlacementSection:
     hardware: str = "local"
     """Hardware profile for ``mapping: auto``: ``local`` (this machine as ``hybridflow calibrate`` measured it:
     cpu-local or cuda-local; an error until it has run), a built-in name (a100-80g, ...) or a JSON file."""
+    runtime: Literal["auto", "ray", "local"] = "auto"
+    """Where the workers run. ``ray``: Ray actors, one process per device slot. ``local``: every role inside the
+    driver's process (one rank per pool; what ``--local`` does). ``auto``: ``local`` when the run is one process
+    anyway (one pool of one device on one node) and the driver is not connected to a Ray cluster (no
+    ``ray.init()`` before, no RAY_ADDRESS, no ``ray start`` on this machine); ``ray`` otherwise. A one-process
+    run on Ray would pay Ray's start-up and memory for nothing (docs/controller.md, "Single-process mode")."""
 
     def __post_init__(self) -> None:
         require(len(self.pools) > 0, "pools", self.pools, "at least one pool")
         for name, counts in self.pools.items():
             require(len(counts) > 0 and all(count >= 1 for count in counts), f"pools.{name}", counts,
                      "a non-empty list of positive device counts per node")
+        require(self.runtime in RUNTIMES, "runtime", self.runtime, ", ".join(RUNTIMES))
         for role, pool in self.roles.items():
             require(role in ROLES, "roles", role, ", ".join(ROLES))
             require(pool in self.pools, f"roles.{role}", pool, ", ".join(self.pools))

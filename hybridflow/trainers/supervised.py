@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from hybridflow.controller import ResourcePool, WorkerGroup
+from hybridflow.controller import ResourcePool, WorkerGroup, runtime_mode
 from hybridflow.data import BatchLoader, PreferenceDataset, SFTDataset
 from hybridflow.trainers.build import engine_config_of, model_config_of, tokenizer_of
 from hybridflow.trainers.metrics import MetricsLogger, StepReporter
@@ -96,7 +96,7 @@ def run_supervised(config: SFTConfig | RMConfig, *, mode: str | None = None, ten
     head = "lm" if is_sft or config.reward_type == "likelihood" else "score"
     spec = EngineSpec(model=model_config_of(config.model, head=head, seed=config.seed),
                       engine=engine_config_of(config.engine, seed=config.seed, optimizer_steps=total_steps))
-    pool = ResourcePool(list(config.devices), mode=mode)
+    pool = ResourcePool(list(config.devices), mode=runtime_mode(config.runtime, [config.devices], mode=mode))
     if is_sft:
         group = WorkerGroup(pool, SFTWorker, spec, name="sft")
     else:

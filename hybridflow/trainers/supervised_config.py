@@ -8,7 +8,7 @@ from typing import Literal
 from hybridflow.data.config import PromptFiles
 from hybridflow.engine.config import EngineConfig
 from hybridflow.models.config import ModelConfig
-from hybridflow.trainers.config import default_engine, require
+from hybridflow.trainers.config import RUNTIMES, default_engine, require
 from hybridflow.trainers.config_loader import apply_overrides, build_dataclass, load_yaml
 
 
@@ -62,6 +62,9 @@ class SupervisedRun:
     """With a ``data.val_path``, evaluate once before the first step too, logged as step 0 (the starting score)."""
     devices: list[int] = field(default_factory=lambda: [1])
     """Devices per node of the training pool."""
+    runtime: Literal["auto", "ray", "local"] = "auto"
+    """``ray``: a Ray actor per device; ``local``: inside the command's process (``--local``); ``auto``: ``local``
+    when ``devices`` is ``[1]`` and the driver is not connected to a Ray cluster, else ``ray``."""
     seed: int = 0
     """Seeds initialization (built-in models) and data order."""
     output_dir: str = "runs/supervised"
@@ -79,6 +82,7 @@ class SupervisedRun:
         require(self.max_steps >= 0, "max_steps", self.max_steps, "an integer >= 0")
         require(len(self.devices) > 0 and all(count >= 1 for count in self.devices), "devices", self.devices,
                  "a non-empty list of positive device counts per node")
+        require(self.runtime in RUNTIMES, "runtime", self.runtime, ", ".join(RUNTIMES))
         data_parallel = sum(self.devices) // (self.engine.pp_size * self.engine.tp_size)
         require(self.batch_size % data_parallel == 0, "batch_size", self.batch_size,
                  f"a multiple of the data-parallel size {data_parallel}")
