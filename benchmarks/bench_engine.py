@@ -8,6 +8,7 @@ layout uses (one torch thread per rank on CPU, as the launcher gives every rank)
 
     python benchmarks/bench_engine.py                      # tiny model, every layout
     python benchmarks/bench_engine.py --model smollm2      # SmolLM2-135M (if converted)
+    python benchmarks/bench_engine.py --layouts single,dp2,fsdp2 --core-share   # 1 process x 2 threads vs 2 x 1
 """
 
 from __future__ import annotations
@@ -84,6 +85,10 @@ def peak_memory_mb() -> float:
 
 
 def bench_rank(rank, world_size, model, layout, args):
+    if args.core_share:  # the cores split among the ranks, as the trainer's workers get them (controller/host.py)
+        from hybridflow.controller.host import threads_per_worker
+
+        torch.set_num_threads(threads_per_worker(world_size))
     config = EngineConfig(micro_batch_tokens=args.micro_batch_tokens, optim=OptimConfig(lr=1e-5), **layout)
     engine = TrainingEngine(config, lambda: build_model(model_config(model)))
     batch = skewed_batch(args.rows, args.prompt_len, args.response_len, engine.hf_config.vocab_size)
@@ -120,6 +125,9 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--response-len", type=int, default=96)
     parser.add_argument("--micro-batch-tokens", type=int, default=512)
+    parser.add_argument("--core-share", action="store_true",
+                        help="each rank uses cores // ranks torch threads (the trainer's rule) instead of one; "
+                             "'of peak' is then against the all-core matmul")
     args = parser.parse_args()
     models = ["tiny", "smollm2"] if args.model == "both" else [args.model]
     if "smollm2" in models and smollm2_path() is None:
@@ -128,6 +136,10 @@ def main() -> None:
     torch.set_num_threads(1)
     peak_per_device = matmul_flops()
     cores = os.cpu_count() or 1
+    if args.core_share and device_type() == "cpu":  # one "device" = all the cores, shared by the ranks
+        torch.set_num_threads(cores)
+        peak_per_device = matmul_flops()
+        cores = 1
     print(f"device: {device_type()}, cpu cores: {cores}, fp32 matmul per device: {peak_per_device / 1e9:.2f} GFLOP/s")
     wanted = set(filter(None, args.layouts.split(",")))
     print(f"{'model':8} {'layout':8} {'ranks':>5} {'tokens/s':>9} {'peak MB/rank':>12} {'GFLOP/s':>8} "

@@ -5,6 +5,10 @@ checks that both produce the same tokens. Single process, fp32, on the device hy
 
     python benchmarks/bench_generation.py                  # tiny model
     python benchmarks/bench_generation.py --smollm2        # SmolLM2-135M-Instruct too (if converted)
+    python benchmarks/bench_generation.py --smollm2 --batch 32 --new-tokens 64   # the issue's decode check
+
+Each line also gives hybridflow's matmul FLOP/s as a fraction of this machine's fp32 matmul peak
+(1024^3, measured in the same run at the same thread count).
 """
 
 from __future__ import annotations
@@ -66,10 +70,27 @@ def bench(name: str, *, batch: int, prompt_len: int, new_tokens: int, repeats: i
     theirs_s, theirs_tokens = timed(theirs, repeats)
     same = torch.equal(ours_tokens, theirs_tokens)
     generated = batch * new_tokens
+    # matmul FLOPs: every prompt token once (prefill) and every fed-back token once (decode), 2 per weight
+    # of the linear layers and the output head (the embedding lookup is not a matmul; attention not counted)
+    head = model.get_output_embeddings().weight.numel()
+    linear = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n
+                 and "lm_head" not in n) + head
+    flops = 2 * linear * batch * (prompt_len + new_tokens - 1)
+    peak = matmul_peak(device)
     print(f"{name:>8} {str(device):>6} threads={torch.get_num_threads()} batch={batch} prompt={prompt_len} "
-          f"new={new_tokens}: hybridflow {generated / ours_s:8.1f} tok/s ({ours_s:.3f} s), "
-          f"transformers generate {generated / theirs_s:8.1f} tok/s ({theirs_s:.3f} s), "
-          f"ratio {theirs_s / ours_s:.2f}x, same tokens: {same}")
+          f"new={new_tokens}: hybridflow {generated / ours_s:8.1f} tok/s ({ours_s:.3f} s, "
+          f"{flops / ours_s / 1e9:.1f} GFLOP/s = {flops / ours_s / peak:.0%} of the matmul peak "
+          f"{peak / 1e9:.1f}), transformers generate {generated / theirs_s:8.1f} tok/s ({theirs_s:.3f} s, "
+          f"{flops / theirs_s / peak:.0%}), ratio {theirs_s / ours_s:.2f}x, same tokens: {same}")
+
+
+def matmul_peak(device, size: int = 1024, seconds: float = 1.0) -> float:
+    """fp32 FLOP/s of a size^3 matmul on ``device`` at the current thread count (best of a short loop)."""
+    a, b = torch.randn(size, size, device=device), torch.randn(size, size, device=device)
+    best, started = float("inf"), time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        best = min(best, timed(lambda: a @ b, 1)[0])
+    return 2 * size ** 3 / best
 
 
 def main() -> None:

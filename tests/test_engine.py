@@ -147,6 +147,26 @@ def test_micro_batch_budgets_that_split_the_batch_differently_give_the_same_step
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=name)
 
 
+def test_the_lm_head_runs_only_where_a_response_token_is_predicted_and_the_step_is_unchanged(monkeypatch):
+    batch = make_batch()
+    engine, reference = tiny_engine(), tiny_engine()
+    seen: list[int] = []
+    forward = type(engine.model).forward
+
+    def counting_forward(module, tokens, positions, head_positions_K=None):
+        out = forward(module, tokens, positions, head_positions_K)
+        seen.append(out.shape[1])
+        return out
+
+    monkeypatch.setattr(type(engine.model), "forward", counting_forward)
+    monkeypatch.setattr(reference, "_head_positions", lambda packed, num_columns: None)  # the whole sequence
+    loss = engine.train_step(batch, nll_loss)["loss"]
+    assert seen == [int(batch["response_mask"].sum())]  # one micro-batch: the head ran on the response tokens
+    assert loss == pytest.approx(reference.train_step(batch, nll_loss)["loss"], rel=1e-6)
+    for (name, a), b in zip(engine.model.named_parameters(), reference.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=name)
+
+
 def pairwise_reward_loss(outputs, micro_batch):
     """Bradley-Terry loss of (chosen, rejected) pairs in consecutive rows, mean over all pairs."""
     scores = outputs["scores"]

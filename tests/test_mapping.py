@@ -499,6 +499,10 @@ def test_the_stored_measurements_of_this_machine_still_rank_as_docs_mapping_md_s
     assert round(rho, 3) == 0.883
     printed = capsys.readouterr().out
     assert "standalone-1-1-1-1                 0.1426       0.454" in printed  # the predicted and measured best
+    # replicate g: the same layouts after worker threads became a share of the node's cores over all pools
+    rho = bench.validate_measured(str(root / "benchmarks" / "mapping" / "tiny_ppo_runs_g.json"))
+    assert round(rho, 3) == 0.883
+    assert "standalone-1-1-1-1                 0.1426       0.286" in capsys.readouterr().out
 
 
 def test_safe_rlhf_searches_the_52_placements_of_its_five_models():

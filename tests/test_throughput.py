@@ -3,13 +3,22 @@ with the same update as running it."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
-from hybridflow.controller.host import driver_thread_limit, threads_per_worker
+import ray.cloudpickle
+import torch
+
+from hybridflow.controller import ResourcePool, Worker, WorkerGroup, register
+from hybridflow.controller.host import driver_thread_limit, threads_per_worker, usable_cores
+from hybridflow.controller.worker_group import _NODE_SHARES
 from hybridflow.data import write_jsonl
 from hybridflow.data.builtin import ArithmeticTaskConfig, prompt_rows
 from hybridflow.trainers.config import load_rl_config
 from hybridflow.trainers.ppo import run_rl
 from hybridflow.trainers.redundant_passes import old_log_prob_is_redundant
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the Ray workers cannot import this module
 
 
 def test_one_worker_uses_every_core_and_many_workers_split_them():
@@ -77,3 +86,35 @@ def test_detached_current_log_probs_as_old_give_the_plain_policy_gradient():
     result = ppo_policy_loss(logprobs, logprobs.detach(), advantages, clip_ratio_low=0.2, clip_ratio_high=0.2)
     (grad,) = torch.autograd.grad(result.loss_BT.sum(), logprobs)
     torch.testing.assert_close(grad, -advantages, rtol=0, atol=0)
+
+
+class ThreadProbe(Worker):
+    """A role that reports its process's torch threads and the cores it may use."""
+
+    @register("ONE_TO_ALL")
+    def threads(self) -> tuple[int, int]:
+        return torch.get_num_threads(), usable_cores()
+
+
+def test_worker_threads_split_a_nodes_cores_among_every_pools_processes_and_grow_back(ray_session, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # no driver cap: the share alone decides
+    probe = ThreadProbe
+    first_pool, second_pool = ResourcePool([1], mode="ray"), ResourcePool([1], mode="ray")
+    first = WorkerGroup(first_pool, probe, name="first")
+    second = None
+    try:
+        threads, cores = first.threads()[0]
+        # the driver's processes on the node: this group's one, plus any an earlier test left running
+        before = len(_NODE_SHARES.processes_on(first._hosts.nodes[0]))
+        assert threads == max(1, cores // before)
+        second = WorkerGroup(second_pool, probe, name="second")
+        assert [group.threads()[0][0] for group in (first, second)] == [max(1, cores // (before + 1))] * 2
+        second.shutdown()
+        second = None
+        assert first.threads()[0][0] == max(1, cores // before)  # the other pool's process is gone: its cores come back
+    finally:
+        for group in (first, second):
+            if group is not None:
+                group.shutdown()
+        first_pool.release()
+        second_pool.release()

@@ -62,6 +62,17 @@ def driver_thread_limit(environ: dict[str, str] | None = None) -> int | None:
     return int(value)
 
 
+_pinned_threads: int | None = None
+"""Threads a role of this process asked for (``engine.num_threads``); the driver's share no longer applies."""
+
+
+def pin_num_threads(count: int) -> None:
+    """Use ``count`` torch threads in this process whatever its share of the node's cores."""
+    global _pinned_threads
+    _pinned_threads = count
+    torch.set_num_threads(count)
+
+
 def build_roles(context: WorkerContext, roles: dict[str, RoleSpec]) -> dict[str, Worker]:
     """Construct every role object of one process under ``context``."""
     set_worker_context(context)
@@ -103,6 +114,16 @@ class WorkerHost:
         self._context = WorkerContext(rank=rank, world_size=world_size, local_rank=local_rank,
                                       node_id=ray.get_runtime_context().get_node_id())
         self._roles: dict[str, Worker] = {}
+
+    def node_id(self) -> str:
+        """The Ray node this process runs on (the driver counts the worker processes per node)."""
+        return self._context.node_id
+
+    def set_num_threads(self, count: int) -> int:
+        """Use ``count`` torch compute threads from now on (the driver's share of this node's cores), unless a
+        role of this process pinned its own (``pin_num_threads``)."""
+        torch.set_num_threads(count if _pinned_threads is None else _pinned_threads)
+        return torch.get_num_threads()
 
     def address(self) -> tuple[str, int]:
         """This node's IP and a port free on it: the rendezvous point when this host is rank 0."""

@@ -11,7 +11,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from hybridflow.controller.errors import WorkerTimeoutError
 from hybridflow.controller.future import WATCHDOG_INTERVAL_S, Future, FutureValue, gather, output_pad, resolve_pad
-from hybridflow.controller.host import RoleSpec, WorkerHost, build_roles, driver_thread_limit, run_method
+from hybridflow.controller.host import (RoleSpec, WorkerHost, build_roles, driver_thread_limit, run_method,
+                                       threads_per_worker)
 from hybridflow.controller.local import init_local_process_group
 from hybridflow.controller.protocols import Dispatch, GroupMesh, Protocol, get_protocol
 from hybridflow.controller.register import Registration, registered_methods
@@ -25,6 +26,44 @@ DEFAULT_CALL_TIMEOUT_S = 3600.0
 """How long the driver waits for one worker call (or the group's start) before a WorkerTimeoutError."""
 
 
+class _NodeShares:
+    """The driver's count of its worker processes per node, and each one's share of that node's cores.
+
+    A worker's torch threads follow the cores it owns: a node's cores divided among every worker process
+    the driver has on it, of all pools (four single-process pools on a 2-core machine get one thread
+    each; OpenMP threads beyond the cores spin at every barrier while their peers are descheduled). When
+    a group starts or stops, the other processes on its nodes are told their new share.
+    """
+
+    def __init__(self) -> None:
+        self.groups: list["_Hosts"] = []
+
+    def add(self, hosts: "_Hosts") -> None:
+        self.groups.append(hosts)
+        self._rebalance(set(hosts.nodes))
+
+    def remove(self, hosts: "_Hosts") -> None:
+        if hosts in self.groups:
+            self.groups.remove(hosts)
+            self._rebalance(set(hosts.nodes))
+
+    def processes_on(self, node: str) -> list:
+        return [actor for hosts in self.groups for actor, where in zip(hosts.actors, hosts.nodes) if where == node]
+
+    def _rebalance(self, nodes: set[str]) -> None:
+        """Send each process on ``nodes`` its share. Not awaited: a Ray actor runs one caller's calls in
+        order, so the share is in force before the driver's next call to it, and a process busy in a long
+        call (or hung) does not hold up the group being built."""
+        limit = driver_thread_limit()
+        for node in nodes:
+            actors = self.processes_on(node)
+            for actor in actors:
+                actor.set_num_threads.remote(threads_per_worker(len(actors), limit=limit))
+
+
+_NODE_SHARES = _NodeShares()
+
+
 class _Hosts:
     """The processes of one pool that host one or several (colocated) roles."""
 
@@ -35,6 +74,7 @@ class _Hosts:
         self.watchdog_s = watchdog_s
         self.roles = roles
         self.actors: list = []
+        self.nodes: list[str] = []  # the Ray node of each actor
         self.local_roles: dict[str, Any] = {}
         pool.claim_processes()
         self._claimed = True
@@ -78,6 +118,10 @@ class _Hosts:
                   for rank, actor in enumerate(self.actors)}
         pids = gather(setups, role=self.label, method="setup", timeout_s=self.timeout_s, count=False,
                       watchdog_s=self.watchdog_s)
+        nodes = gather({rank: actor.node_id.remote() for rank, actor in enumerate(self.actors)}, role=self.label,
+                       method="node_id", timeout_s=self.timeout_s, count=False, watchdog_s=self.watchdog_s)
+        self.nodes = [nodes[rank] for rank in range(len(self.actors))]
+        _NODE_SHARES.add(self)
         return [pids[rank] for rank in range(len(self.actors))]
 
     def shutdown(self) -> None:
@@ -86,6 +130,7 @@ class _Hosts:
             return
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
+        _NODE_SHARES.remove(self)
         for role, worker in self.local_roles.items():
             remove_process_role(role, worker)
         self.actors = []

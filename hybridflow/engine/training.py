@@ -271,9 +271,17 @@ class TrainingEngine:
         result: dict[str, Tensor] = {}
         if self.head == "lm":
             # fp32 in chunks: the N x V logits are never upcast whole (see engine/logits.py)
-            next_ids_N = torch.roll(packed.input_ids_1N[0, :n_real], -1)
-            next_lp_N, entropy_N = token_logprobs_and_entropy(head_out_1N[0, :n_real], next_ids_N,
-                                                              want_entropy="entropy" in outputs)
+            positions_K = self._head_positions(packed, num_columns)
+            if positions_K is None:
+                next_ids_N = torch.roll(packed.input_ids_1N[0, :n_real], -1)
+                next_lp_N, entropy_N = token_logprobs_and_entropy(head_out_1N[0, :n_real], next_ids_N,
+                                                                  want_entropy="entropy" in outputs)
+            else:  # the head ran only where read: put its values back at their packed positions (0 elsewhere)
+                next_lp_K, entropy_K = token_logprobs_and_entropy(
+                    head_out_1N[0], packed.input_ids_1N[0, positions_K + 1], want_entropy="entropy" in outputs)
+                next_lp_N = next_lp_K.new_zeros(n_real).index_copy(0, positions_K, next_lp_K)
+                entropy_N = (entropy_K.new_zeros(n_real).index_copy(0, positions_K, entropy_K)
+                             if entropy_K is not None else None)
             if "logprobs" in outputs:
                 result["logprobs"] = unpack_columns(shift_to_next_token(next_lp_N, packed), packed, num_columns)
             if "entropy" in outputs:
@@ -285,6 +293,18 @@ class TrainingEngine:
             if "scores" in outputs:
                 result["scores"] = last_token_values(scalar_N, packed)
         return result
+
+    def _head_positions(self, packed: PackedMicroBatch, num_columns: int) -> Tensor | None:
+        """Packed positions whose 'lm' head output is read (those that predict a token of the last
+        ``num_columns`` columns: the response), or None for "every position" (other heads, filler
+        micro-batches, and tensor- or pipeline-parallel layouts, whose head runs on the whole sequence)."""
+        if self.head != "lm" or packed.is_filler or self.layout.tp_size > 1 or self.layout.pp_size > 1:
+            return None
+        columns_N = packed.mask_bS.nonzero()[:, 1]  # the column of every real packed token, in packing order
+        read_N = torch.zeros(packed.num_real_tokens, dtype=torch.bool, device=columns_N.device)
+        read_N[:-1] = columns_N[1:] >= packed.mask_bS.shape[1] - num_columns
+        read_N[packed.sequence_starts[1:] - 1] = False  # a sequence's last token predicts nothing of its own
+        return read_N.nonzero()[:, 0]
 
     def _check_outputs(self, outputs: tuple[str, ...]) -> tuple[str, ...]:
         allowed = OUTPUTS_OF_HEAD[self.head]
@@ -345,7 +365,8 @@ class TrainingEngine:
         else:
             for index, micro in enumerate(packed):
                 with self._autocast():
-                    head_out = self.model(micro.input_ids_1N, micro.position_ids_1N)
+                    head_out = self.model(micro.input_ids_1N, micro.position_ids_1N,
+                                          self._head_positions(micro, num_columns))
                 (micro_loss(head_out, index) * self._fsdp_loss_scale).backward()
         self._sync_tied_embedding_gradients()
         self._all_reduce_dp_gradients()
@@ -476,7 +497,8 @@ class TrainingEngine:
             else:
                 for index, micro in enumerate(packed):
                     with self._autocast():
-                        collect(self.model(micro.input_ids_1N, micro.position_ids_1N), index)
+                        collect(self.model(micro.input_ids_1N, micro.position_ids_1N,
+                                           self._head_positions(micro, num_columns)), index)
         finally:
             self.model.train(was_training)
         return {name: value.cpu() for name, value in results.items()}

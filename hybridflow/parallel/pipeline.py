@@ -68,11 +68,14 @@ class DecoderStage(nn.Module):
     def head(self) -> nn.Module:
         return self.lm_head if self.head_name == "lm" else self.score
 
-    def forward(self, tokens: Tensor, position_ids_1N: Tensor) -> Tensor | tuple[Tensor, Tensor]:
+    def forward(self, tokens: Tensor, position_ids_1N: Tensor,
+                head_positions_K: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """First stage: tokens are ids [1, N]; later stages: hidden states [1, N, H].
 
         Returns (hidden_1NH, position_ids_1N) for the next stage, or the head output on the last
-        stage: logits [1, N, V] ('lm') or scalars [1, N] ('value'/'score').
+        stage: logits [1, N, V] ('lm') or scalars [1, N] ('value'/'score'); with ``head_positions_K``
+        only at those packed positions ([1, K, ...]): the output head of a large vocabulary is the
+        largest matmul of a small model, and the prompt's positions are never read.
         """
         hidden_1NH = self.model.embed_tokens(tokens) if self.is_first else tokens
         mask, attention_kwargs = packed_attention_inputs(position_ids_1N, self.attn_implementation,
@@ -83,6 +86,8 @@ class DecoderStage(nn.Module):
                                position_embeddings=rotary, **attention_kwargs)
         if not self.is_last:
             return hidden_1NH, position_ids_1N
+        if head_positions_K is not None:
+            hidden_1NH = hidden_1NH[:, head_positions_K]
         out_1NO = self.head(self.model.norm(hidden_1NH))
         # a scalar head's last dim is 1; copy out of it so FSDP2 never hands autograd a view
         return out_1NO if self.head_name == "lm" else out_1NO[..., 0].clone()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from hybridflow.controller import Worker, register
+from hybridflow.controller.host import pin_num_threads
 from hybridflow.engine.training import TrainingEngine
 from hybridflow.protocol import DataProto
 from hybridflow.workers.spec import EngineSpec
@@ -35,7 +36,7 @@ class ModelWorker(Worker):
     def __init__(self, spec: EngineSpec) -> None:
         self.spec = spec
         if spec.engine.num_threads:
-            torch.set_num_threads(spec.engine.num_threads)
+            pin_num_threads(spec.engine.num_threads)  # the driver's share of the node's cores no longer applies
         # a checkpoint is read shard by shard onto meta-initialised stages: no rank holds the whole model
         self.engine = TrainingEngine.from_model_config(spec.engine, spec.model, trainable=self.TRAINABLE)
         self.set_parallel_layout(self.engine.layout)
