@@ -54,6 +54,8 @@ class _NodeShares:
         """Send each process on ``nodes`` its share. Not awaited: a Ray actor runs one caller's calls in
         order, so the share is in force before the driver's next call to it, and a process busy in a long
         call (or hung) does not hold up the group being built."""
+        if not ray.is_initialized():  # Ray already shut down: no process left to tell
+            return
         limit = driver_thread_limit()
         for node in nodes:
             actors = self.processes_on(node)
