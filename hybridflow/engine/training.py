@@ -265,13 +265,13 @@ class TrainingEngine:
 
     # ----------------------------------------------------------------- outputs
     def _outputs_of(self, head_out_1N, packed: PackedMicroBatch, outputs: tuple[str, ...],
-                    num_columns: int) -> dict[str, Tensor]:
-        """Requested per-token [b, T] / per-sequence [b] outputs from the head output of one micro-batch."""
+                    num_columns: int, positions_K: Tensor | None = None) -> dict[str, Tensor]:
+        """Requested per-token [b, T] / per-sequence [b] outputs from the head output of one micro-batch
+        (``positions_K``: the packed positions the head ran on, ``_head_positions``; None = all)."""
         n_real = packed.num_real_tokens
         result: dict[str, Tensor] = {}
         if self.head == "lm":
             # fp32 in chunks: the N x V logits are never upcast whole (see engine/logits.py)
-            positions_K = self._head_positions(packed, num_columns)
             if positions_K is None:
                 next_ids_N = torch.roll(packed.input_ids_1N[0, :n_real], -1)
                 next_lp_N, entropy_N = token_logprobs_and_entropy(head_out_1N[0, :n_real], next_ids_N,
@@ -315,14 +315,15 @@ class TrainingEngine:
         return outputs
 
     def _micro_batch_loss(self, head_out, packed: PackedMicroBatch, batch: dict, normalisers: dict,
-                          loss_fn: LossFn, outputs: tuple[str, ...], num_columns: int, records: list):
+                          loss_fn: LossFn, outputs: tuple[str, ...], num_columns: int, records: list,
+                          positions_K: Tensor | None = None):
         if packed.is_filler:
             return head_out.sum() * 0.0  # keeps collectives in step; contributes nothing
         num_rows = batch["input_ids"].shape[0]
         micro_batch = {k: v[packed.rows_b] for k, v in batch.items()
                        if isinstance(v, Tensor) and v.dim() > 0 and v.shape[0] == num_rows}
         micro_batch.update(normalisers)
-        loss, metrics = loss_fn(self._outputs_of(head_out, packed, outputs, num_columns), micro_batch)
+        loss, metrics = loss_fn(self._outputs_of(head_out, packed, outputs, num_columns, positions_K), micro_batch)
         scalars = {k: float(v.detach() if isinstance(v, Tensor) else v) for k, v in metrics.items()}
         records.append((float(loss.detach()), scalars))
         return loss
@@ -356,18 +357,18 @@ class TrainingEngine:
         self.optimizer.zero_grad(set_to_none=True)
         records: list = []
 
-        def micro_loss(head_out, index) -> Tensor:
+        def micro_loss(head_out, index, positions_K=None) -> Tensor:
             return self._micro_batch_loss(head_out, packed[index], batch, normalisers, loss_fn, outputs,
-                                          num_columns, records)
+                                          num_columns, records, positions_K)
 
         if self.layout.pp_size > 1:
             self._run_pipeline(packed, micro_loss, train=True)
         else:
             for index, micro in enumerate(packed):
+                positions_K = self._head_positions(micro, num_columns)
                 with self._autocast():
-                    head_out = self.model(micro.input_ids_1N, micro.position_ids_1N,
-                                          self._head_positions(micro, num_columns))
-                (micro_loss(head_out, index) * self._fsdp_loss_scale).backward()
+                    head_out = self.model(micro.input_ids_1N, micro.position_ids_1N, positions_K)
+                (micro_loss(head_out, index, positions_K) * self._fsdp_loss_scale).backward()
         self._sync_tied_embedding_gradients()
         self._all_reduce_dp_gradients()
         grad_norm = global_grad_norm(self._norm_params(), shard_group=self._shard_group(), stage_group=self.pp_group)
@@ -479,10 +480,10 @@ class TrainingEngine:
         results = {name: torch.zeros((num_rows,) if name == "scores" else (num_rows, num_columns),
                                      dtype=torch.float32, device=self.device) for name in outputs}
 
-        def collect(head_out, index) -> Tensor:
+        def collect(head_out, index, positions_K=None) -> Tensor:
             micro = packed[index]
             if not micro.is_filler:
-                for name, value in self._outputs_of(head_out, micro, outputs, num_columns).items():
+                for name, value in self._outputs_of(head_out, micro, outputs, num_columns, positions_K).items():
                     results[name][micro.rows_b] = value
             return head_out.sum() * 0.0
 
@@ -496,9 +497,9 @@ class TrainingEngine:
                     dist.broadcast(results[name], last, group=self.pp_group)
             else:
                 for index, micro in enumerate(packed):
+                    positions_K = self._head_positions(micro, num_columns)
                     with self._autocast():
-                        collect(self.model(micro.input_ids_1N, micro.position_ids_1N,
-                                           self._head_positions(micro, num_columns)), index)
+                        collect(self.model(micro.input_ids_1N, micro.position_ids_1N, positions_K), index, positions_K)
         finally:
             self.model.train(was_training)
         return {name: value.cpu() for name, value in results.items()}
