@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
 from hybridflow.engine.decoder import DecoderStage
-from hybridflow.engine.generation import GenerationConfig, GenerationEngine
+from hybridflow.engine.generation import GenerationConfig, GenerationEngine, draw_tokens
 
 P, T = 6, 8
 
@@ -130,6 +130,47 @@ def test_top_p_samples_only_inside_the_nucleus():
     chosen = probs.gather(-1, out["responses"][..., None]).squeeze(-1)
     mass_above = (probs * (probs > chosen[..., None])).sum(-1)
     assert bool((mass_above < 0.5 + 1e-6).all())
+
+
+def test_drawn_tokens_follow_each_rows_distribution_and_never_a_zero_probability_token():
+    # row 0: four tokens with unequal mass among zeros; row 1: all mass on the last token; row 2: on the first;
+    # row 3: a 49k vocabulary of tiny masses with two heavy tokens (the cumsum's rounding at SmolLM2's size)
+    V = 49152
+    probs = torch.zeros(4, V)
+    probs[0, [5, 6, 900, V - 2]] = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    probs[1, V - 1] = 1.0
+    probs[2, 0] = 1.0
+    probs[3] = 1e-6
+    probs[3, [7, V // 2]] = 0.25
+    probs[3, 11] = 0.0
+    generator = torch.Generator().manual_seed(0)
+    draws = 20000
+    counts = torch.zeros(4, V)
+    for _ in range(draws // 100):
+        tokens = torch.stack([draw_tokens(probs, generator) for _ in range(100)])
+        counts.scatter_add_(1, tokens.T, torch.ones(4, 100))
+    assert bool((counts[probs == 0] == 0).all())
+    assert counts[1, V - 1] == draws and counts[2, 0] == draws
+    expected = probs / probs.sum(-1, keepdim=True)
+    for row, token in [(0, 5), (0, 6), (0, 900), (0, V - 2), (3, 7), (3, V // 2)]:
+        p = float(expected[row, token])
+        sd = (p * (1 - p) / draws) ** 0.5
+        assert abs(float(counts[row, token]) / draws - p) < 5 * sd, (row, token)
+    # the 49k small tokens of row 3 together: their mass, and spread over the vocabulary (not piled at one end)
+    small = counts[3].clone()
+    small[[7, V // 2]] = 0
+    p_small = 1 - float(expected[3, 7] + expected[3, V // 2])
+    assert abs(float(small.sum()) / draws - p_small) < 5 * (p_small * (1 - p_small) / draws) ** 0.5
+    first_half = float(small[:V // 2].sum()) / float(small.sum())
+    assert 0.4 < first_half < 0.6
+
+
+def test_drawing_is_reproducible_from_the_generator():
+    probs = torch.rand(8, 300).softmax(-1)
+    first = draw_tokens(probs, torch.Generator().manual_seed(4))
+    again = draw_tokens(probs, torch.Generator().manual_seed(4))
+    other = torch.stack([draw_tokens(probs, torch.Generator().manual_seed(5)) for _ in range(3)])
+    assert torch.equal(first, again) and not bool((other == first).all())
 
 
 def test_eos_and_stop_tokens_end_responses_and_finished_rows_stop_costing_compute():

@@ -100,8 +100,29 @@ def sample_tokens(logits_BV: torch.Tensor, config: GenerationConfig, generator: 
         drop_BV = (probs_BV.cumsum(dim=-1) - probs_BV) >= config.top_p
         sorted_BV[drop_BV] = float("-inf")
         filtered_BV = torch.full_like(filtered_BV, float("-inf")).scatter(-1, order_BV, sorted_BV)
-    tokens_B = torch.multinomial(filtered_BV.softmax(dim=-1), 1, generator=generator).squeeze(-1)
+    tokens_B = draw_tokens(filtered_BV.softmax(dim=-1), generator)
     return tokens_B, logprobs_BV.gather(-1, tokens_B[:, None]).squeeze(-1)
+
+
+def draw_tokens(probs_BV: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row, token v of row b with probability ``probs_BV[b, v]`` (long, [B]); zero-probability
+    tokens are never drawn.
+
+    On CPU by inverting each row's cumulative distribution at one uniform draw: ``torch.multinomial`` draws
+    one exponential variate per vocabulary entry (the exponential race), which at a 49k vocabulary and
+    128 rows costs 0.17 s per decode step here against 0.012 s for a cumsum and a binary search. The CPU
+    cumsum adds each row's entries in order, so the cumulative sums never decrease and stay flat across a
+    zero-probability token: the search, aimed strictly below the row's total, cannot land on one. CUDA
+    keeps ``torch.multinomial``: its kernel is fast there and its parallel scan does not promise that order.
+    """
+    if probs_BV.device.type != "cpu":
+        return torch.multinomial(probs_BV, 1, generator=generator).squeeze(-1)
+    cdf_BV = probs_BV.cumsum(dim=-1)
+    total_B1 = cdf_BV[:, -1:]
+    target_B1 = torch.rand(total_B1.shape, generator=generator, dtype=cdf_BV.dtype) * total_B1
+    # u < 1, but u * total can round up to total: stay strictly below it
+    target_B1 = torch.minimum(target_B1, torch.nextafter(total_B1, torch.zeros_like(total_B1)))
+    return torch.searchsorted(cdf_BV, target_B1, right=True).squeeze(-1)
 
 
 class GenerationEngine:

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from hybridflow.algorithms.finite import NonFiniteError, check_non_finite_action, first_non_finite
-from hybridflow.device import configure_matmul_precision, current_device, device_type
+from hybridflow.device import configure_host_allocator, configure_matmul_precision, current_device, device_type
 from hybridflow.engine import checkpoint as checkpoint_io
 from hybridflow.engine.config import EngineConfig
 from hybridflow.engine.logits import token_logprobs_and_entropy
@@ -59,6 +59,7 @@ class TrainingEngine:
         self.coords = self.layout.coords(self.rank)
         self.device = current_device(int(os.environ.get("LOCAL_RANK", "0")))
         configure_matmul_precision(config.compute_dtype)  # TF32 on CUDA under bf16 compute; true fp32 otherwise
+        configure_host_allocator()  # CPU: freed memory kept for the next step instead of faulted in again
         self.mesh = build_training_mesh(self.layout)
         self.ties_embeddings = head == "lm" and bool(getattr(self.hf_config, "tie_word_embeddings", False))
         """Input and output embeddings are one matrix (checkpoints store it as model.embed_tokens.weight)."""
