@@ -543,7 +543,7 @@ def test_with_eight_ppo_updates_the_planner_colocates_everything_up_to_64_gpus_l
 
 def test_13b_on_96_gpus_colocates_with_padded_generation_and_splits_only_when_replicas_must_divide_the_prompts():
     # the trainer pads the prompts over the generation replicas (the default): colocating all 96 GPUs
-    # generates with 96 / 4 = 24 replicas, 43 prompts each (8 of them padding), and wins, against the paper
+    # generates with 96 / 4 = 24 replicas, 43 prompts each (8 padding prompts in all), and wins, against the paper
     best = plan("ppo", same_model("llama-13b"), PAPER_PPO, a100_cluster(96), top=15)
     assert best.placement_label == "actor+critic+reference+reward"
     actor = best.strategies["actor"]
@@ -700,6 +700,21 @@ def test_the_trainer_refuses_a_plan_with_padded_training_splits_and_accepts_padd
     for pad_generation in (True, False):
         workload = replace(workload_of(config), pad_generation=pad_generation)
         assert apply_plan(config, replace(chosen, workload=workload)).placement.mapping == "manual"
+
+
+def test_the_trainer_builds_the_96_gpu_plan_whose_generation_replicas_do_not_divide_the_prompts():
+    from hybridflow.trainers.auto_mapping import apply_plan
+    from hybridflow.trainers.config import load_rl_config
+
+    config = load_rl_config(None, ["data.train_path=train.jsonl", "actor.model.builtin=arithmetic",
+                                   "reward.model.builtin=arithmetic", "placement.pools={cluster: [8]}",
+                                   "batch.prompts_per_step=1024", "batch.mini_batch_size=128"])
+    best = plan("ppo", same_model("llama-13b"), PAPER_PPO, a100_cluster(96))
+    placed = apply_plan(config, replace(best, workload=None))  # its 96 devices; validated as a whole RLConfig
+    assert placed.placement.pool_size("actor_critic_reference_reward") == 96
+    derived = placed.derived()
+    assert derived.generation_replicas == 24 and -1024 % derived.generation_replicas == 8  # 8 padding prompts
+    assert all(derived.samples_per_step % size == 0 for size in derived.dp_sizes.values())
 
 
 def test_padding_only_the_prompts_lets_a_48_gpu_pool_generate_unpipelined_while_training_splits_stay_even():
