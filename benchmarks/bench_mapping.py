@@ -56,7 +56,7 @@ def paper_sweep(hardware: str, workload: Workload = PAPER_WORKLOAD, backend: Rol
           f"response {workload.response_length}, mini-batch {workload.samples_per_update}, micro-batch "
           f"{workload.sequences_per_micro_batch} sequence(s), {load_hardware(hardware).name}, 8 per node"
           + (", uneven batches padded" if workload.pad_uneven else "")
-          + (", prompts padded over the generation replicas" if workload.pad_generation else ""))
+          + ("" if workload.pad_generation else ", generation replicas dividing the prompts (no padding)"))
     print(f"{'model':<10} {'GPUs':>4} {'search s':>8}  {'paper':<36} {'planner':<44} {'iter s':>7}  "
           f"paper's placement: rank, iter s")
     for (model, num_devices), paper in PAPER_PLACEMENTS.items():
@@ -357,9 +357,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pad-uneven", action="store_true",
                         help="sweep: allow layouts that do not split the batch evenly (padded, as the paper's 48-GPU "
                              "pools need); the trainer cannot run them")
-    parser.add_argument("--pad-generation", action="store_true",
-                        help="sweep, what-if: pad only the prompts over the generation replicas (the controller's "
-                             "dispatch can; the trainer's config check refuses), training splits stay even")
+    parser.add_argument("--even-generation", action="store_true",
+                        help="sweep: only generation layouts whose replicas divide the prompts (Workload("
+                             "pad_generation=False), the planner before the trainer accepted padded generation)")
     parser.add_argument("--decode-dispatch-us", type=float, default=None,
                         help="sweep, what-if: the profile's decode_dispatch_seconds_per_layer in microseconds (eager "
                              "decode: a step takes at least layers x this)")
@@ -393,13 +393,15 @@ def main(argv: list[str] | None = None) -> int:
         native_decode_check()
     elif args.backends:
         backend_comparison(args.hardware, replace(PAPER_WORKLOAD, micro_batch_tokens=args.micro_batch_tokens,
-                                                  pad_uneven=args.pad_uneven), args.vllm_kv_cache_gib)
+                                                  pad_uneven=args.pad_uneven,
+                                                  pad_generation=not args.even_generation), args.vllm_kv_cache_gib)
     elif args.paged_kv:
         paper_sweep(args.hardware, replace(PAPER_WORKLOAD, micro_batch_tokens=args.micro_batch_tokens,
-                                           pad_uneven=args.pad_uneven), replace(NATIVE, paged_kv_cache=True))
+                                           pad_uneven=args.pad_uneven,
+                                           pad_generation=not args.even_generation), replace(NATIVE, paged_kv_cache=True))
     else:
         workload = replace(PAPER_WORKLOAD, micro_batch_tokens=args.micro_batch_tokens, pad_uneven=args.pad_uneven,
-                           pad_generation=args.pad_generation)
+                           pad_generation=not args.even_generation)
         hardware = args.hardware
         if args.decode_dispatch_us is not None:
             hardware = replace(load_hardware(hardware), decode_dispatch_seconds_per_layer=args.decode_dispatch_us * 1e-6)

@@ -541,9 +541,19 @@ def test_with_eight_ppo_updates_the_planner_colocates_everything_up_to_64_gpus_l
     assert runner_up.stage_seconds["generation"] > best.stage_seconds["generation"]
 
 
-def test_13b_on_96_gpus_puts_actor_and_critic_on_separate_devices_like_the_paper():
-    best = plan("ppo", same_model("llama-13b"), PAPER_PPO, a100_cluster(96), top=1)
-    assert best.pool_of("actor") != best.pool_of("critic")
+def test_13b_on_96_gpus_colocates_with_padded_generation_and_splits_only_when_replicas_must_divide_the_prompts():
+    # the trainer pads the prompts over the generation replicas (the default): colocating all 96 GPUs
+    # generates with 96 / 4 = 24 replicas, 43 prompts each (8 padding prompts in all), and wins, against the paper
+    best = plan("ppo", same_model("llama-13b"), PAPER_PPO, a100_cluster(96), top=15)
+    assert best.placement_label == "actor+critic+reference+reward"
+    actor = best.strategies["actor"]
+    assert 1024 % (96 // (actor.generation_pp_size * actor.generation_tp_size)) != 0
+    paper = next(p for p in best.alternatives if p.placement_label == "actor+reference | critic+reward")
+    assert paper.allocation_label == "48|48" and paper.strategies["actor"].generation_pp_size == 1
+    # with replicas dividing the 1024 prompts (the planner before the trainer padded), a 96-GPU pool
+    # generates pipelined or with fewer replicas, and actor and critic go to separate devices, as in the paper
+    even = plan("ppo", same_model("llama-13b"), replace(PAPER_PPO, pad_generation=False), a100_cluster(96), top=1)
+    assert even.pool_of("actor") != even.pool_of("critic")
 
 
 def test_34b_on_128_gpus_splits_actor_and_critic_over_two_halves_like_the_paper():
@@ -640,12 +650,30 @@ def test_small_micro_batches_lose_efficiency_to_streaming_the_weight_shard():
     assert long.inference_seconds(spec, "lm", strategy, 1) == pytest.approx(1024 * 2048 * per_token / 156e12)
 
 
+def test_a_replica_given_a_padded_share_of_prompts_generates_all_samples_of_each_of_its_prompts():
+    # 3 prompts x 2 samples on 2 replicas: the dispatch pads the prompts to 4 and each replica samples its
+    # 2 prompts twice, 4 sequences (not ceil(6 / 2) = 3): as long as 4 prompts x 2 samples
+    spec = model_spec("llama-7b")
+    strategy = RoleStrategy(layout="3d", tp_size=2, generation_pp_size=1, generation_tp_size=1)
+    per_sequence = 2 * 32 * 4096 * 128 * 2
+
+    def generation(prompts: int, samples: int) -> dict[str, float]:
+        workload = Workload(prompts_per_step=prompts, samples_per_prompt=samples, prompt_length=100,
+                            response_length=28)
+        return Simulator(workload=workload, cluster=a100_cluster(2, 2)).generation_seconds(
+            spec, strategy, 2, 10.5 * per_sequence)
+
+    assert generation(3, 2) == generation(4, 2)
+    assert generation(3, 2)[1]["generation_batch"] == 4.0
+    assert generation(6, 1)[1]["generation_batch"] == 3.0
+
+
 def test_padded_batches_let_a_48_gpu_pool_generate_without_pipeline_stages():
     # 1024 prompts on 48 GPUs: generation replicas 48 / (pg tg) divide 1024 only with pg tg a multiple of 3
     # (pg = 3, pipelined decoding); padding the batch (the paper's system had to) allows pg = 1
     sets, allocation = [("actor", "reference"), ("critic", "reward")], (48, 48)
     for pad_uneven, pipelined in ((False, True), (True, False)):
-        workload = replace(PAPER_PPO, pad_uneven=pad_uneven)
+        workload = replace(PAPER_PPO, pad_uneven=pad_uneven, pad_generation=False)
         planner = Planner(dataflow=dataflow("ppo"), models=resolve_models(same_model("llama-13b")),
                           workload=workload, cluster=a100_cluster(96))
         actor = planner.plan_for(sets, allocation).strategies["actor"]
@@ -656,7 +684,7 @@ def test_padded_batches_let_a_48_gpu_pool_generate_without_pipeline_stages():
         replace(PAPER_PPO, pad_uneven="yes")
 
 
-def test_a_plan_made_for_padded_batches_is_refused_by_the_trainer_which_splits_evenly():
+def test_the_trainer_refuses_a_plan_with_padded_training_splits_and_accepts_padded_or_even_generation():
     from hybridflow.trainers.auto_mapping import apply_plan, workload_of
     from hybridflow.trainers.config import load_rl_config
 
@@ -668,9 +696,25 @@ def test_a_plan_made_for_padded_batches_is_refused_by_the_trainer_which_splits_e
                                                              hardware=load_hardware("a100-80g")))
     with pytest.raises(ValueError, match="the plan was made for .*pad_uneven=True"):
         apply_plan(config, replace(chosen, workload=padded))
-    with pytest.raises(ValueError, match="the plan was made for .*pad_generation=True"):
-        apply_plan(config, replace(chosen, workload=replace(workload_of(config), pad_generation=True)))
-    assert apply_plan(config, replace(chosen, workload=workload_of(config))).placement.mapping == "manual"
+    assert workload_of(config).pad_generation  # the trainer pads the prompts over the generation replicas
+    for pad_generation in (True, False):
+        workload = replace(workload_of(config), pad_generation=pad_generation)
+        assert apply_plan(config, replace(chosen, workload=workload)).placement.mapping == "manual"
+
+
+def test_the_trainer_builds_the_96_gpu_plan_whose_generation_replicas_do_not_divide_the_prompts():
+    from hybridflow.trainers.auto_mapping import apply_plan
+    from hybridflow.trainers.config import load_rl_config
+
+    config = load_rl_config(None, ["data.train_path=train.jsonl", "actor.model.builtin=arithmetic",
+                                   "reward.model.builtin=arithmetic", "placement.pools={cluster: [8]}",
+                                   "batch.prompts_per_step=1024", "batch.mini_batch_size=128"])
+    best = plan("ppo", same_model("llama-13b"), PAPER_PPO, a100_cluster(96))
+    placed = apply_plan(config, replace(best, workload=None))  # its 96 devices; validated as a whole RLConfig
+    assert placed.placement.pool_size("actor_critic_reference_reward") == 96
+    derived = placed.derived()
+    assert derived.generation_replicas == 24 and -1024 % derived.generation_replicas == 8  # 8 padding prompts
+    assert all(derived.samples_per_step % size == 0 for size in derived.dp_sizes.values())
 
 
 def test_padding_only_the_prompts_lets_a_48_gpu_pool_generate_unpipelined_while_training_splits_stay_even():

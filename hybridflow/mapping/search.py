@@ -127,12 +127,13 @@ class Planner:
 
     # ---- one role ----------------------------------------------------------------------------
     def _strategies(self, role: str, num_devices: int) -> Iterator[RoleStrategy]:
-        """The role's layouts on ``num_devices`` that split the batch evenly, as the trainer requires:
-        d divides the samples per step (and, for trained roles, the samples per update); the actor's
-        generation replicas n / (pg tg) divide the prompts per step. With ``Workload.pad_uneven`` every layout
-        is allowed (the simulator charges each rank ceil(samples / d)); with ``Workload.pad_generation`` only
-        the generation replica rule is lifted. The actor generates only with the (pg, tg) its rollout backend
-        supports (vllm: 1, 1)."""
+        """The role's layouts on ``num_devices`` that split the batch as the trainer requires: d divides the
+        samples per step (and, for trained roles, the samples per update); the actor's generation replicas
+        n / (pg tg) may leave a remainder of prompts (``Workload.pad_generation``, the default: the generation
+        dispatch pads them; the simulator charges each replica ceil(prompts / replicas)), or must divide the
+        prompts per step when it is False. With ``Workload.pad_uneven`` every layout is allowed (each rank
+        charged ceil(samples / d)). The actor generates only with the (pg, tg) its rollout backend supports
+        (vllm: 1, 1)."""
         spec, kind, workload = self.models[role], self.dataflow.roles[role], self.workload
         even = not workload.pad_uneven
         even_prompts = even and not workload.pad_generation

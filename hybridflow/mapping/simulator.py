@@ -337,7 +337,9 @@ class Simulator:
             else kv_per_sequence * occupied / workload.sequence_length
         max_batch = int(kv_budget_bytes // kv_in_flight)
         replicas = num_devices // (tg * pg)
-        sequences = math.ceil(workload.num_samples / replicas)
+        # prompts are split over the replicas (padded with repeated prompts when they do not divide), then
+        # each replica samples every one of its prompts samples_per_prompt times
+        sequences = math.ceil(workload.prompts_per_step / replicas) * workload.samples_per_prompt
         waves = math.ceil(sequences / max_batch)
         batch = math.ceil(sequences / waves)
         h, layers, e = spec.hidden_size, spec.num_layers, self.element_bytes

@@ -31,14 +31,15 @@ class Workload:
     pad_uneven: bool = False
     """Plan for a system that pads a batch its data-parallel size or generation replica count does not divide
     (each rank then works on ceil(samples / d) rows), e.g. 1024 prompts on the paper's 48-GPU pools.
-    hybridflow's trainer splits batches evenly: it plans with False and refuses plans made with True."""
-    pad_generation: bool = False
-    """What-if, narrower than ``pad_uneven``: pad only the prompts a generation replica count does not divide
-    (each replica generates ceil(prompts / replicas) rows; the padding rows are repeats whose responses are
-    dropped), while every training and scoring split stays even. The controller's generation dispatch already
-    pads this way (``controller/protocols.py``: ``split_rows`` repeats rows, collect drops them); what refuses
-    such a layout is the trainer's config check ``batch.prompts_per_step`` % generation replicas
-    (``RLConfig.derived``). Like ``pad_uneven``, the trainer refuses plans made with True."""
+    hybridflow's trainer splits training and scoring batches evenly: it plans with False and refuses plans
+    made with True."""
+    pad_generation: bool = True
+    """Allow actor generation layouts whose replica count does not divide the prompts per step: each replica
+    generates ceil(prompts / replicas) prompts, the padding rows being repeats whose samples are dropped, while
+    every training and scoring split stays even. This is what hybridflow's trainer runs (the generation
+    dispatch ``3D_ALL_MICRO_DP`` in ``controller/protocols.py`` pads by repeating rows and drops their samples
+    on collect; ``RLConfig.derived`` has no replica rule), hence the default. False restricts the search to
+    replica counts that divide the prompts (the planner's behaviour before the trainer accepted padding)."""
 
     def __post_init__(self) -> None:
         for name in ("prompts_per_step", "prompt_length", "response_length", "samples_per_prompt", "ppo_epochs"):

@@ -40,8 +40,10 @@ def workload_of(config: RLConfig):
 
 def apply_plan(config: RLConfig, plan) -> RLConfig:
     """``config`` placed and laid out as ``plan`` says (a manual placement): pools, roles, engine sizes, the
-    actor's generation sizes. Refuses a plan made for another workload or another rollout backend."""
-    if plan.workload is not None and plan.workload != workload_of(config):
+    actor's generation sizes. Refuses a plan made for another workload (padded training splits included) or
+    another rollout backend."""
+    # a plan whose generation replicas divide the prompts (pad_generation=False) runs here as well
+    if plan.workload is not None and replace(plan.workload, pad_generation=True) != workload_of(config):
         raise ValueError(f"the plan was made for {plan.workload}, not this run's {workload_of(config)}; "
                          f"plan again for this config")
     backend = config.actor.generation.backend

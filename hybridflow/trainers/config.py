@@ -314,7 +314,8 @@ class DerivedSizes:
     dp_sizes: dict[str, int]
     """Data-parallel size per role: pool devices / (pp_size * tp_size)."""
     generation_replicas: int
-    """Actor generation replicas: actor pool devices / (generation pp * tp)."""
+    """Actor generation replicas: actor pool devices / (generation pp * tp). They need not divide the prompts
+    per step: the generation dispatch pads the prompts with repeated rows and drops their samples."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -417,9 +418,10 @@ class RLConfig:
                 require(self.batch.mini_batch_size % dp_sizes[role] == 0, "batch.mini_batch_size",
                          self.batch.mini_batch_size, f"a multiple of {role}'s data-parallel size {dp_sizes[role]}")
         hybrid = self.actor.hybrid_engine
+        # No rule ties the prompts to the generation replicas: the generation dispatch (3D_ALL_MICRO_DP) pads
+        # the prompts to a multiple of the replicas with repeated rows and drops those rows' samples on
+        # collect, so every replica count works (the padded rows cost generation time, nothing else).
         replicas = self.placement.pool_size(self.placement.pool_of("actor")) // (hybrid.pp_size * hybrid.tp_size)
-        require(self.batch.prompts_per_step % replicas == 0, "batch.prompts_per_step", self.batch.prompts_per_step,
-                 f"a multiple of the {replicas} actor generation replicas (prompts are split over them)")
         return DerivedSizes(samples_per_step=samples, mini_batches_per_epoch=samples // self.batch.mini_batch_size,
                             dp_sizes=dp_sizes, generation_replicas=replicas)
 
