@@ -91,11 +91,10 @@ def configure_host_allocator() -> str:
     glibc serves every allocation above 32 MiB (a micro-batch's logits, an embedding's gradient, the
     MLP's activations at a large token budget) with a fresh ``mmap`` and gives it back on free, and
     trims the heap's free top: each training step then faults in and zeroes its working set again.
-    Measured on SmolLM2-135M, 64 rows, one process, 2 threads: 1.2-2.1 million page faults and 5-11 s
-    of system time per ~24 s step; with allocations kept on the heap and no trimming, none after the
-    first steps and 18-20 s per step. This is what PyTorch's CUDA caching allocator does on the GPU: the
-    process keeps its peak (the resident size stays at its high-water mark instead of falling between
-    steps). Only on CPU runs with glibc, once per process; ``HYBRIDFLOW_HOST_ALLOCATOR=system`` opts out.
+    On SmolLM2-135M (64 RL rows, one process, 2 threads) that was 1.2 million page faults and 52-55 CPU-s
+    per step, against none and 37-44 CPU-s with the heap kept (``benchmarks/bench_host_allocator.py``).
+    This is what PyTorch's CUDA caching allocator does on the GPU: the process keeps its peak (the
+    resident size stays at its high-water mark instead of falling between steps). Only on CPU runs with glibc, once per process; ``HYBRIDFLOW_HOST_ALLOCATOR=system`` opts out.
     """
     global _host_allocator
     if _host_allocator is not None:
