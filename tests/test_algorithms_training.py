@@ -259,14 +259,19 @@ RISING = {
              "actor.loss.loss_aggregation=seq-mean-token-mean"),
     "cispo": ("actor.loss.policy_loss=cispo", "actor.loss.clip_ratio_low=1.0", "actor.loss.clip_ratio_high=0.28"),
 }
+# DAPO's overlong filter drops every response that hits the 4-token limit without an end token (most of them
+# at first), so it learns from fewer samples per step: over seeds 0-5 its rise after 20 steps ranged from -0.02
+# to 0.73 (a matter of the sampling stream), after 40 steps from 0.84 to 0.95.
+RISING_STEPS = {"dapo": 40}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("algorithm", list(RISING))
-def test_reward_rises_within_twenty_steps(data_dir, tmp_path, algorithm):
+def test_reward_rises_within_twenty_steps_or_forty_with_dapos_filter(data_dir, tmp_path, algorithm):
+    steps = RISING_STEPS.get(algorithm, 20)
     config = _config(data_dir, tmp_path / "run", f"reward.function={__file__}:starts_with_5",
                      "batch.prompts_per_step=8", "batch.samples_per_prompt=4", "batch.mini_batch_size=16",
-                     "trainer.total_steps=20", *RISING[algorithm])
+                     f"trainer.total_steps={steps}", *RISING[algorithm])
     history = run_rl(config, mode="local", tensorboard=False)
     _assert_finite(history)
     # the score before the dynamic-sampling filter is not logged; reward/function_mean is of the kept batch,
