@@ -80,7 +80,7 @@ def configure_matmul_precision(compute_dtype: torch.dtype) -> str:
 
 
 HOST_ALLOCATOR_ENV = "HYBRIDFLOW_HOST_ALLOCATOR"
-"""Environment variable: 'keep' (opt in: freed memory stays on the heap) or 'system' (the default: glibc as it is)."""
+"""Environment variable: 'keep' (the default: freed memory stays on the heap) or 'system' (glibc as it is)."""
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc's mallopt parameter numbers (malloc.h)
 _host_allocator: str | None = None
 
@@ -94,14 +94,14 @@ def configure_host_allocator() -> str:
     On SmolLM2-135M (64 RL rows, one process, 2 threads) that was 1.2 million page faults and 52-55 CPU-s
     per step, against none and 37-44 CPU-s with the heap kept (``benchmarks/bench_host_allocator.py``).
     This is what PyTorch's CUDA caching allocator does on the GPU: the process keeps its peak (the
-    resident size stays at its high-water mark instead of falling between steps). Only on CPU runs with glibc, once per process, and only when ``HYBRIDFLOW_HOST_ALLOCATOR=keep``: it
-    is opt-in because the one full-suite run with it on by default had the vLLM end-to-end test report a NaN
-    rollout log-prob mismatch (not reproduced alone, also not with MALLOC_PERTURB_), not yet understood.
+    resident size stays at its high-water mark instead of falling between steps). Only on CPU runs with
+    glibc, once per process; ``HYBRIDFLOW_HOST_ALLOCATOR=system`` leaves glibc as it is. Reused memory is not
+    zeroed: code that reads memory before writing it (a regrown vLLM KV cache did) must clear it itself.
     """
     global _host_allocator
     if _host_allocator is not None:
         return _host_allocator
-    requested = os.environ.get(HOST_ALLOCATOR_ENV, "system")
+    requested = os.environ.get(HOST_ALLOCATOR_ENV, "keep")
     if requested not in ("keep", "system"):
         raise ValueError(f"{HOST_ALLOCATOR_ENV} must be 'keep' or 'system', got {requested!r}")
     mode = "system"

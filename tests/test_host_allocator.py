@@ -42,16 +42,16 @@ def faults_in_a_fresh_process(setting: str | None) -> tuple[str, int, int]:
     return mode, int(faults), int(growth_mib)
 
 
-def test_when_kept_a_freed_buffer_is_reused_without_faulting_its_pages_in_again_and_memory_stops_growing():
-    mode, faults, growth_mib = faults_in_a_fresh_process("keep")
+@pytest.mark.parametrize("setting", [None, "keep"])
+def test_by_default_a_freed_buffer_is_reused_without_faulting_its_pages_in_again_and_memory_stops_growing(setting):
+    mode, faults, growth_mib = faults_in_a_fresh_process(setting)
     assert mode == "keep"
     assert faults < 2000  # 65536 pages of 4 KiB if it were mapped afresh
     assert growth_mib < 64
 
 
-@pytest.mark.parametrize("setting", [None, "system"])
-def test_by_default_and_with_system_glibc_keeps_mapping_and_returning_large_buffers(setting):
-    mode, faults, _ = faults_in_a_fresh_process(setting)
+def test_with_system_glibc_keeps_mapping_and_returning_large_buffers():
+    mode, faults, _ = faults_in_a_fresh_process("system")
     assert mode == "system"
     assert faults > 30000
 

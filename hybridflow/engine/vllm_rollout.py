@@ -306,9 +306,15 @@ class VllmRollout:
         for storage, nbytes in self._released.values():
             storage.resize_(nbytes)
         self._released = {}
-        if regrown:  # regrown storages hold garbage: keep the never-read vocabulary padding rows finite
-            for name, slots in self.plan.items():
-                self.params[name].data[slots[-1].offset + slots[-1].rows:].zero_()
+        if not regrown:
+            return
+        # regrown storages hold whatever the allocator hands back (zeros only while it maps fresh pages):
+        # the vocabulary padding rows are never read but must stay finite, and the KV cache must be zeros as
+        # vLLM allocated it, because its attention multiplies every slot of a block by a probability, 0 * NaN
+        for name, slots in self.plan.items():
+            self.params[name].data[slots[-1].offset + slots[-1].rows:].zero_()
+        for cache in self._kv_caches():
+            cache.zero_()
 
     def _kv_caches(self) -> list[torch.Tensor]:
         caches = _model_runner(self.llm).kv_caches
