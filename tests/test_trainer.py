@@ -77,12 +77,42 @@ def test_ppo_steps_change_every_actor_and_critic_parameter(data_dir, tmp_path):
     assert [record["step"] for record in history] == [0, 1, 2]  # step 0: validation before training
     assert sorted(key for key in history[0] if not key.startswith("time/")) == [
         "step", "val/function_mean", "val/response_length_mean", "val/score_mean"]
-    assert history[1]["kl/sequence_kl"] == 0.0  # the reference is the initial actor
-    assert history[2]["kl/sequence_kl"] != 0.0
+    # the reference is the initial actor; the old log-probs are the native rollout's (fp32, temperature 1),
+    # which equal the reference forward's up to rounding
+    assert history[1]["perf/old_log_prob_from_rollout"] == 1.0
+    assert abs(history[1]["kl/sequence_kl"]) < 1e-5
+    assert abs(history[2]["kl/sequence_kl"]) > 1e-4
     assert 1.0 <= history[1]["response/length_mean"] <= 4.0
     assert "val/score_mean" in history[2] and "val/function_mean" in history[2]
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [0, 1, 2]
+
+
+def test_old_log_probs_come_from_the_native_fp32_rollout_only_where_they_equal_the_training_forwards(data_dir, tmp_path):
+    recomputed = _run(_config(data_dir, tmp_path / "recompute", "actor.loss.old_log_probs=recompute",
+                              "trainer.total_steps=1"))[0]
+    assert recomputed["perf/old_log_prob_from_rollout"] == 0.0 and recomputed["perf/old_log_prob_skipped"] == 0.0
+    assert recomputed["kl/sequence_kl"] == 0.0  # the reference forward is the old-log-prob forward's twin
+    # what `auto` relies on: the native rollout's sampled log-probs are the training forward's up to rounding
+    assert recomputed["rollout/logprob_abs_diff_max"] < 1e-5
+    default = _run(_config(data_dir, tmp_path / "auto", "trainer.total_steps=1"))[0]
+    assert default["perf/old_log_prob_from_rollout"] == 1.0 and "rollout/logprob_abs_diff_max" not in default
+    # sampled at another temperature the rollout's log-probs are of another distribution: recomputed
+    tempered = _run(_config(data_dir, tmp_path / "tempered", "actor.generation.temperature=0.7",
+                            "trainer.total_steps=1"))[0]
+    assert tempered["perf/old_log_prob_from_rollout"] == 0.0 and "rollout/logprob_abs_diff_max" in tempered
+    forced = _run(_config(data_dir, tmp_path / "forced", "actor.generation.temperature=0.7",
+                          "actor.loss.old_log_probs=rollout", "trainer.total_steps=1"))[0]
+    assert forced["perf/old_log_prob_from_rollout"] == 1.0
+
+
+def test_old_log_probs_from_the_rollout_with_tis_are_refused_naming_the_key(data_dir, tmp_path):
+    with pytest.raises(ValueError, match=r"config key actor.loss.old_log_probs got 'rollout'; allowed: 'auto' or "
+                                         r"'recompute' with tis_cap set"):
+        _config(data_dir, tmp_path, "actor.loss.old_log_probs=rollout", "actor.loss.tis_cap=2.0")
+    with pytest.raises(ValueError, match=r"config key actor.loss.old_log_probs got 'sampler' \(str\); allowed: one of "
+                                         r"'auto', 'recompute', 'rollout'"):
+        _config(data_dir, tmp_path, "actor.loss.old_log_probs=sampler")
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "rloo", "remax", "reinforce_plus_plus"])

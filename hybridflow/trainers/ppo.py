@@ -37,6 +37,7 @@ from hybridflow.trainers.metrics import MetricsLogger, StepReporter
 from hybridflow.trainers.preflight import check_sequence_length, preflight
 from hybridflow.trainers.redundant_passes import old_log_prob_is_redundant
 from hybridflow.trainers.scoring import RewardScorer
+from hybridflow.workers.actor import TRAINING_EXACT_LOGPROBS
 
 
 class RLTrainer:
@@ -93,6 +94,7 @@ class RLTrainer:
         self.skips_old_log_prob = old_log_prob_is_redundant(
             ppo_epochs=config.actor.loss.ppo_epochs, mini_batches_per_epoch=self.derived.mini_batches_per_epoch,
             has_reference=self.reference is not None)
+        self.old_log_probs_from_rollout = False  # this step's choice (``_old_log_probs_from_rollout``)
         self.step = 0
         self.best: dict | None = None  # trainer.keep_best: {"metric", "value", "step"} of the best validation
         self.step = self._resume(resume_from) if resume_from is not None else 0
@@ -218,6 +220,7 @@ class RLTrainer:
             "return/mean": token_mean(result.returns_BT, mask_BT),
             **{f"time/{name}_s": seconds for name, seconds in timing.items()},
             "perf/old_log_prob_skipped": float(self.skips_old_log_prob),
+            "perf/old_log_prob_from_rollout": float(self.old_log_probs_from_rollout),
         })
         if "values" in batch:
             metrics["critic/values_before_mean"] = token_mean(batch["values"], mask_BT)
@@ -273,7 +276,7 @@ class RLTrainer:
         # seconds go under time/ with the other timings (they are the only values that vary run to run)
         metrics = {(f"time/rollout_{name}" if name.endswith("_s") else f"rollout/{name}"): float(value)
                    for name, value in stats.items()}
-        if "old_logprobs" in batch and "logprobs" in batch:
+        if "old_logprobs" in batch and "logprobs" in batch and not self.old_log_probs_from_rollout:
             mismatch = rollout_logprob_mismatch(batch["old_logprobs"], batch["logprobs"], batch["response_mask"])
             metrics.update({"rollout/logprob_abs_diff_mean": float(mismatch.mean_abs_diff),
                             "rollout/logprob_abs_diff_max": float(mismatch.max_abs_diff),
@@ -302,7 +305,10 @@ class RLTrainer:
     def _score(self, batch: DataProto) -> DataProto:
         """Old log-probs, reference log-probs, values and reward-model scores (and Safe-RLHF's costs and cost
         values); concurrent across pools."""
-        futures = [] if self.skips_old_log_prob else [self.actor.compute_log_prob.future(batch)]
+        from_rollout = self._old_log_probs_from_rollout(batch)
+        futures = [] if self.skips_old_log_prob or from_rollout else [self.actor.compute_log_prob.future(batch)]
+        if from_rollout:
+            batch["old_logprobs"] = batch["logprobs"]
         if self.reference is not None:
             futures.append(self.reference.compute_ref_log_prob.future(batch))
         if self.critic is not None:
@@ -315,6 +321,16 @@ class RLTrainer:
         for future in futures:
             batch = batch.union(future.get())
         return batch
+
+    def _old_log_probs_from_rollout(self, batch: DataProto) -> bool:
+        """Whether this step's old log-probs are the rollout's sampled ones (``actor.loss.old_log_probs``)."""
+        source = self.config.actor.loss.old_log_probs
+        if self.skips_old_log_prob or source == "recompute" or "logprobs" not in batch:
+            self.old_log_probs_from_rollout = False
+        else:
+            self.old_log_probs_from_rollout = source == "rollout" or (
+                self.config.actor.loss.tis_cap is None and bool(batch.meta_info.get(TRAINING_EXACT_LOGPROBS)))
+        return self.old_log_probs_from_rollout
 
     def _greedy_baseline(self, prompts: DataProto) -> torch.Tensor:
         """ReMax: the score of the greedy response to each prompt, repeated over its samples -> baseline_B."""

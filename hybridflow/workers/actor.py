@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import torch
 from torch import Tensor
 
 from hybridflow.algorithms import (POLICY_LOSSES, aggregate_loss, kl_estimate, masked_mean,
@@ -21,6 +22,8 @@ from hybridflow.workers.spec import ActorSpec, PolicyLossConfig
 
 UPDATE_KEYS = SEQUENCE_KEYS + ("old_logprobs", "advantages", "ref_logprobs")
 BEHAVIOUR_KEY = "logprobs"  # the rollout's sampled log-probs (TIS)
+TRAINING_EXACT_LOGPROBS = "logprobs_are_training_logprobs"
+"""meta_info flag of a rollout: its log-probs are the training engine's up to rounding (see ``generate_sequences``)."""
 GENERATION_OVERRIDES = ("greedy", "samples_per_prompt", "seed", "max_new_tokens")
 
 
@@ -166,8 +169,12 @@ class ActorWorker(ModelWorker):
                 "vllm_kv_cache_bytes": load.kv_cache_bytes})
         samples = config.samples_per_prompt
         non_tensors = {key: np.repeat(values, samples) for key, values in prompts.non_tensor_batch.items()}
+        # the native engine decodes with the training weights at the training compute dtype; in fp32 at
+        # temperature 1 its log-probs are what the training forward computes, up to rounding
+        exact = config.backend == "native" and self.hybrid.dtype == torch.float32 and (
+            config.greedy or config.temperature == 1.0)
         return DataProto.from_dict(tensors={k: v.cpu() for k, v in output.items()}, non_tensors=non_tensors,
-                                   meta_info=dict(prompts.meta_info))
+                                   meta_info={**prompts.meta_info, TRAINING_EXACT_LOGPROBS: exact})
 
     @register("ONE_TO_ALL")
     def transition_stats(self) -> dict[str, float]:

@@ -12,6 +12,9 @@ from hybridflow.engine.generation_config import GenerationConfig
 from hybridflow.engine.hybrid_engine_config import HybridEngineConfig
 from hybridflow.models.config import ModelConfig
 
+OLD_LOG_PROB_SOURCES = ("auto", "recompute", "rollout")
+"""Values of ``actor.loss.old_log_probs``."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class TokenizerSource:
@@ -89,6 +92,15 @@ class PolicyLossConfig:
     tis_cap: float | None = None
     """Truncated importance sampling against the rollout's (behaviour) log-probs: each token's policy loss is
     weighted by min(pi_old / pi_behaviour, tis_cap); null: off. Logs ``actor/tis_cap_fraction``."""
+    old_log_probs: Literal["auto", "recompute", "rollout"] = "auto"
+    """Where PPO's old log-probs (pi_old of the ratio and of the KL to the reference) come from: ``recompute``
+    runs the actor's forward over the samples after the rollout; ``rollout`` takes the log-probs the rollout
+    engine sampled with; ``auto`` takes them when the rollout was the native engine at fp32 and temperature 1
+    (the training weights at the training precision: the same numbers up to rounding, as TRL's PPO uses its
+    sampler's logits) and recomputes otherwise (vLLM, bf16, other temperatures). The forward is not run at all
+    where it is provably redundant (one epoch of one mini-batch, no reference). Logged as
+    ``perf/old_log_prob_from_rollout``; the rollout-vs-training mismatch (``rollout/logprob_*``) is measured
+    only when the forward runs."""
     on_non_finite: Literal["raise", "skip"] = "raise"
     """A NaN/inf loss or gradient norm: ``raise`` stops the run naming the role, RL step and quantity; ``skip``
     drops that optimizer step (logged as ``actor/skipped_non_finite``). The weights are never written."""
@@ -117,6 +129,11 @@ class PolicyLossConfig:
         _require(self.kl_loss_estimator in KL_ESTIMATOR_NAMES, "kl_loss_estimator", self.kl_loss_estimator,
                  ", ".join(KL_ESTIMATOR_NAMES))
         _require(self.tis_cap is None or self.tis_cap >= 1, "tis_cap", self.tis_cap, "a float >= 1, or null (off)")
+        _require(self.old_log_probs in OLD_LOG_PROB_SOURCES, "old_log_probs", self.old_log_probs,
+                 ", ".join(OLD_LOG_PROB_SOURCES))
+        _require(not (self.old_log_probs == "rollout" and self.tis_cap is not None), "old_log_probs",
+                 self.old_log_probs, "'auto' or 'recompute' with tis_cap set (TIS weighs the recomputed log-probs "
+                 "against the rollout's; taken from the rollout, every weight would be 1)")
         _require(self.on_non_finite in NON_FINITE_ACTIONS, "on_non_finite", self.on_non_finite,
                  ", ".join(NON_FINITE_ACTIONS))
         _require(self.ptx_coef >= 0, "ptx_coef", self.ptx_coef, "a float >= 0")
