@@ -2,6 +2,8 @@
 
     python benchmarks/bench_mapping.py                      # paper vs planner, figure 15, search times
     python benchmarks/bench_mapping.py --granularity divisor   # the same with pools of whole nodes + part of one
+    python benchmarks/bench_mapping.py --granularity-sweep  # node vs divisor granularity, 7B-70B on 16-128 GPUs
+    python benchmarks/bench_mapping.py --search-times --granularity divisor   # search times only
     python benchmarks/bench_mapping.py --backends           # native vs vllm rollout: the plans each gets
     python benchmarks/bench_mapping.py --native-decode      # the native engine's measured H100 decode, predicted
     python benchmarks/bench_mapping.py --template out.json  # tiny-PPO layouts to measure, with predictions
@@ -154,6 +156,34 @@ def search_times(hardware: str, workload: Workload = PAPER_WORKLOAD, granularity
         print(f"search {model} x4 on {num_devices} ({granularity}): {time.perf_counter() - wall:.2f} s wall, "
               f"{time.process_time() - cpu:.2f} s CPU, load average {os.getloadavg()[0]:.1f}: "
               f"{_short(best)} {best.total_seconds:.1f} s")
+
+
+def granularity_sweep(hardware: str, workload: Workload = PAPER_WORKLOAD) -> None:
+    """Per model and cluster: the plan of each granularity, and the best plan with a pool of whole nodes plus part
+    of one (its rank among the 15 placements' best allocations under ``divisor``)."""
+    print("granularity node vs divisor (the paper's workload); best plan with a pool of whole nodes + part of one")
+    for model in ("llama-7b", "llama-13b", "llama-34b", "llama-70b"):
+        for num_devices in (16, 24, 32, 48, 64, 96, 128):
+            cluster = Cluster(num_devices=num_devices, devices_per_node=8, hardware=load_hardware(hardware))
+            chosen = []
+            for granularity in ("node", "divisor"):
+                try:
+                    chosen.append(plan("ppo", dict.fromkeys(PPO_ROLES, model), workload, cluster, top=15,
+                                       granularity=granularity))
+                except ValueError:
+                    chosen.append(None)
+            if chosen[0] is None:
+                print(f"{model:<10} {num_devices:>4}  no plan")
+                continue
+            ranked = [chosen[1], *chosen[1].alternatives]
+            partial = next(((rank, p) for rank, p in enumerate(ranked, start=1)
+                            if any(pool.num_devices > 8 and pool.num_devices % 8 for pool in p.pools)), None)
+            same = "same" if (chosen[0].placement_label, chosen[0].allocation_label) == (
+                chosen[1].placement_label, chosen[1].allocation_label) else "CHANGED"
+            partial_text = (f"{partial[1].placement_label} {partial[1].allocation_label} "
+                            f"{partial[1].total_seconds:.1f} s, rank {partial[0]}") if partial else "none"
+            print(f"{model:<10} {num_devices:>4}  node: {_short(chosen[0])} {chosen[0].total_seconds:.1f} s; "
+                  f"divisor: {_short(chosen[1])} {chosen[1].total_seconds:.1f} s ({same}); with a part: {partial_text}")
 
 
 # tiny-PPO layouts runnable on 2-4 CPU processes (the issue's measured validation)
@@ -378,6 +408,8 @@ def main(argv: list[str] | None = None) -> int:
                              "nodes; default) or divisor (also whole nodes plus a divisor of a node)")
     parser.add_argument("--search-times", action="store_true",
                         help="print only the search times (4 models on 128 and 512 GPUs) at --granularity")
+    parser.add_argument("--granularity-sweep", action="store_true",
+                        help="7B-70B on 16-128 GPUs: the plan of each granularity and the best with a part of a node")
     parser.add_argument("--backends", action="store_true",
                         help="print the plans the native and the vllm rollout backends get on the paper's workload")
     parser.add_argument("--native-decode", action="store_true",
@@ -401,6 +433,8 @@ def main(argv: list[str] | None = None) -> int:
         validate_measured(args.validate_measured)
     elif args.native_decode:
         native_decode_check()
+    elif args.granularity_sweep:
+        granularity_sweep(args.hardware)
     elif args.search_times:
         search_times(args.hardware, granularity=args.granularity)
     elif args.backends:
