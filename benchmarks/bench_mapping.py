@@ -1,6 +1,9 @@
 """Auto-mapping benchmark: search time, the paper's placement sweep, and predicted-vs-measured ranking.
 
     python benchmarks/bench_mapping.py                      # paper vs planner, figure 15, search times
+    python benchmarks/bench_mapping.py --granularity divisor   # the same with pools of whole nodes + part of one
+    python benchmarks/bench_mapping.py --granularity-sweep  # node vs divisor granularity, 7B-70B on 16-128 GPUs
+    python benchmarks/bench_mapping.py --search-times --granularity divisor   # search times only
     python benchmarks/bench_mapping.py --backends           # native vs vllm rollout: the plans each gets
     python benchmarks/bench_mapping.py --native-decode      # the native engine's measured H100 decode, predicted
     python benchmarks/bench_mapping.py --template out.json  # tiny-PPO layouts to measure, with predictions
@@ -48,7 +51,8 @@ def _short(plan: Plan) -> str:
     return f"{plan.placement_label} {plan.allocation_label}"
 
 
-def paper_sweep(hardware: str, workload: Workload = PAPER_WORKLOAD, backend: RolloutBackend = NATIVE) -> None:
+def paper_sweep(hardware: str, workload: Workload = PAPER_WORKLOAD, backend: RolloutBackend = NATIVE,
+                granularity: str = "node") -> None:
     """Paper vs planner for every case of section 8.3, with the paper's placement's rank and time."""
     if backend != NATIVE:
         print(f"what-if rollout model: {backend}")
@@ -56,13 +60,15 @@ def paper_sweep(hardware: str, workload: Workload = PAPER_WORKLOAD, backend: Rol
           f"response {workload.response_length}, mini-batch {workload.samples_per_update}, micro-batch "
           f"{workload.sequences_per_micro_batch} sequence(s), {load_hardware(hardware).name}, 8 per node"
           + (", uneven batches padded" if workload.pad_uneven else "")
-          + ("" if workload.pad_generation else ", generation replicas dividing the prompts (no padding)"))
+          + ("" if workload.pad_generation else ", generation replicas dividing the prompts (no padding)")
+          + f", pool granularity {granularity}")
     print(f"{'model':<10} {'GPUs':>4} {'search s':>8}  {'paper':<36} {'planner':<44} {'iter s':>7}  "
           f"paper's placement: rank, iter s")
     for (model, num_devices), paper in PAPER_PLACEMENTS.items():
         cluster = Cluster(num_devices=num_devices, devices_per_node=8, hardware=load_hardware(hardware))
         start = time.perf_counter()
-        best = plan("ppo", dict.fromkeys(PPO_ROLES, model), workload, cluster, top=15, backend=backend)
+        best = plan("ppo", dict.fromkeys(PPO_ROLES, model), workload, cluster, top=15, backend=backend,
+                    granularity=granularity)
         seconds = time.perf_counter() - start
         ranked = [best, *best.alternatives]
         label = PAPER_LABELS[paper.split()[0]]
@@ -84,7 +90,7 @@ def _pool_memory_gib(planner: Planner, candidate: Plan) -> list[float]:
     return used
 
 
-def break_even(hardware: str, workload: Workload = PAPER_WORKLOAD) -> None:
+def break_even(hardware: str, workload: Workload = PAPER_WORKLOAD, granularity: str = "node") -> None:
     """For each case where the planner's choice is not the paper's: how far apart they are, what the paper's
     placement gains and loses per stage, how full the devices are (resident state + largest working set,
     before the KV cache), and the break-even factor: how many times slower the chosen plan's preparation and
@@ -93,12 +99,13 @@ def break_even(hardware: str, workload: Workload = PAPER_WORKLOAD) -> None:
     for (model, num_devices), paper in PAPER_PLACEMENTS.items():
         cluster = Cluster(num_devices=num_devices, devices_per_node=8, hardware=load_hardware(hardware))
         models = dict.fromkeys(PPO_ROLES, model)
-        best = plan("ppo", models, workload, cluster, top=15)
+        best = plan("ppo", models, workload, cluster, top=15, granularity=granularity)
         label = PAPER_LABELS[paper.split()[0]]
         if best.placement_label == label:
             continue
         theirs = next(p for p in best.alternatives if p.placement_label == label)
-        planner = Planner(dataflow=dataflow("ppo"), models=resolve_models(models), workload=workload, cluster=cluster)
+        planner = Planner(dataflow=dataflow("ppo"), models=resolve_models(models), workload=workload, cluster=cluster,
+                          granularity=granularity)
         usable = cluster.hardware.usable_memory_bytes / 2**30
         deltas = " ".join(f"{stage[:4]} {theirs.stage_seconds[stage] - best.stage_seconds[stage]:+.1f}"
                           for stage in best.stage_seconds)
@@ -137,7 +144,7 @@ def generation_tp_sweep(hardware: str, workload: Workload = PAPER_WORKLOAD) -> N
               + f"  best tg={best}, {100 * (1 - seconds[best] / seconds[8]):.1f}% below tg=8")
 
 
-def search_times(hardware: str, workload: Workload = PAPER_WORKLOAD) -> None:
+def search_times(hardware: str, workload: Workload = PAPER_WORKLOAD, granularity: str = "node") -> None:
     """Search wall and CPU seconds of 4 models on 128 and 512 GPUs (the issue's targets: 10 s, 60 s)."""
     import os
 
@@ -145,10 +152,38 @@ def search_times(hardware: str, workload: Workload = PAPER_WORKLOAD) -> None:
                                ("llama-70b", 512)):
         cluster = Cluster(num_devices=num_devices, devices_per_node=8, hardware=load_hardware(hardware))
         wall, cpu = time.perf_counter(), time.process_time()
-        best = plan("ppo", dict.fromkeys(PPO_ROLES, model), workload, cluster, top=3)
-        print(f"search {model} x4 on {num_devices}: {time.perf_counter() - wall:.2f} s wall, "
+        best = plan("ppo", dict.fromkeys(PPO_ROLES, model), workload, cluster, top=3, granularity=granularity)
+        print(f"search {model} x4 on {num_devices} ({granularity}): {time.perf_counter() - wall:.2f} s wall, "
               f"{time.process_time() - cpu:.2f} s CPU, load average {os.getloadavg()[0]:.1f}: "
               f"{_short(best)} {best.total_seconds:.1f} s")
+
+
+def granularity_sweep(hardware: str, workload: Workload = PAPER_WORKLOAD) -> None:
+    """Per model and cluster: the plan of each granularity, and the best plan with a pool of whole nodes plus part
+    of one (its rank among the 15 placements' best allocations under ``divisor``)."""
+    print("granularity node vs divisor (the paper's workload); best plan with a pool of whole nodes + part of one")
+    for model in ("llama-7b", "llama-13b", "llama-34b", "llama-70b"):
+        for num_devices in (16, 24, 32, 48, 64, 96, 128):
+            cluster = Cluster(num_devices=num_devices, devices_per_node=8, hardware=load_hardware(hardware))
+            chosen = []
+            for granularity in ("node", "divisor"):
+                try:
+                    chosen.append(plan("ppo", dict.fromkeys(PPO_ROLES, model), workload, cluster, top=15,
+                                       granularity=granularity))
+                except ValueError:
+                    chosen.append(None)
+            if chosen[0] is None:
+                print(f"{model:<10} {num_devices:>4}  no plan")
+                continue
+            ranked = [chosen[1], *chosen[1].alternatives]
+            partial = next(((rank, p) for rank, p in enumerate(ranked, start=1)
+                            if any(pool.num_devices > 8 and pool.num_devices % 8 for pool in p.pools)), None)
+            same = "same" if (chosen[0].placement_label, chosen[0].allocation_label) == (
+                chosen[1].placement_label, chosen[1].allocation_label) else "CHANGED"
+            partial_text = (f"{partial[1].placement_label} {partial[1].allocation_label} "
+                            f"{partial[1].total_seconds:.1f} s, rank {partial[0]}") if partial else "none"
+            print(f"{model:<10} {num_devices:>4}  node: {_short(chosen[0])} {chosen[0].total_seconds:.1f} s; "
+                  f"divisor: {_short(chosen[1])} {chosen[1].total_seconds:.1f} s ({same}); with a part: {partial_text}")
 
 
 # tiny-PPO layouts runnable on 2-4 CPU processes (the issue's measured validation)
@@ -368,6 +403,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--paged-kv", action="store_true",
                         help="sweep only, what-if: the native backend (tensor-parallel generation, no weight "
                              "copy) with vLLM's paged KV cache, as the paper's vLLM 0.3.1 in the 3D-HybridEngine had")
+    parser.add_argument("--granularity", default="node",
+                        help="sweep and search times: pool sizes searched, node (divisors of a node, then whole "
+                             "nodes; default) or divisor (also whole nodes plus a divisor of a node)")
+    parser.add_argument("--search-times", action="store_true",
+                        help="print only the search times (4 models on 128 and 512 GPUs) at --granularity")
+    parser.add_argument("--granularity-sweep", action="store_true",
+                        help="7B-70B on 16-128 GPUs: the plan of each granularity and the best with a part of a node")
     parser.add_argument("--backends", action="store_true",
                         help="print the plans the native and the vllm rollout backends get on the paper's workload")
     parser.add_argument("--native-decode", action="store_true",
@@ -391,6 +433,10 @@ def main(argv: list[str] | None = None) -> int:
         validate_measured(args.validate_measured)
     elif args.native_decode:
         native_decode_check()
+    elif args.granularity_sweep:
+        granularity_sweep(args.hardware)
+    elif args.search_times:
+        search_times(args.hardware, granularity=args.granularity)
     elif args.backends:
         backend_comparison(args.hardware, replace(PAPER_WORKLOAD, micro_batch_tokens=args.micro_batch_tokens,
                                                   pad_uneven=args.pad_uneven,
@@ -406,11 +452,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.decode_dispatch_us is not None:
             hardware = replace(load_hardware(hardware), decode_dispatch_seconds_per_layer=args.decode_dispatch_us * 1e-6)
             print(f"what-if: decode dispatch floor {args.decode_dispatch_us:g} us per layer and step")
-        paper_sweep(hardware, workload)
-        break_even(hardware, workload)
+        paper_sweep(hardware, workload, granularity=args.granularity)
+        break_even(hardware, workload, granularity=args.granularity)
         generation_tp_sweep(hardware, workload)
         if workload == PAPER_WORKLOAD and args.decode_dispatch_us is None:
-            search_times(hardware)
+            search_times(hardware, granularity=args.granularity)
     return 0
 
 

@@ -759,3 +759,126 @@ def test_an_eager_decode_step_takes_at_least_the_hosts_launches_of_every_layer()
     assert generation(0.01)[0] == pytest.approx(details["generation_waves"] * 29 * 32 * 0.01)
     with pytest.raises(ValueError, match="decode_dispatch_seconds_per_layer must be >= 0 seconds"):
         HardwareProfile(**(hardware | {"decode_dispatch_seconds_per_layer": -1.0}))
+
+
+# ---- allocation granularity: whole nodes plus part of one ------------------------------------
+def test_divisor_granularity_adds_pools_of_whole_nodes_plus_a_divisor_of_a_node_packed_first_fit():
+    cluster = a100_cluster(16)
+    assert cluster.device_counts("node") == [1, 2, 4, 8, 16]
+    assert cluster.device_counts("divisor") == [1, 2, 4, 8, 9, 10, 12, 16]
+    assert cluster.pool_nodes(12) == [8, 4] and cluster.pool_nodes(16) == [8, 8] and cluster.pool_nodes(4) == [4]
+    planner = Planner(dataflow=dataflow("ppo"), models=resolve_models(same_model("llama-13b")), workload=PAPER_PPO,
+                      cluster=cluster, granularity="divisor")
+    allocations = list(planner.allocations([1, 1]))
+    assert (12, 4) in allocations and (4, 12) in allocations and (10, 6) not in allocations  # 6: no divisor of 8
+    assert (8, 8) in allocations and all(sum(allocation) == 16 for allocation in allocations)
+    # 12 GPUs: a node of its own and half of another, whose other half holds the 4-GPU pool
+    split = planner.plan_for([("actor", "critic", "reference"), ("reward",)], (12, 4))
+    assert [pool.devices_per_node for pool in split.pools] == [(8, 4), (4,)]
+    assert split.allocation_label == "12|4"
+    # each pool's whole nodes are its own; the parts share nodes, largest first
+    wide = a100_cluster(24)
+    assert wide.fits_nodes([12, 12]) and wide.fits_nodes([12, 4, 4, 4]) and wide.fits_nodes([20, 2, 2])
+    assert not wide.fits_nodes([12, 6, 6])  # 4 + 6 + 6 parts need three nodes; one is left
+    assert not wide.fits_nodes([12, 8])  # 4 devices unused
+
+
+def test_node_granularity_keeps_pools_above_a_node_to_whole_nodes():
+    planner = Planner(dataflow=dataflow("ppo"), models=resolve_models(same_model("llama-13b")), workload=PAPER_PPO,
+                      cluster=a100_cluster(16))
+    assert planner.granularity == "node"
+    assert all(count in (1, 2, 4, 8, 16) for allocation in planner.allocations([1, 1]) for count in allocation)
+
+
+@pytest.mark.parametrize("num_devices", [12, 20, 48])
+def test_the_link_model_sees_a_group_leave_its_node_exactly_when_the_rank_layout_puts_it_on_two(num_devices):
+    from hybridflow.mapping.strategy import training_strategies
+    from hybridflow.parallel.layout import ParallelLayout
+
+    cluster = a100_cluster(48)
+    simulator = Simulator(workload=PAPER_PPO, cluster=cluster)
+    node_of = {rank: node for node, count in enumerate(cluster.pool_nodes(num_devices))
+               for rank in range(8 * node, 8 * node + count)}
+    assert sorted(node_of) == list(range(num_devices))  # whole nodes first, then the part: rank // 8
+
+    def crosses(groups: list[list[int]]) -> bool:
+        return any(len({node_of[rank] for rank in group}) > 1 for group in groups)
+
+    spans = set()
+    for strategy in training_strategies(model_spec("llama-7b"), num_devices=num_devices, node_size=8):
+        if strategy.layout == "fsdp":
+            continue
+        layout = ParallelLayout.for_world(num_devices, pp_size=strategy.pp_size, tp_size=strategy.tp_size)
+        assert simulator.crosses_nodes(strategy.tp_size, num_devices) is crosses(layout.tp_groups()) is False
+        assert simulator.crosses_nodes(strategy.model_parallel_size, num_devices) == crosses(layout.pp_groups())
+        if strategy.dp_size(num_devices) > 1:
+            assert simulator.crosses_nodes(num_devices, num_devices) is crosses(layout.dp_groups()) is True
+        spans.add((strategy.model_parallel_size, crosses(layout.pp_groups())))
+    # a pipeline shorter than a node whose span does not divide it (6 ranks on 12 and 48, 5 on 20) crosses
+    # between ranks 7 and 8; one of 4 ranks never does
+    assert any(span < 8 and 8 % span and crossed for span, crossed in spans) and (4, False) in spans
+
+
+def test_a_pipeline_across_the_shared_node_sends_over_the_inter_node_link():
+    simulator = Simulator(workload=PAPER_PPO, cluster=a100_cluster(16))
+    intra, inter = 300e9 * 0.8, 25e9 / 8 * 0.8
+    assert simulator.send_seconds(1e6, 6, 12) == pytest.approx(1e-5 + 1e6 / inter)  # ranks 6-11 of [8, 4]
+    assert simulator.send_seconds(1e6, 4, 12) == pytest.approx(2.5e-6 + 1e6 / intra)  # ranks 8-11: the part
+    assert simulator.send_seconds(1e6, 6, 6) == pytest.approx(2.5e-6 + 1e6 / intra)  # a 6-GPU pool: one node
+    assert simulator.all_reduce_seconds(1e9, 3, 12, num_devices=12) == pytest.approx(4 * 1e-5 + 4 / 3 * 1e9 / inter)
+
+
+@pytest.mark.parametrize("model, num_devices, granularity", [("llama-7b", 16, "divisor"), ("llama-13b", 40, "divisor"),
+                                                              ("llama-34b", 48, "node"), ("tiny", 8, "divisor")])
+def test_branch_and_bound_picks_the_allocation_the_exhaustive_enumeration_picks(model, num_devices, granularity):
+    cluster = a100_cluster(num_devices)
+    if model == "tiny":  # CPU processes sharing 2 cores: the bound ignores sharing, which only slows a stage
+        profile = HardwareProfile(**(load_hardware("a100-80g").to_dict() | {"compute_units_per_node": 2}))
+        cluster = Cluster(num_devices=8, devices_per_node=4, hardware=profile)
+    planner = Planner(dataflow=dataflow("ppo"), models=resolve_models(same_model(model)), workload=PAPER_PPO,
+                      cluster=cluster, granularity=granularity)
+    compared = 0
+    for partition in set_partitions(list(PPO_ROLES)):
+        sets = [tuple(block) for block in partition]
+        minimums = [planner.min_devices(block) for block in sets]
+        if None in minimums:
+            continue
+        timed = [(seconds, allocation) for allocation in planner.allocations(minimums)
+                 for seconds in [planner.total_seconds_of(sets, allocation)] if seconds is not None]
+        assert planner.best_allocation(sets, minimums) == (min(timed)[1] if timed else None)
+        compared += bool(timed)
+    assert compared >= 10
+
+
+def test_plan_granularity_option_searches_the_finer_pools_and_refuses_an_unknown_value(capsys):
+    from hybridflow.mapping.cli import plan_main
+
+    argv = ["--actor", "llama-13b", "--critic", "llama-13b", "--devices", "16", "--prompt-len", "1024",
+            "--response-len", "1024", "--batch", "1024", "--mini-batch", "128", "--top", "15"]
+    assert plan_main(argv) == 0
+    assert "12|4" not in capsys.readouterr().out
+    assert plan_main(argv + ["--granularity", "divisor"]) == 0
+    printed = capsys.readouterr().out
+    assert any("actor+critic+reference | reward" in line and " 12|4 " in line for line in printed.splitlines())
+    assert plan_main(argv + ["--granularity", "gpu"]) == 2
+    error = capsys.readouterr().err
+    assert "--granularity" in error and "node, divisor" in error and "'gpu'" in error
+    with pytest.raises(ValueError, match="granularity .* must be one of node, divisor, got 'nodes'"):
+        plan("ppo", same_model("llama-13b"), PAPER_PPO, a100_cluster(16), granularity="nodes")
+
+
+def test_the_trainer_builds_a_plan_with_a_pool_of_a_node_and_half_of_another():
+    from hybridflow.trainers.auto_mapping import apply_plan
+    from hybridflow.trainers.config import load_rl_config
+
+    config = load_rl_config(None, ["data.train_path=train.jsonl", "actor.model.builtin=arithmetic",
+                                   "reward.model.builtin=arithmetic", "placement.pools={cluster: [8, 8]}",
+                                   "batch.prompts_per_step=1024", "batch.mini_batch_size=128"])
+    planner = Planner(dataflow=dataflow("ppo"), models=resolve_models(same_model("llama-13b")), workload=PAPER_PPO,
+                      cluster=a100_cluster(16), granularity="divisor")
+    split = planner.plan_for([("actor", "critic", "reference"), ("reward",)], (12, 4))
+    placed = apply_plan(config, split)
+    assert placed.placement.pools == {"actor_critic_reference": [8, 4], "reward": [4]}
+    derived = placed.derived()  # validated as a whole RLConfig: the 12-GPU pool's layouts split the batch
+    assert all(derived.samples_per_step % size == 0 for size in derived.dp_sizes.values())
+    assert split.strategies["actor"].tp_size in (1, 2, 4)  # t divides the part of a node: TP stays in a node

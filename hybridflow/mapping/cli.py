@@ -12,7 +12,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from hybridflow.mapping.cluster import Cluster
+from hybridflow.mapping.cluster import GRANULARITIES, Cluster, check_granularity
 from hybridflow.mapping.dataflow import DATAFLOWS, Dataflow, dataflow
 from hybridflow.mapping.hardware import LOCAL_PROFILE_NAMES, builtin_profile_names, load_hardware
 from hybridflow.mapping.model_spec import KNOWN_MODELS
@@ -53,6 +53,9 @@ def _plan_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kv-cache-gib", type=float, default=None,
                         help="KV cache the rollout engine allocates per device, GiB (vllm: "
                              "actor.generation.vllm_kv_cache_gib); default: all memory the roles leave")
+    parser.add_argument("--granularity", default="node",
+                        help=f"pool sizes searched: {'; '.join(f'{name}: {text}' for name, text in GRANULARITIES.items())} "
+                             f"(default node)")
     parser.add_argument("--top", type=int, default=10, help="placements to list (default 10)")
     parser.add_argument("--write", metavar="PATH", help="write the chosen plan as a YAML config fragment")
     return parser
@@ -80,6 +83,7 @@ def plan_main(argv: list[str]) -> int:
         if args.backend not in ROLLOUT_BACKENDS:
             raise ValueError(f"--backend (actor.generation.backend) must be one of {', '.join(ROLLOUT_BACKENDS)}, "
                              f"got {args.backend!r}")
+        check_granularity(args.granularity)
         if args.write:
             _check_writable(args.write)
         workload = Workload(prompts_per_step=args.batch, prompt_length=args.prompt_len,
@@ -91,7 +95,7 @@ def plan_main(argv: list[str]) -> int:
         start = time.perf_counter()
         flow, models = _dataflow_and_models(args)
         best = plan(flow, models, workload, cluster, top=args.top, backend=args.backend,
-                    kv_cache_gib=args.kv_cache_gib)
+                    kv_cache_gib=args.kv_cache_gib, granularity=args.granularity)
         search_seconds = time.perf_counter() - start
     except ValueError as error:
         print(f"hybridflow plan: {error}", file=sys.stderr)

@@ -40,30 +40,35 @@ class Cluster:
         busy_per_node = min(self.node_size, max(1, busy_devices))
         return 1.0 if units == 0 else min(1.0, units / busy_per_node)
 
-    def device_counts(self) -> list[int]:
-        """Device counts a colocated set may get: divisors of the node size, then whole nodes."""
-        within_node = [n for n in range(1, self.node_size + 1) if self.node_size % n == 0]
-        whole_nodes = list(range(2 * self.node_size, self.num_devices + 1, self.node_size))
-        return within_node + whole_nodes
+    def device_counts(self, granularity: str = "node") -> list[int]:
+        """Device counts a colocated set may get: divisors of the node size, then (``granularity``, see
+        GRANULARITIES) whole nodes, or whole nodes plus a divisor of a node."""
+        check_granularity(granularity)
+        node = self.node_size
+        within_node = [n for n in range(1, node + 1) if node % n == 0]
+        if granularity == "node":
+            return within_node + list(range(2 * node, self.num_devices + 1, node))
+        return within_node + [n for n in range(node + 1, self.num_devices + 1) if n % node in within_node + [0]]
 
     def pool_nodes(self, num_devices: int) -> list[int]:
-        """Devices per node of a pool of ``num_devices`` (the config's ``placement.pools`` value)."""
+        """Devices per node of a pool of ``num_devices`` (the config's ``placement.pools`` value): whole nodes
+        first, then the part of a node left over; ranks are numbered in that order, so the simulator's links
+        (rank // node size) hold for it."""
         if num_devices <= self.node_size:
             return [num_devices]
-        assert num_devices % self.node_size == 0, num_devices
-        return [self.node_size] * (num_devices // self.node_size)
+        whole, rest = divmod(num_devices, self.node_size)
+        return [self.node_size] * whole + ([rest] if rest else [])
 
     def fits_nodes(self, counts: list[int]) -> bool:
-        """Whether pools of these sizes pack into the nodes (sub-node pools first-fit, largest first)."""
+        """Whether pools of these sizes pack into the nodes: each pool's whole nodes to itself, then the parts of
+        a node (sub-node pools and what larger pools take beyond their whole nodes) first-fit, largest first, so
+        a larger pool's partial node is shared with other pools' parts (never with its own whole nodes)."""
         if sum(counts) != self.num_devices:
             return False
         node = self.node_size
-        whole = sum(count // node for count in counts if count >= node)
-        if any(count >= node and count % node for count in counts):
-            return False
-        free_nodes = self.num_devices // node - whole
-        partial: list[int] = []  # free devices of the nodes sub-node pools have started
-        for count in sorted((count for count in counts if count < node), reverse=True):
+        free_nodes = self.num_devices // node - sum(count // node for count in counts)
+        partial: list[int] = []  # free devices of the nodes the parts have started
+        for count in sorted((count % node for count in counts if count % node), reverse=True):
             slot = next((i for i, space in enumerate(partial) if space >= count), None)
             if slot is not None:
                 partial[slot] -= count
@@ -73,3 +78,17 @@ class Cluster:
             else:
                 return False
         return True
+
+
+GRANULARITIES = {
+    "node": "below a node a divisor of the node size, above whole nodes (every allocation of the paper's findings)",
+    "divisor": "also whole nodes plus a divisor of a node (12, 20, 24 GPUs ... with 8 per node); the partial node "
+               "is shared with other pools' parts",
+}
+"""Allocation granularities of the search (``plan(..., granularity=...)``, ``hybridflow plan --granularity``)."""
+
+
+def check_granularity(granularity: str) -> None:
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity (hybridflow plan --granularity) must be one of {', '.join(GRANULARITIES)}, "
+                         f"got {granularity!r}")

@@ -3,7 +3,8 @@
 Paper Algorithm 1 (placements x allocations) and Algorithm 2 (parallel strategy per model):
 1. every set partition of the dataflow's roles is a placement (colocated sets time-share devices);
 2. each set gets at least the fewest devices on which its roles fit in memory together;
-3. every allocation of the N devices over the sets (node-aligned, each at least its minimum) is tried;
+3. every allocation of the N devices over the sets (node-aligned: whole nodes, or with granularity "divisor"
+   whole nodes plus a divisor of a node; each at least its minimum) is tried;
 4. per set and device count each role takes its fastest strategy, cached per (model, devices, role
    kind); colocated roles share memory, so when the fastest strategies do not fit together the
    roles give up speed for memory where that costs the fewest seconds per byte;
@@ -17,7 +18,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Iterator, Mapping, Sequence, TypeVar
 
-from hybridflow.mapping.cluster import Cluster
+from hybridflow.mapping.cluster import Cluster, check_granularity
 from hybridflow.mapping.dataflow import STAGES, Dataflow, dataflow as get_dataflow
 from hybridflow.mapping.hardware import GIB
 from hybridflow.mapping.model_spec import ModelSpec, model_spec
@@ -99,10 +100,13 @@ class Planner:
 
     def __init__(self, *, dataflow: Dataflow, models: Mapping[str, ModelSpec], workload: Workload,
                  cluster: Cluster, backend: str | RolloutBackend = "native",
-                 kv_cache_gib: float | None = None) -> None:
+                 kv_cache_gib: float | None = None, granularity: str = "node") -> None:
         """``backend``: the actor's rollout engine (``actor.generation.backend``: native or vllm).
         ``kv_cache_gib``: the KV cache the rollout engine allocates per device, GiB (vllm:
-        ``actor.generation.vllm_kv_cache_gib``); None: whatever memory the colocated roles leave."""
+        ``actor.generation.vllm_kv_cache_gib``); None: whatever memory the colocated roles leave.
+        ``granularity``: the pool sizes searched (hybridflow.mapping.cluster.GRANULARITIES): ``node`` (divisors
+        of a node, then whole nodes) or ``divisor`` (also whole nodes plus a divisor of a node)."""
+        check_granularity(granularity)
         if kv_cache_gib is not None and (isinstance(kv_cache_gib, bool) or not isinstance(kv_cache_gib, (int, float))
                                          or not kv_cache_gib > 0):
             raise ValueError(f"kv_cache_gib (actor.generation.vllm_kv_cache_gib) must be a number > 0 or None "
@@ -116,6 +120,8 @@ class Planner:
         self.models = dict(models)
         self.workload = workload
         self.cluster = cluster
+        self.granularity = granularity
+        self.device_counts = cluster.device_counts(granularity)
         self.backend = rollout_backend(backend)
         self.kv_cache_bytes = None if kv_cache_gib is None else kv_cache_gib * GIB
         self._simulators: dict[float, Simulator] = {}
@@ -263,13 +269,13 @@ class Planner:
         return result
 
     def min_devices(self, roles: tuple[str, ...]) -> int | None:
-        """Fewest devices (among the node-aligned counts) on which the set fits, or None."""
-        return next((n for n in self.cluster.device_counts() if self.set_result(roles, n) is not None), None)
+        """Fewest devices (among the counts of the granularity) on which the set fits, or None."""
+        return next((n for n in self.device_counts if self.set_result(roles, n) is not None), None)
 
     # ---- placements and allocations ----------------------------------------------------------
     def allocations(self, minimums: Sequence[int]) -> Iterator[tuple[int, ...]]:
         """Device counts per set, each >= its minimum, summing to N and packing into the nodes."""
-        counts = self.cluster.device_counts()
+        counts = self.device_counts
         total = self.cluster.num_devices
 
         def extend(prefix: tuple[int, ...], remaining: int) -> Iterator[tuple[int, ...]]:
@@ -284,6 +290,49 @@ class Planner:
                     yield from extend(prefix + (count,), remaining - count)
 
         yield from extend((), total)
+
+    def best_allocation(self, sets: Sequence[tuple[str, ...]], minimums: Sequence[int]) -> tuple[int, ...] | None:
+        """The allocation of ``allocations(minimums)`` with the least ``total_seconds_of`` (the first in their
+        order among equals), found by branch and bound: a prefix of set sizes is dropped once the stage times
+        it fixes already exceed the best total. Exact, as the bound never exceeds a completion's total: per
+        stage, the max over the sets placed so far and, for the sets still to place, the least time each has at
+        any size; computed without core sharing (sharing only slows a stage), on sizes where each set fits."""
+        counts = self.device_counts
+        options = []  # per set: (count, stage seconds) for every size it fits on, fewest devices first
+        for roles, minimum in zip(sets, minimums):
+            fitting = [(count, result.stage_seconds) for count in counts if count >= minimum
+                       for result in [self.set_result(roles, count)] if result is not None]
+            options.append([(count, tuple(seconds[stage] for stage in STAGES)) for count, seconds in fitting])
+        # per stage, the largest over sets index.. of each set's least time there (0 past the last set)
+        floors = [tuple(0.0 for _ in STAGES)] * (len(sets) + 1)
+        for index in range(len(sets) - 1, -1, -1):
+            least = [min(seconds[i] for _, seconds in options[index]) for i in range(len(STAGES))]
+            floors[index] = tuple(max(a, b) for a, b in zip(least, floors[index + 1]))
+        reserve = [sum(minimums[index + 1:]) for index in range(len(sets))]
+        last_options = dict(options[-1])
+        best: list = [float("inf"), None]  # seconds, allocation
+
+        def extend(prefix: tuple[int, ...], remaining: int, stage_max: tuple[float, ...]) -> None:
+            index = len(prefix)
+            if sum(max(a, b) for a, b in zip(stage_max, floors[index])) > best[0]:
+                return
+            if index == len(sets) - 1:  # the last set takes what is left
+                if remaining not in last_options:
+                    return
+                allocation = prefix + (remaining,)
+                if not self.cluster.fits_nodes(list(allocation)):
+                    return
+                seconds = self.total_seconds_of(sets, allocation)
+                if seconds is not None and (seconds, allocation) < tuple(best):
+                    best[:] = [seconds, allocation]
+                return
+            for count, seconds in options[index]:
+                if count > remaining - reserve[index]:
+                    break
+                extend(prefix + (count,), remaining - count, tuple(max(a, b) for a, b in zip(stage_max, seconds)))
+
+        extend((), self.cluster.num_devices, floors[-1])
+        return best[1]
 
     def total_seconds_of(self, sets: Sequence[tuple[str, ...]], allocation: Sequence[int]) -> float | None:
         """plan_for(sets, allocation).total_seconds without building the plan (the search's inner loop)."""
@@ -368,11 +417,7 @@ class Planner:
             minimums = [self.min_devices(block) for block in sets]
             if any(minimum is None for minimum in minimums):
                 continue
-            best_allocation, best_seconds = None, float("inf")
-            for allocation in self.allocations(minimums):
-                seconds = self.total_seconds_of(sets, allocation)
-                if seconds is not None and seconds < best_seconds:
-                    best_allocation, best_seconds = allocation, seconds
+            best_allocation = self.best_allocation(sets, minimums)
             if best_allocation is not None:
                 best_per_placement.append(self.plan_for(sets, best_allocation))
         if not best_per_placement:
@@ -440,15 +485,16 @@ def resolve_models(models: Mapping[str, str | ModelSpec]) -> dict[str, ModelSpec
 
 def plan(dataflow: Dataflow | str, models: Mapping[str, str | ModelSpec], workload: Workload,
          cluster: Cluster, *, top: int = 10, backend: str | RolloutBackend = "native",
-         kv_cache_gib: float | None = None) -> Plan:
+         kv_cache_gib: float | None = None, granularity: str = "node") -> Plan:
     """The fastest plan, with up to ``top - 1`` other placements (ranked) as ``alternatives``, for the actor's
     rollout ``backend`` (``actor.generation.backend``: native or vllm; the plan records it), whose KV cache takes
-    ``kv_cache_gib`` per device (vllm: ``actor.generation.vllm_kv_cache_gib``) or, if None, all memory left."""
+    ``kv_cache_gib`` per device (vllm: ``actor.generation.vllm_kv_cache_gib``) or, if None, all memory left,
+    searching pool sizes of ``granularity`` (``node`` or ``divisor``: Planner)."""
     flow = get_dataflow(dataflow)
     if not isinstance(top, int) or top < 1:
         raise ValueError(f"top must be a positive integer, got {top!r}")
     ranked = Planner(dataflow=flow, models=resolve_models(models), workload=workload, cluster=cluster,
-                     backend=backend, kv_cache_gib=kv_cache_gib).search()
+                     backend=backend, kv_cache_gib=kv_cache_gib, granularity=granularity).search()
     best = ranked[0]
     return Plan(pools=best.pools, strategies=best.strategies, stage_seconds=best.stage_seconds,
                 pool_stage_seconds=best.pool_stage_seconds, role_stage_seconds=best.role_stage_seconds,

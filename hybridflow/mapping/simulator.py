@@ -131,10 +131,14 @@ class Simulator:
         self.decode_dispatch_s = hardware.decode_dispatch_seconds_per_layer / compute_share
 
     # ---- links -------------------------------------------------------------------------------
-    def crosses_nodes(self, group_span: int) -> bool:
-        """Whether a group whose ranks lie within ``group_span`` consecutive ranks of a pool leaves a node
-        (pools larger than a node take whole nodes, smaller ones lie inside one)."""
-        return group_span > self.cluster.node_size
+    def crosses_nodes(self, group_span: int, num_devices: int | None = None) -> bool:
+        """Whether some group whose ranks lie within ``group_span`` consecutive ranks of a pool of ``num_devices``
+        (default: the span itself), blocks aligned to multiples of the span, leaves a node. A pool up to a node
+        lies inside one; a larger one takes whole nodes, then part of one (Cluster.pool_nodes), so rank r sits
+        on its node r // node size and a block stays inside a node exactly when its span divides the node size
+        (tensor-parallel groups always do; a pipeline of p t = 6 on a 12-GPU pool [8, 4] has ranks 6-11 across)."""
+        pool = group_span if num_devices is None else num_devices
+        return pool > self.cluster.node_size and self.cluster.node_size % group_span != 0
 
     def _link(self, crosses_nodes: bool) -> tuple[float, float]:
         """(bandwidth bytes/s per device, latency of one ring step s) of a group's links."""
@@ -149,11 +153,12 @@ class Simulator:
         return bandwidth * hardware.link_bandwidth_fraction, latency / share
 
     def all_reduce_seconds(self, num_bytes: float, group_size: int, group_span: int, *,
-                           crosses_nodes: bool | None = None) -> float:
-        """Ring all-reduce of ``num_bytes`` on every rank: 2 (g-1) steps, 2 (g-1)/g of the bytes per link."""
+                           num_devices: int | None = None, crosses_nodes: bool | None = None) -> float:
+        """Ring all-reduce of ``num_bytes`` on every rank: 2 (g-1) steps, 2 (g-1)/g of the bytes per link
+        (links: ``crosses_nodes``, else those of groups spanning ``group_span`` ranks of a ``num_devices`` pool)."""
         if group_size <= 1:
             return 0.0
-        crosses = self.crosses_nodes(group_span) if crosses_nodes is None else crosses_nodes
+        crosses = self.crosses_nodes(group_span, num_devices) if crosses_nodes is None else crosses_nodes
         bandwidth, latency = self._link(crosses)
         return 2 * (group_size - 1) * latency + 2 * (group_size - 1) / group_size * num_bytes / bandwidth
 
@@ -167,8 +172,9 @@ class Simulator:
         bandwidth, latency = self._link(crosses)
         return num_collectives * (group_size - 1) * latency + (group_size - 1) / group_size * num_bytes / bandwidth
 
-    def send_seconds(self, num_bytes: float, group_span: int) -> float:
-        bandwidth, latency = self._link(self.crosses_nodes(group_span))
+    def send_seconds(self, num_bytes: float, group_span: int, num_devices: int | None = None) -> float:
+        """A point-to-point send between neighbours of a group spanning ``group_span`` ranks of the pool."""
+        bandwidth, latency = self._link(self.crosses_nodes(group_span, num_devices))
         return latency + num_bytes / bandwidth
 
     # ---- memory ------------------------------------------------------------------------------
@@ -238,11 +244,13 @@ class Simulator:
         bubble = (micro_batches + strategy.pp_size - 1) / micro_batches
         layers_per_stage = spec.num_layers / strategy.pp_size
         all_reduces = passes * micro_batches * layers_per_stage * (4 if backward else 2)
-        tp_comm = all_reduces * self.all_reduce_seconds(activation_bytes, strategy.tp_size, strategy.tp_size)
+        tp_comm = all_reduces * self.all_reduce_seconds(activation_bytes, strategy.tp_size, strategy.tp_size,
+                                                            num_devices=num_devices)
         pp_comm = 0.0
         if strategy.pp_size > 1:
             sends = passes * micro_batches * (2 if backward else 1)
-            pp_comm = sends * self.send_seconds(activation_bytes / strategy.tp_size, strategy.model_parallel_size)
+            pp_comm = sends * self.send_seconds(activation_bytes / strategy.tp_size, strategy.model_parallel_size,
+                                                num_devices)
         # 1F1B: each of the m + p - 1 slots of a stage is a micro-batch's whole forward/backward, its
         # tensor-parallel collectives and its sends included, so the bubble stretches all of them
         return (compute + tp_comm + pp_comm) * bubble
@@ -357,12 +365,12 @@ class Simulator:
             """
             stage_bytes = matmul_params * e / (tg * pg) + kv_tokens * kv_bytes_per_token
             stage_flops = (2 * new_tokens * matmul_params + 4 * attention_pairs * h * layers) / (tg * pg)
-            stage_tp = 2 * layers / pg * self.all_reduce_seconds(new_tokens * h * e, tg, tg)
+            stage_tp = 2 * layers / pg * self.all_reduce_seconds(new_tokens * h * e, tg, tg, num_devices=num_devices)
             device = max(stage_bytes / self.decode_memory_bandwidth, stage_flops / self.flops) + stage_tp
             # eager decode: the host launches every layer's kernels; launches run ahead of the device, so
             # the stage takes at least their time (0 unless the profile measured it)
             stage = max(device, layers / pg * self.decode_dispatch_s) + layers / pg * self.layer_overhead_s
-            sends = (pg - 1) * self.send_seconds(new_tokens * h * e, tg * pg) if pg > 1 else 0.0
+            sends = (pg - 1) * self.send_seconds(new_tokens * h * e, tg * pg, num_devices) if pg > 1 else 0.0
             return pg * stage + sends
 
         prefill = pass_seconds(batch * prompt_len, batch * prompt_len, batch * prompt_len * prompt_len / 2)
