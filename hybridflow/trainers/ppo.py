@@ -94,7 +94,7 @@ class RLTrainer:
         self.skips_old_log_prob = old_log_prob_is_redundant(
             ppo_epochs=config.actor.loss.ppo_epochs, mini_batches_per_epoch=self.derived.mini_batches_per_epoch,
             has_reference=self.reference is not None)
-        self.old_log_probs_from_rollout = False  # this step's choice (``_old_log_probs_from_rollout``)
+        self.old_log_probs_from_rollout = False  # this step's choice, made in ``_score``
         self.step = 0
         self.best: dict | None = None  # trainer.keep_best: {"metric", "value", "step"} of the best validation
         self.step = self._resume(resume_from) if resume_from is not None else 0
@@ -305,7 +305,7 @@ class RLTrainer:
     def _score(self, batch: DataProto) -> DataProto:
         """Old log-probs, reference log-probs, values and reward-model scores (and Safe-RLHF's costs and cost
         values); concurrent across pools."""
-        from_rollout = self._old_log_probs_from_rollout(batch)
+        self.old_log_probs_from_rollout = from_rollout = self._old_log_probs_from_rollout(batch)
         futures = [] if self.skips_old_log_prob or from_rollout else [self.actor.compute_log_prob.future(batch)]
         if from_rollout:
             batch["old_logprobs"] = batch["logprobs"]
@@ -326,11 +326,9 @@ class RLTrainer:
         """Whether this step's old log-probs are the rollout's sampled ones (``actor.loss.old_log_probs``)."""
         source = self.config.actor.loss.old_log_probs
         if self.skips_old_log_prob or source == "recompute" or "logprobs" not in batch:
-            self.old_log_probs_from_rollout = False
-        else:
-            self.old_log_probs_from_rollout = source == "rollout" or (
-                self.config.actor.loss.tis_cap is None and bool(batch.meta_info.get(TRAINING_EXACT_LOGPROBS)))
-        return self.old_log_probs_from_rollout
+            return False
+        return source == "rollout" or (
+            self.config.actor.loss.tis_cap is None and bool(batch.meta_info.get(TRAINING_EXACT_LOGPROBS)))
 
     def _greedy_baseline(self, prompts: DataProto) -> torch.Tensor:
         """ReMax: the score of the greedy response to each prompt, repeated over its samples -> baseline_B."""
