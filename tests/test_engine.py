@@ -30,12 +30,12 @@ def make_batch(seed: int = 3) -> dict[str, torch.Tensor]:
                 response_mask=mask[:, -RESPONSE_LEN:])
 
 
-def hf_response_logprobs(model, batch) -> torch.Tensor:
-    """log p(responses) from a plain padded HF forward, 0 on response padding."""
+def hf_response_logprobs(model, batch, temperature: float = 1.0) -> torch.Tensor:
+    """log p(responses) from a plain padded HF forward (of softmax(logits / temperature)), 0 on response padding."""
     ids, mask = batch["input_ids"], batch["attention_mask"]
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=mask, position_ids=default_position_ids(mask)).logits
-    logprobs = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
+    logprobs = torch.log_softmax(logits[:, :-1].float() / temperature, -1).gather(-1, ids[:, 1:, None])[..., 0]
     return logprobs[:, -RESPONSE_LEN:] * batch["response_mask"]
 
 
@@ -105,6 +105,29 @@ def test_forward_logprobs_equal_a_plain_hugging_face_forward(family, budget):
                                rtol=0, atol=2e-6)
     assert outputs["entropy"].shape == (ROWS, RESPONSE_LEN)
     assert float(outputs["entropy"][batch["response_mask"].bool()].min()) > 0
+
+
+def test_forward_and_train_step_use_the_tempered_distribution_the_rollout_sampled_from():
+    batch = make_batch()
+    engine = tiny_engine(micro_batch_tokens=12)
+    model = build_tiny_model()
+    tempered = engine.forward(batch, outputs=("logprobs",), temperature=0.7)["logprobs"]
+    torch.testing.assert_close(tempered, hf_response_logprobs(model, batch, temperature=0.7), rtol=0, atol=2e-6)
+    plain = engine.forward(batch, outputs=("logprobs",))["logprobs"]
+    assert float((tempered - plain).abs().max()) > 1e-2  # not the temperature-1 numbers
+    seen = {}
+
+    def record(outputs, micro_batch):
+        seen.setdefault("logprobs", []).append(outputs["logprobs"].detach())
+        return nll_loss(outputs, micro_batch)
+
+    engine.train_step(batch, record, outputs=("logprobs",), temperature=0.7)
+    # one micro-batch per row here (budget 12): the update's log-probs are the forward's, row by row
+    rows = torch.cat(seen["logprobs"])
+    assert rows.shape == tempered.shape
+    torch.testing.assert_close(rows.sort(0).values, tempered.sort(0).values, rtol=0, atol=2e-6)
+    with pytest.raises(ValueError, match="temperature must be > 0, got 0"):
+        engine.forward(batch, outputs=("logprobs",), temperature=0)
 
 
 def test_value_and_score_heads_read_the_state_before_each_response_token_and_the_last_token():

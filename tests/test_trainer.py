@@ -97,11 +97,18 @@ def test_old_log_probs_come_from_the_native_fp32_rollout_only_where_they_equal_t
     assert recomputed["rollout/logprob_abs_diff_max"] < 1e-5
     default = _run(_config(data_dir, tmp_path / "auto", "trainer.total_steps=1"))[0]
     assert default["perf/old_log_prob_from_rollout"] == 1.0 and "rollout/logprob_abs_diff_max" not in default
-    # sampled at another temperature the rollout's log-probs are of another distribution: recomputed
+    # at another temperature the training forward divides the logits by it too: the same distribution
     tempered = _run(_config(data_dir, tmp_path / "tempered", "actor.generation.temperature=0.7",
-                            "trainer.total_steps=1"))[0]
-    assert tempered["perf/old_log_prob_from_rollout"] == 0.0 and "rollout/logprob_abs_diff_max" in tempered
-    forced = _run(_config(data_dir, tmp_path / "forced", "actor.generation.temperature=0.7",
+                            "actor.loss.old_log_probs=recompute", "trainer.total_steps=1"))[0]
+    assert tempered["rollout/logprob_abs_diff_max"] < 1e-5
+    assert tempered["kl/sequence_kl"] == 0.0  # the reference scores at the rollout's temperature as well
+    tempered_auto = _run(_config(data_dir, tmp_path / "tempered_auto", "actor.generation.temperature=0.7",
+                                 "trainer.total_steps=1"))[0]
+    assert tempered_auto["perf/old_log_prob_from_rollout"] == 1.0
+    # bf16 rollouts (the GPU default) are another precision: recomputed
+    bf16 = _run(_config(data_dir, tmp_path / "bf16", "actor.engine.dtype=bfloat16", "trainer.total_steps=1"))[0]
+    assert bf16["perf/old_log_prob_from_rollout"] == 0.0 and "rollout/logprob_abs_diff_max" in bf16
+    forced = _run(_config(data_dir, tmp_path / "forced", "actor.engine.dtype=bfloat16",
                           "actor.loss.old_log_probs=rollout", "trainer.total_steps=1"))[0]
     assert forced["perf/old_log_prob_from_rollout"] == 1.0
 

@@ -266,9 +266,10 @@ class TrainingEngine:
 
     # ----------------------------------------------------------------- outputs
     def _outputs_of(self, head_out_1N, packed: PackedMicroBatch, outputs: tuple[str, ...],
-                    num_columns: int, positions_K: Tensor | None = None) -> dict[str, Tensor]:
+                    num_columns: int, positions_K: Tensor | None = None, temperature: float = 1.0) -> dict[str, Tensor]:
         """Requested per-token [b, T] / per-sequence [b] outputs from the head output of one micro-batch
-        (``positions_K``: the packed positions the head ran on, ``_head_positions``; None = all)."""
+        (``positions_K``: the packed positions the head ran on, ``_head_positions``; None = all;
+        ``temperature``: the 'lm' head's log-probs and entropy are of softmax(logits / temperature))."""
         n_real = packed.num_real_tokens
         result: dict[str, Tensor] = {}
         if self.head == "lm":
@@ -276,10 +277,12 @@ class TrainingEngine:
             if positions_K is None:
                 next_ids_N = torch.roll(packed.input_ids_1N[0, :n_real], -1)
                 next_lp_N, entropy_N = token_logprobs_and_entropy(head_out_1N[0, :n_real], next_ids_N,
-                                                                  want_entropy="entropy" in outputs)
+                                                                  want_entropy="entropy" in outputs,
+                                                                  temperature=temperature)
             else:  # the head ran only where read: put its values back at their packed positions (0 elsewhere)
                 next_lp_K, entropy_K = token_logprobs_and_entropy(
-                    head_out_1N[0], packed.input_ids_1N[0, positions_K + 1], want_entropy="entropy" in outputs)
+                    head_out_1N[0], packed.input_ids_1N[0, positions_K + 1], want_entropy="entropy" in outputs,
+                    temperature=temperature)
                 next_lp_N = next_lp_K.new_zeros(n_real).index_copy(0, positions_K, next_lp_K)
                 entropy_N = (entropy_K.new_zeros(n_real).index_copy(0, positions_K, entropy_K)
                              if entropy_K is not None else None)
@@ -317,14 +320,15 @@ class TrainingEngine:
 
     def _micro_batch_loss(self, head_out, packed: PackedMicroBatch, batch: dict, normalisers: dict,
                           loss_fn: LossFn, outputs: tuple[str, ...], num_columns: int, records: list,
-                          positions_K: Tensor | None = None):
+                          positions_K: Tensor | None = None, temperature: float = 1.0):
         if packed.is_filler:
             return head_out.sum() * 0.0  # keeps collectives in step; contributes nothing
         num_rows = batch["input_ids"].shape[0]
         micro_batch = {k: v[packed.rows_b] for k, v in batch.items()
                        if isinstance(v, Tensor) and v.dim() > 0 and v.shape[0] == num_rows}
         micro_batch.update(normalisers)
-        loss, metrics = loss_fn(self._outputs_of(head_out, packed, outputs, num_columns, positions_K), micro_batch)
+        loss, metrics = loss_fn(self._outputs_of(head_out, packed, outputs, num_columns, positions_K, temperature),
+                                micro_batch)
         scalars = {k: float(v.detach() if isinstance(v, Tensor) else v) for k, v in metrics.items()}
         records.append((float(loss.detach()), scalars))
         return loss
@@ -335,10 +339,12 @@ class TrainingEngine:
 
     # ----------------------------------------------------------------- training
     def train_step(self, batch: dict[str, Tensor], loss_fn: LossFn, *, outputs: tuple[str, ...] | None = None,
-                   group_size: int = 1, on_non_finite: str = "raise", context: str = "") -> dict[str, float]:
+                   group_size: int = 1, on_non_finite: str = "raise", context: str = "",
+                   temperature: float = 1.0) -> dict[str, float]:
         """Forward/backward over token-budget micro-batches, then clip, optimizer step and LR step.
 
-        ``outputs``: what ``loss_fn`` reads (default: all outputs of the head). Returns metrics
+        ``outputs``: what ``loss_fn`` reads (default: all outputs of the head); ``temperature``: the 'lm'
+        head's log-probs and entropy are those of softmax(logits / temperature). Returns metrics
         averaged over micro-batches and data-parallel ranks, plus ``loss`` (summed over
         micro-batches and ranks: the mini-batch loss), ``grad_norm`` (before clipping) and ``lr``.
         A non-finite loss or gradient norm stops the step before the optimizer touches the
@@ -360,7 +366,7 @@ class TrainingEngine:
 
         def micro_loss(head_out, index, positions_K=None) -> Tensor:
             return self._micro_batch_loss(head_out, packed[index], batch, normalisers, loss_fn, outputs,
-                                          num_columns, records, positions_K)
+                                          num_columns, records, positions_K, temperature)
 
         if self.layout.pp_size > 1:
             self._run_pipeline(packed, micro_loss, train=True)
@@ -473,8 +479,10 @@ class TrainingEngine:
 
     # ----------------------------------------------------------------- inference
     @torch.no_grad()
-    def forward(self, batch: dict[str, Tensor], *, outputs: tuple[str, ...] | None = None) -> dict[str, Tensor]:
-        """Requested outputs for every row, without grad: per-token [B, T], per-sequence [B] (CPU tensors)."""
+    def forward(self, batch: dict[str, Tensor], *, outputs: tuple[str, ...] | None = None,
+                temperature: float = 1.0) -> dict[str, Tensor]:
+        """Requested outputs for every row, without grad: per-token [B, T], per-sequence [B] (CPU tensors);
+        the 'lm' head's log-probs and entropy are those of softmax(logits / temperature)."""
         outputs = self._check_outputs(outputs or OUTPUTS_OF_HEAD[self.head])
         batch, packed, num_columns = self._prepare(batch, 1)
         num_rows = batch["input_ids"].shape[0]
@@ -484,7 +492,8 @@ class TrainingEngine:
         def collect(head_out, index, positions_K=None) -> Tensor:
             micro = packed[index]
             if not micro.is_filler:
-                for name, value in self._outputs_of(head_out, micro, outputs, num_columns, positions_K).items():
+                for name, value in self._outputs_of(head_out, micro, outputs, num_columns, positions_K,
+                                                    temperature).items():
                     results[name][micro.rows_b] = value
             return head_out.sum() * 0.0
 

@@ -17,7 +17,7 @@ from hybridflow.controller import register
 from hybridflow.engine.hybrid_engine import HybridEngine, training_shards
 from hybridflow.engine.optim import OptimizerOffload
 from hybridflow.protocol import DataProto
-from hybridflow.workers.base import SEQUENCE_KEYS, ModelWorker, step_context, tensors_of
+from hybridflow.workers.base import ROLLOUT_TEMPERATURE, SEQUENCE_KEYS, ModelWorker, step_context, tensors_of
 from hybridflow.workers.spec import ActorSpec, PolicyLossConfig
 
 UPDATE_KEYS = SEQUENCE_KEYS + ("old_logprobs", "advantages", "ref_logprobs")
@@ -169,12 +169,13 @@ class ActorWorker(ModelWorker):
                 "vllm_kv_cache_bytes": load.kv_cache_bytes})
         samples = config.samples_per_prompt
         non_tensors = {key: np.repeat(values, samples) for key, values in prompts.non_tensor_batch.items()}
-        # the native engine decodes with the training weights at the training compute dtype; in fp32 at
-        # temperature 1 its log-probs are what the training forward computes, up to rounding
-        exact = config.backend == "native" and self.hybrid.dtype == torch.float32 and (
-            config.greedy or config.temperature == 1.0)
+        # the native engine decodes with the training weights at the training compute dtype; in fp32 its
+        # log-probs (of softmax(logits / temperature)) are what the training forward computes, up to rounding
+        exact = config.backend == "native" and self.hybrid.dtype == torch.float32
+        temperature = 1.0 if config.greedy else float(config.temperature)
         return DataProto.from_dict(tensors={k: v.cpu() for k, v in output.items()}, non_tensors=non_tensors,
-                                   meta_info={**prompts.meta_info, TRAINING_EXACT_LOGPROBS: exact})
+                                   meta_info={**prompts.meta_info, TRAINING_EXACT_LOGPROBS: exact,
+                                              ROLLOUT_TEMPERATURE: temperature})
 
     @register("ONE_TO_ALL")
     def transition_stats(self) -> dict[str, float]:

@@ -20,6 +20,16 @@ def tensors_of(data: DataProto, keys: tuple[str, ...] | None = None) -> dict[str
     return {name: data[name] for name in names}
 
 
+ROLLOUT_TEMPERATURE = "rollout_temperature"
+"""meta_info key of a rollout: the temperature its tokens were sampled at (1.0 for greedy). Log-probs of those
+tokens (old, reference, the policy's in the loss) are of softmax(logits / temperature), the policy that sampled."""
+
+
+def rollout_temperature(data: DataProto) -> float:
+    """The sampling temperature recorded with ``data`` by the actor's rollout (1.0 if none: SFT rows, ptx)."""
+    return float(data.meta_info.get(ROLLOUT_TEMPERATURE, 1.0))
+
+
 def step_context(role: str, data: DataProto) -> str:
     """How a non-finite training step names where it happened: the role and the driver's RL step."""
     step = data.meta_info.get("step")
@@ -62,7 +72,7 @@ class ModelWorker(Worker):
         return self.engine.step
 
     def _forward(self, data: DataProto, outputs: tuple[str, ...]) -> dict[str, torch.Tensor]:
-        return self.engine.forward(tensors_of(data, SEQUENCE_KEYS), outputs=outputs)
+        return self.engine.forward(tensors_of(data, SEQUENCE_KEYS), outputs=outputs, temperature=rollout_temperature(data))
 
     def _train_epochs(self, data: DataProto, *, keys: tuple[str, ...], loss_fn, outputs: tuple[str, ...],
                       ppo_epochs: int, mini_batch_size: int, seed: int, on_non_finite: str = "raise",
@@ -85,7 +95,8 @@ class ModelWorker(Worker):
             for start in range(0, num_rows, local_mini_batch):
                 rows = order[start:start + local_mini_batch]
                 metrics = self.engine.train_step({k: v[rows] for k, v in batch.items()}, loss_fn, outputs=outputs,
-                                                 on_non_finite=on_non_finite, context=context)
+                                                 on_non_finite=on_non_finite, context=context,
+                                                 temperature=rollout_temperature(data))
                 for name, value in metrics.items():
                     totals[name] = totals.get(name, 0.0) + value
                 count += 1

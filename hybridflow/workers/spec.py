@@ -95,9 +95,9 @@ class PolicyLossConfig:
     old_log_probs: Literal["auto", "recompute", "rollout"] = "auto"
     """Where PPO's old log-probs (pi_old of the ratio and of the KL to the reference) come from: ``recompute``
     runs the actor's forward over the samples after the rollout; ``rollout`` takes the log-probs the rollout
-    engine sampled with; ``auto`` takes them when the rollout was the native engine at fp32 and temperature 1
-    (the training weights at the training precision: the same numbers up to rounding, as TRL's PPO uses its
-    sampler's logits) and recomputes otherwise (vLLM, bf16, other temperatures). The forward is not run at all
+    engine sampled with; ``auto`` takes them when the rollout was the native engine at fp32 (the training
+    weights at the training precision and the same tempered distribution: the same numbers up to rounding, as
+    TRL's PPO uses its sampler's logits) and recomputes otherwise (vLLM, bf16). The forward is not run at all
     where it is provably redundant (one epoch of one mini-batch, no reference). Logged as
     ``perf/old_log_prob_from_rollout``; the rollout-vs-training mismatch (``rollout/logprob_*``) is measured
     only when the forward runs."""
