@@ -119,6 +119,27 @@ def test_chat_template_is_applied_when_the_tokenizer_has_one(chat_tokenizer):
     assert raw.examples[0].input_ids == chat_tokenizer("1+2=")["input_ids"]
 
 
+def test_the_data_config_chooses_how_every_trainer_renders_prompts(chat_tokenizer):
+    from hybridflow.trainers.config import load_rl_config
+    from hybridflow.trainers.supervised_config import SFTConfig, load_supervised_config
+
+    base = ["data.train_path=train.jsonl", "actor.model.builtin=arithmetic", "reward.function=pkg.mod:score"]
+    raw = load_rl_config(None, base + ["data.chat_template=never"]).data.prompt_format()
+    assert PromptDataset(ROWS[:1], chat_tokenizer, max_prompt_tokens=32, **raw).examples[0].input_ids == \
+        chat_tokenizer("1+2=")["input_ids"]
+    system = load_rl_config(None, base + ["data.system_prompt=be brief"]).data.prompt_format()
+    rendered = chat_tokenizer.apply_chat_template([{"role": "system", "content": "be brief"},
+                                                   {"role": "user", "content": "1+2="}],
+                                                  tokenize=False, add_generation_prompt=True)
+    assert PromptDataset(ROWS[:1], chat_tokenizer, max_prompt_tokens=32, **system).examples[0].input_ids == \
+        chat_tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    sft = load_supervised_config(SFTConfig, None, ["data.train_path=t.jsonl", "model.builtin=arithmetic",
+                                               "data.chat_template=never"])
+    assert sft.data.prompt_format()["chat_template"] == "never"
+    with pytest.raises(ValueError, match=r"config key data\.chat_template got 'sometimes'.*'auto', 'always', 'never'"):
+        load_rl_config(None, base + ["data.chat_template=sometimes"])
+
+
 def test_chat_messages_rows_use_the_template_and_the_last_user_turn_as_raw_prompt(chat_tokenizer, tokenizer):
     rows = [{"messages": [{"role": "system", "content": "1"}, {"role": "user", "content": "2+2="}], "answer": "4"}]
     dataset = PromptDataset(rows, chat_tokenizer, max_prompt_tokens=32)

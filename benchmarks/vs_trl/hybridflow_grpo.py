@@ -35,10 +35,12 @@ def main() -> None:
 
     samples = args.prompts_per_step * args.samples_per_prompt
     config = load_rl_config(None, [
-        f"data.train_path={args.prompts}", f"actor.model.path={args.model_dir}",
+        # the prompt file's raw text, as TRL feeds a plain "prompt" field (it templates only chat rows)
+        f"data.train_path={args.prompts}", "data.chat_template=never", f"actor.model.path={args.model_dir}",
         f"reward.function={Path(__file__).parent / 'reward.py'}:addition_reward",
         "algorithm.advantage_estimator=grpo", "algorithm.kl_mode=none",
-        f"actor.generation.max_new_tokens={args.max_new_tokens}", "actor.generation.temperature=1.0",
+        f"actor.generation.max_new_tokens={args.max_new_tokens}",
+        f"actor.generation.min_new_tokens={args.min_new_tokens}", "actor.generation.temperature=1.0",
         f"actor.engine.optim.lr={args.lr}", f"batch.prompts_per_step={args.prompts_per_step}",
         f"batch.samples_per_prompt={args.samples_per_prompt}", f"batch.mini_batch_size={samples}",
         f"trainer.total_steps={args.steps}", "trainer.progress_bar=false", f"trainer.output_dir={args.output_dir}"])

@@ -25,10 +25,12 @@ def main() -> None:
 
     samples = args.prompts_per_step * args.samples_per_prompt
     config = load_rl_config(None, [
-        f"data.train_path={args.prompts}", f"actor.model.path={args.model_dir}",
+        # the prompt file's raw text, as TRL feeds a plain "prompt" field (it templates only chat rows)
+        f"data.train_path={args.prompts}", "data.chat_template=never", f"actor.model.path={args.model_dir}",
         f"reward.model={{path: {args.score_dir}}}", f"critic.model={{path: {args.score_dir}}}",
         "algorithm.advantage_estimator=gae", "algorithm.kl_mode=reward", f"algorithm.kl_coef={args.kl_coef}",
-        f"actor.generation.max_new_tokens={args.max_new_tokens}", "actor.generation.temperature=1.0",
+        f"actor.generation.max_new_tokens={args.max_new_tokens}",
+        f"actor.generation.min_new_tokens={args.min_new_tokens}", "actor.generation.temperature=1.0",
         f"actor.engine.optim.lr={args.lr}", f"critic.engine.optim.lr={args.lr}",
         f"batch.prompts_per_step={args.prompts_per_step}", f"batch.samples_per_prompt={args.samples_per_prompt}",
         f"batch.mini_batch_size={samples}", f"trainer.total_steps={args.steps}", "trainer.progress_bar=false",

@@ -12,7 +12,10 @@
    samples, no KL/reference; PPO: 1 sample, reference, critic, reward model, KL in the reward with
    ``--kl-coef``, GAE gamma 1 lambda 0.95, one PPO epoch of one mini-batch), at most 32 new tokens,
    temperature 1, no top-p/top-k, stop at EOS, the same learning rate, one optimizer step per batch
-   per trained model, fp32, 2 threads. The first ``--warmup`` steps are dropped.
+   per trained model, fp32, 2 threads, prompts fed as the raw text (TRL templates only chat rows, so
+   hybridflow's side sets ``data.chat_template=never``). ``--fixed-length`` makes every completion
+   exactly ``--max-new-tokens`` long on both sides (end tokens cannot be sampled before). The first
+   ``--warmup`` steps are dropped.
 4. Prints per-step time, tokens/s (prompt + response tokens per second of RL step), the
    generate / score / update split, peak memory, mean completion length, the load average and the
    ratio. The machine is shared: compare only within one run.
@@ -80,6 +83,8 @@ def main() -> None:
     parser.add_argument("--prompts-per-step", type=int, default=32)
     parser.add_argument("--samples-per-prompt", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--fixed-length", action="store_true",
+                        help="every completion exactly --max-new-tokens long on both sides (EOS cannot be sampled before)")
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--kl-coef", type=float, default=0.05, help="PPO's KL-in-reward coefficient (both sides)")
     parser.add_argument("--threads", type=int, default=2)
@@ -100,7 +105,7 @@ def main() -> None:
     rows = []
     for algorithm in args.algorithms:
         rows += run_algorithm(algorithm, args, work, prompts, total_steps, env)
-    (work / "results.json").write_text(json.dumps(rows, indent=1))
+    (work / ("results-fixed.json" if args.fixed_length else "results.json")).write_text(json.dumps(rows, indent=1))
 
 
 def run_algorithm(algorithm: str, args, work: Path, prompts: Path, total_steps: int, env: dict) -> list:
@@ -113,10 +118,12 @@ def run_algorithm(algorithm: str, args, work: Path, prompts: Path, total_steps: 
     common = ["--prompts", str(prompts), "--steps", str(total_steps), "--prompts-per-step",
               str(args.prompts_per_step), "--samples-per-prompt", str(samples_per_prompt),
               "--max-new-tokens", str(args.max_new_tokens), "--lr", str(args.lr)]
+    if args.fixed_length:
+        common += ["--min-new-tokens", str(args.max_new_tokens)]
     if algorithm == "ppo":
         common += ["--kl-coef", str(args.kl_coef)]
     samples = args.prompts_per_step * samples_per_prompt
-    label = "" if algorithm == "grpo" else "ppo "
+    label = ("" if algorithm == "grpo" else "ppo ") + ("fixed " if args.fixed_length else "")
     rows = []
     for model in args.models:
         if model == "smollm2":  # the converted checkpoint (hybridflow/models/smollm2.py), its own tokenizer
@@ -142,7 +149,7 @@ def run_algorithm(algorithm: str, args, work: Path, prompts: Path, total_steps: 
             sides["hybridflow --ray"] = sides["hybridflow"] + ["--runtime", "ray"]
         results = {}
         for side, command in sides.items():
-            out = work / "runs" / (model if algorithm == "grpo" else f"ppo-{model}") / side.replace(" ", "")
+            out = work / "runs" / (label.replace(" ", "-") + model) / side.replace(" ", "")
             results[side] = run_side(command + ["--model-dir", str(model_dir), "--output-dir", str(out)] + common,
                                      env, args.warmup)
             r = results[side]

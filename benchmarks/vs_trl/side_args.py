@@ -18,6 +18,8 @@ def side_parser(*, score_model: bool = False, threads: bool = False, runtime: bo
     parser.add_argument("--prompts-per-step", type=int, required=True)
     parser.add_argument("--samples-per-prompt", type=int, required=True)
     parser.add_argument("--max-new-tokens", type=int, required=True)
+    parser.add_argument("--min-new-tokens", type=int, default=0,
+                        help="end tokens cannot be sampled before this many (= --max-new-tokens: fixed-length completions)")
     parser.add_argument("--lr", type=float, required=True)
     if score_model:
         parser.add_argument("--kl-coef", type=float, required=True)

@@ -40,7 +40,8 @@ def main() -> None:
         per_device_train_batch_size=samples, gradient_accumulation_steps=1, steps_per_generation=1,
         num_generations=args.samples_per_prompt, num_iterations=1, max_completion_length=args.max_new_tokens,
         temperature=1.0, top_p=1.0, top_k=0, beta=0.0, max_steps=args.steps, logging_steps=1, report_to=[],
-        lr_scheduler_type="constant", save_strategy="no", seed=0, dataloader_num_workers=0, disable_tqdm=True)
+        lr_scheduler_type="constant", save_strategy="no", seed=0, dataloader_num_workers=0, disable_tqdm=True,
+        generation_kwargs={"min_new_tokens": args.min_new_tokens} if args.min_new_tokens else None)
     trainer = GRPOTrainer(model=model, reward_funcs=reward_fn, args=config, train_dataset=dataset,
                           processing_class=tokenizer)
 

@@ -48,6 +48,9 @@ def main() -> None:
         cliprange_value=0.2, vf_coef=0.1, whiten_rewards=False, missing_eos_penalty=None,
         num_sample_generations=0, logging_steps=1, report_to=[], save_strategy="no", seed=0,
         dataloader_num_workers=0, disable_tqdm=True)
+    if args.min_new_tokens:  # PPOTrainer builds its GenerationConfig inside train(): add the floor there
+        generation_config = ppo_module.GenerationConfig
+        ppo_module.GenerationConfig = lambda **kwargs: generation_config(**kwargs, min_new_tokens=args.min_new_tokens)
     trainer = PPOTrainer(args=config, processing_class=tokenizer, model=policy, ref_model=reference,
                          reward_model=reward_model, value_model=value_model, train_dataset=dataset)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -17,6 +18,16 @@ class PromptFiles:
     """Field holding the prompt text (``messages`` rows use the chat template instead)."""
     max_prompt_tokens: int = 256
     """Rows with longer prompts are dropped with a counted warning (never truncated)."""
+    chat_template: Literal["auto", "always", "never"] = "auto"
+    """How prompts are rendered: ``auto`` through the tokenizer's chat template when it has one (a ``prompt``
+    text becomes one user turn), ``always`` the same but an error without a template, ``never`` the raw
+    ``prompt`` text (completion-style prompts; ``messages`` rows are then refused)."""
+    system_prompt: str | None = None
+    """A system message put before every chat that has none (under a chat template only)."""
+
+    def prompt_format(self) -> dict:
+        """The keyword arguments every dataset takes for reading and rendering prompts."""
+        return dict(prompt_key=self.prompt_key, chat_template=self.chat_template, system_prompt=self.system_prompt)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_prompt_tokens, int) or self.max_prompt_tokens < 1:

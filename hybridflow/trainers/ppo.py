@@ -61,7 +61,7 @@ class RLTrainer:
         if config.actor.loss.ptx_coef > 0:
             ptx_data = SFTDataset(config.data.ptx_path, self.tokenizer, max_prompt_tokens=config.data.max_prompt_tokens,
                                   max_response_tokens=config.data.max_ptx_response_tokens,
-                                  prompt_key=config.data.prompt_key)
+                                  **config.data.prompt_format())
             self.ptx_loader = BatchLoader(ptx_data, batch_size=min(config.batch.mini_batch_size, len(ptx_data)),
                                           seed=config.trainer.seed)
         self.loader = BatchLoader(self.train_data, batch_size=config.batch.prompts_per_step, seed=config.trainer.seed,
@@ -106,7 +106,7 @@ class RLTrainer:
 
     def _dataset(self, path: str) -> PromptDataset:
         return PromptDataset(path, self.tokenizer, max_prompt_tokens=self.config.data.max_prompt_tokens,
-                             prompt_key=self.config.data.prompt_key)
+                             **self.config.data.prompt_format())
 
     # ------------------------------------------------------------------ the loop
     def fit(self, *, on_step=None) -> list[dict]:

@@ -27,7 +27,7 @@ from hybridflow.workers.supervised import PreferenceWorker, SFTWorker
 
 def _datasets(config: SupervisedRun, tokenizer):
     common = dict(max_prompt_tokens=config.data.max_prompt_tokens, max_response_tokens=config.data.max_response_tokens,
-                  prompt_key=config.data.prompt_key)
+                  **config.data.prompt_format())
     if isinstance(config, SFTConfig):
         make = lambda path: SFTDataset(path, tokenizer, response_key=config.data.response_key, **common)  # noqa: E731
     else:
@@ -60,7 +60,7 @@ def _greedy_answer_metrics(config: SFTConfig, group: WorkerGroup, tokenizer, rul
     group.export_hf(str(scratch))
     model = AutoModelForCausalLM.from_pretrained(str(scratch)).eval()
     prompts = PromptDataset(config.data.val_path, tokenizer, max_prompt_tokens=config.data.max_prompt_tokens,
-                            prompt_key=config.data.prompt_key)
+                            **config.data.prompt_format())
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     scores, matches = [], []
     for batch in prompts.batches_in_order(config.batch_size):
