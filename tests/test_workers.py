@@ -51,6 +51,27 @@ def test_generation_is_prompt_major_and_old_logprobs_match_the_sampler():
                                rtol=1e-4, atol=1e-4)
 
 
+def test_a_tempered_rollout_is_rescored_at_its_temperature_and_its_nll_at_temperature_one():
+    tokenizer = builtin_tokenizer()
+    spec = ActorSpec(engine=_spec("lm"), generation=GenerationConfig(
+        max_new_tokens=5, eos_token_ids=(tokenizer.eos_token_id,), pad_token_id=tokenizer.pad_token_id, seed=3,
+        temperature=0.6))
+    with local_mode():
+        actor = WorkerGroup(ResourcePool([1]), ActorWorker, spec)
+        batch = actor.generate_sequences(_prompts(4))
+        old = actor.compute_log_prob(batch)
+        nll = actor.compute_loss(batch)
+        actor.shutdown()
+    assert batch.meta_info["rollout_temperature"] == 0.6
+    mask_BT = batch.batch["response_mask"].bool()
+    torch.testing.assert_close(old.batch["old_logprobs"][mask_BT], batch.batch["logprobs"][mask_BT],
+                               rtol=1e-4, atol=1e-4)
+    # the next-token loss is of the model itself: not minus the tempered log-probs' mean
+    lengths_B = mask_BT.sum(-1)
+    tempered_nll_B = -(batch.batch["logprobs"] * mask_BT).sum(-1) / lengths_B
+    assert float((nll.batch["nll"] - tempered_nll_B).abs().max()) > 1e-3
+
+
 def _sequences() -> DataProto:
     tokenizer = builtin_tokenizer()
     prompt_ids = tokenizer(["12+3=", "7+8=", "40+41="])["input_ids"]

@@ -215,8 +215,9 @@ class ActorWorker(ModelWorker):
 
     @register("3D_PROTO")
     def compute_loss(self, data: DataProto) -> DataProto:
-        """Per-sample mean next-token loss of the responses (``nll`` [B]); no update (validation, ptx monitoring)."""
-        logprobs_BT = self._forward(data, ("logprobs",))["logprobs"]
+        """Per-sample mean next-token loss of the responses (``nll`` [B]) under the model's own distribution
+        (temperature 1, whatever the rows were sampled at); no update (validation, ptx monitoring)."""
+        logprobs_BT = self.engine.forward(tensors_of(data, SEQUENCE_KEYS), outputs=("logprobs",))["logprobs"]
         mask_BT = data["response_mask"].to(logprobs_BT.dtype)
         nll_B = -(logprobs_BT * mask_BT).sum(-1) / mask_BT.sum(-1).clamp(min=1)
         return DataProto.from_dict(tensors={"nll": nll_B})
