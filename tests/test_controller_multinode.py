@@ -1,4 +1,5 @@
-"""Ray started on demand by a pool, then a simulated two-node cluster that ResourcePool([2, 2]) joins.
+"""Ray started on demand by a pool, then a simulated two-node cluster that ResourcePool([2, 2]) joins, and a
+pool of a whole node plus part of the other, [2, 1] (the pools `hybridflow plan --granularity divisor` writes).
 
 The scenario runs in a subprocess (this file run as a script) so that its cluster never meets the
 test session's own Ray instance: a process can only be connected to one Ray at a time.
@@ -33,6 +34,10 @@ def test_a_pool_starts_ray_on_demand_and_a_two_node_pool_joins_a_cluster_with_tw
     # before the cluster, with no Ray anywhere: the pool started a local Ray with a CPU slot per process
     assert result["on_demand_cpus"] == max(os.cpu_count() or 1, 32)
     assert result["on_demand_all_reduce"] == [2.0, 2.0]
+    # a whole node then one rank of the other: ranks 0-1 share a node, rank 2 is alone on the other
+    part_nodes = result["part_node_ids"]
+    assert part_nodes[0] == part_nodes[1] != part_nodes[2] and result["part_local_ranks"] == [0, 1, 0]
+    assert result["part_all_reduce"] == [3.0] * 3 and result["part_dp_x"] == list(range(5))
 
 
 def _scenario() -> dict:
@@ -95,6 +100,14 @@ def _scenario() -> dict:
                   "all_reduce": group.all_reduce(), **on_demand}
         group.shutdown()
         pool.release()
+        part = ResourcePool([2, 1], name="node-and-part")
+        group = WorkerGroup(part, NodeProbe, timeout_s=180)
+        part_where = group.where()
+        result.update(part_node_ids=[node for node, _ in part_where], part_local_ranks=[local for _, local in part_where],
+                      part_all_reduce=group.all_reduce(),
+                      part_dp_x=group.dp(DataProto.from_dict({"x": torch.arange(5.0)}))["x"].tolist())
+        group.shutdown()
+        part.release()
         return result
     finally:
         ray.shutdown()
