@@ -83,6 +83,9 @@ def main() -> None:
     parser.add_argument("--prompts-per-step", type=int, default=32)
     parser.add_argument("--samples-per-prompt", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--trl-no-checkpointing", action="store_true",
+                        help="run TRL's GRPO without its default activation checkpointing (its update then computes "
+                             "the same FLOPs as hybridflow's)")
     parser.add_argument("--fixed-length", action="store_true",
                         help="every completion exactly --max-new-tokens long on both sides (EOS cannot be sampled before)")
     parser.add_argument("--lr", type=float, default=1e-5)
@@ -138,7 +141,8 @@ def run_algorithm(algorithm: str, args, work: Path, prompts: Path, total_steps: 
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         texts = [json.loads(line)["prompt"] for line in prompts.read_text().splitlines()]
         prompt_tokens = statistics.mean(len(tokenizer(text)["input_ids"]) for text in texts)
-        sides = {"trl": [python_trl, str(HERE / f"trl_{algorithm}.py"), "--threads", str(args.threads)],
+        trl_flags = ["--no-gradient-checkpointing"] if args.trl_no_checkpointing else []
+        sides = {"trl": [python_trl, str(HERE / f"trl_{algorithm}.py"), "--threads", str(args.threads)] + trl_flags,
                  "hybridflow": [sys.executable, str(HERE / f"hybridflow_{algorithm}.py")]}
         if algorithm == "ppo":
             score_dir = ["--score-dir", str(build_score_model_dir(model_dir, work / "models"))]

@@ -25,6 +25,8 @@ def side_parser(*, score_model: bool = False, threads: bool = False, runtime: bo
         parser.add_argument("--kl-coef", type=float, required=True)
     if threads:
         parser.add_argument("--threads", type=int, required=True)
+        parser.add_argument("--no-gradient-checkpointing", action="store_true",
+                            help="turn off TRL's activation checkpointing (on by default in TRL 1.16's GRPOConfig)")
     parser.add_argument("--output-dir", required=True)
     if runtime:
         parser.add_argument("--runtime", choices=("auto", "ray", "local"), default="auto",

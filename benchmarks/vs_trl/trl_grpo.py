@@ -41,7 +41,8 @@ def main() -> None:
         num_generations=args.samples_per_prompt, num_iterations=1, max_completion_length=args.max_new_tokens,
         temperature=1.0, top_p=1.0, top_k=0, beta=0.0, max_steps=args.steps, logging_steps=1, report_to=[],
         lr_scheduler_type="constant", save_strategy="no", seed=0, dataloader_num_workers=0, disable_tqdm=True,
-        generation_kwargs={"min_new_tokens": args.min_new_tokens} if args.min_new_tokens else None)
+        generation_kwargs={"min_new_tokens": args.min_new_tokens} if args.min_new_tokens else None,
+        **({"gradient_checkpointing": False} if args.no_gradient_checkpointing else {}))
     trainer = GRPOTrainer(model=model, reward_funcs=reward_fn, args=config, train_dataset=dataset,
                           processing_class=tokenizer)
 
