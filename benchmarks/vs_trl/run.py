@@ -108,7 +108,8 @@ def main() -> None:
     rows = []
     for algorithm in args.algorithms:
         rows += run_algorithm(algorithm, args, work, prompts, total_steps, env)
-    (work / ("results-fixed.json" if args.fixed_length else "results.json")).write_text(json.dumps(rows, indent=1))
+    name = "results" + ("-fixed" if args.fixed_length else "") + ("-trl-no-checkpointing" if args.trl_no_checkpointing else "")
+    (work / f"{name}.json").write_text(json.dumps(rows, indent=1))
 
 
 def run_algorithm(algorithm: str, args, work: Path, prompts: Path, total_steps: int, env: dict) -> list:
