@@ -6,6 +6,7 @@ checks that both produce the same tokens. Single process, fp32, on the device hy
     python benchmarks/bench_generation.py                  # tiny model
     python benchmarks/bench_generation.py --smollm2        # SmolLM2-135M-Instruct too (if converted)
     python benchmarks/bench_generation.py --smollm2 --batch 32 --new-tokens 64   # the issue's decode check
+    python benchmarks/bench_generation.py --projections    # F.linear vs the decoder's feature-major products
 
 Each line also gives hybridflow's matmul FLOP/s as a fraction of this machine's fp32 matmul peak
 (1024^3, measured in the same run at the same thread count).
@@ -19,7 +20,7 @@ import time
 import torch
 
 from hybridflow.device import current_device
-from hybridflow.engine.decoder import DecoderStage
+from hybridflow.engine.decoder import DecoderStage, head_logits, project
 from hybridflow.engine.generation import GenerationConfig, GenerationEngine
 
 
@@ -93,6 +94,28 @@ def matmul_peak(device, size: int = 1024, seconds: float = 1.0) -> float:
     return 2 * size ** 3 / best
 
 
+def bench_projections(repeats: int) -> None:
+    """GFLOP/s of ``F.linear`` against the decoder's ``project`` / ``head_logits`` on SmolLM2-135M's projection
+    shapes (hidden 576, kv 192, intermediate 1536, vocabulary 49,152), fp32, by number of rows."""
+    shapes = {"q/o 576->576": (576, 576), "k/v 576->192": (576, 192), "gate/up 576->1536": (576, 1536),
+              "down 1536->576": (1536, 576), "head 576->49152": (576, 49152)}
+    device = current_device()
+    print(f"fp32, {torch.get_num_threads()} threads, {device}; GFLOP/s F.linear / decoder (ratio)")
+    for rows in (32, 128, 256, 512, 1024, 4096):
+        cells = []
+        for label, (k, n) in shapes.items():
+            x = torch.randn(rows, k, device=device)
+            w = torch.randn(n, k, device=device)
+            ours = head_logits if label.startswith("head") else project
+            loops = max(1, int(2e9 // (2 * rows * k * n)))  # about 2 GFLOP per timing
+            linear_s = timed(lambda: [torch.nn.functional.linear(x, w) for _ in range(loops)], repeats)[0] / loops
+            ours_s = timed(lambda: [ours(x, w) for _ in range(loops)], repeats)[0] / loops
+            flops = 2 * rows * k * n
+            cells.append(f"{label} {flops / linear_s / 1e9:.0f} / {flops / ours_s / 1e9:.0f} "
+                         f"({linear_s / ours_s:.2f}x)")
+        print(f"rows {rows:>5}: " + "; ".join(cells))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smollm2", action="store_true")
@@ -100,7 +123,12 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--projections", action="store_true",
+                        help="only time F.linear against the decoder's projections on SmolLM2's shapes")
     args = parser.parse_args()
+    if args.projections:
+        bench_projections(args.repeats)
+        return
     names = ["tiny"] + (["smollm2"] if args.smollm2 else [])
     for name in names:
         bench(name, batch=args.batch, prompt_len=args.prompt_len, new_tokens=args.new_tokens, repeats=args.repeats)

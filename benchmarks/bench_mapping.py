@@ -7,6 +7,7 @@
     python benchmarks/bench_mapping.py --backends           # native vs vllm rollout: the plans each gets
     python benchmarks/bench_mapping.py --native-decode      # the native engine's measured H100 decode, predicted
     python benchmarks/bench_mapping.py --template out.json  # tiny-PPO layouts to measure, with predictions
+    python benchmarks/bench_mapping.py --template out.json --model small --max-ranks 8   # small model, 2-8 ranks
     python benchmarks/bench_mapping.py --measure runs.json  # run each layout with the PPO trainer (Ray)
     python benchmarks/bench_mapping.py --validate-measured measured.json   # Spearman rho vs measurements
 
@@ -186,7 +187,7 @@ def granularity_sweep(hardware: str, workload: Workload = PAPER_WORKLOAD) -> Non
                   f"divisor: {_short(chosen[1])} {chosen[1].total_seconds:.1f} s ({same}); with a part: {partial_text}")
 
 
-# tiny-PPO layouts runnable on 2-4 CPU processes (the issue's measured validation)
+# PPO layouts runnable on 1-8 CPU processes (the issue's measured validation)
 TINY_LAYOUTS: dict[str, dict] = {
     "colocated-2-fsdp": {"pools": {"all": [2]}, "roles": dict.fromkeys(PPO_ROLES, "all"), "actor_tp": 1},
     "colocated-4-fsdp": {"pools": {"all": [4]}, "roles": dict.fromkeys(PPO_ROLES, "all"), "actor_tp": 1},
@@ -203,7 +204,39 @@ TINY_LAYOUTS: dict[str, dict] = {
     "trained-2-scorers-2": {"pools": {"trained": [2], "scorers": [2]},
                             "roles": {"actor": "trained", "critic": "trained", "reference": "scorers",
                                       "reward": "scorers"}, "actor_tp": 1},
+    # 8 processes (`--max-ranks 8`): the same placements twice as wide, written before any was measured
+    "colocated-8-fsdp": {"pools": {"all": [8]}, "roles": dict.fromkeys(PPO_ROLES, "all"), "actor_tp": 1},
+    "colocated-8-actor-tp2": {"pools": {"all": [8]}, "roles": dict.fromkeys(PPO_ROLES, "all"), "actor_tp": 2},
+    "split-4-4": {"pools": {"actor_reference": [4], "critic_reward": [4]},
+                  "roles": {"actor": "actor_reference", "reference": "actor_reference",
+                            "critic": "critic_reward", "reward": "critic_reward"}, "actor_tp": 1},
+    "standalone-2-2-2-2": {"pools": {role: [2] for role in PPO_ROLES}, "roles": {role: role for role in PPO_ROLES},
+                           "actor_tp": 1},
+    "actor-4-others-4": {"pools": {"actor": [4], "others": [4]},
+                         "roles": {"actor": "actor", "critic": "others", "reference": "others", "reward": "others"},
+                         "actor_tp": 1},
 }
+
+MEASURED_MODELS = ("hybridflow/data/builtin/assets", "small")
+"""Models ``--measure`` runs by name: the built-in arithmetic model (4 layers, hidden 128) and the 3.2 M parameter
+model of benchmarks/vs_trl ("small", 4 layers, hidden 256), both with the arithmetic task's tokenizer."""
+
+
+def layout_ranks(layout: dict) -> int:
+    return sum(sum(sizes) for sizes in layout["pools"].values())
+
+
+def model_directory(model: str) -> str:
+    """"small": its HF directory (built once under ~/.cache/hybridflow/bench_mapping); other names and paths as
+    given ("tiny" is the planner's named tiny spec in predictions; ``--measure`` runs the built-in model for it)."""
+    from pathlib import Path
+
+    if model == "small":
+        sys.path.insert(0, str(Path(__file__).resolve().parent / "vs_trl"))
+        from assets import build_model_dir
+
+        return str(build_model_dir("small", Path.home() / ".cache" / "hybridflow" / "bench_mapping"))
+    return model
 
 
 def tiny_fragment(layout: dict) -> dict:
@@ -217,13 +250,16 @@ def tiny_fragment(layout: dict) -> dict:
 
 
 def write_template(path: str, hardware: str, *, model: str = "tiny", prompts: int = 32, prompt_length: int = 32,
-                   response_length: int = 32) -> None:
-    spec = {"algorithm": "ppo", "hardware": hardware, "per_node": 4, "models": dict.fromkeys(PPO_ROLES, model),
+                   response_length: int = 32, max_ranks: int = 4) -> None:
+    """The layouts of at most ``max_ranks`` processes (all on this one machine) with their predictions."""
+    layouts = {name: layout for name, layout in TINY_LAYOUTS.items() if layout_ranks(layout) <= max_ranks}
+    spec = {"algorithm": "ppo", "hardware": hardware, "per_node": max(4, max_ranks),
+            "models": dict.fromkeys(PPO_ROLES, model_directory(model)),
             # 4096: the trainer's default micro-batch token budget (engine.micro_batch_tokens)
             "workload": {"prompts_per_step": prompts, "prompt_length": prompt_length,
                          "response_length": response_length, "micro_batch_tokens": 4096},
             "runs": [{"name": name, "config": tiny_fragment(layout), "measured_seconds": None}
-                     for name, layout in TINY_LAYOUTS.items()]}
+                     for name, layout in layouts.items()]}
     for run, predicted in zip(spec["runs"], predict(spec)):
         run["predicted_seconds"] = round(predicted, 6)
     with open(path, "w") as handle:
@@ -258,8 +294,8 @@ def _dotted(prefix: str, value, out: list[str]) -> list[str]:
 
 
 def measure(path: str, *, steps: int) -> None:
-    """Run every layout of a runs file with the PPO trainer on the built-in arithmetic task (all four
-    roles use the built-in arithmetic model) and store the mean seconds of steps 2..steps."""
+    """Run every layout of a runs file with the PPO trainer on the built-in arithmetic task (every role the
+    runs file's model: the built-in arithmetic model or a directory) and store the mean seconds of steps 2..steps."""
     import os
     import tempfile
 
@@ -270,9 +306,15 @@ def measure(path: str, *, steps: int) -> None:
     from hybridflow.trainers.config import load_rl_config
     from hybridflow.trainers.ppo import RLTrainer
 
+    from hybridflow.data.builtin import ASSETS_DIR
+
     with open(path) as handle:
         spec = json.load(handle)
     workload = spec["workload"]
+    builtin = os.path.realpath(ASSETS_DIR)
+    directories = {role: os.path.realpath(model_directory(spec["models"][role])) for role in PPO_ROLES}
+    models = [f"{role}.model.builtin=arithmetic" if spec["models"][role] == "tiny" or directory == builtin
+              else f"{role}.model.path={directory}" for role, directory in directories.items()]
     work_dir = tempfile.mkdtemp(prefix="bench_mapping_")
     train_path = os.path.join(work_dir, "train.jsonl")
     task = ArithmeticTaskConfig(min_digits=1, max_digits=3, operations=("+", "-", "*"))
@@ -284,7 +326,7 @@ def measure(path: str, *, steps: int) -> None:
     try:
         for run in spec["runs"]:
             overrides = [f"data.train_path={train_path}", f"data.max_prompt_tokens={workload['prompt_length']}",
-                         *[f"{role}.model.builtin=arithmetic" for role in PPO_ROLES],
+                         *models,
                          f"batch.prompts_per_step={workload['prompts_per_step']}",
                          f"batch.mini_batch_size={workload['prompts_per_step']}",
                          f"actor.generation.max_new_tokens={workload['response_length']}",
@@ -308,9 +350,12 @@ def measure(path: str, *, steps: int) -> None:
         ray.shutdown()
 
 
-def validate_measured(path: str) -> float:
+def validate_measured(path: str, hardware: str | None = None) -> float:
+    """Spearman's rho of the runs file's measured seconds against predictions from its profile (or ``hardware``)."""
     with open(path) as handle:
         spec = json.load(handle)
+    if hardware:
+        spec["hardware"] = hardware
     runs = spec["runs"]
     missing = [run["name"] for run in runs if run.get("measured_seconds") is None]
     if missing:
@@ -416,21 +461,26 @@ def main(argv: list[str] | None = None) -> int:
                         help="predict the native engine's measured H100 decode (benchmarks/README.md)")
     parser.add_argument("--template", metavar="PATH", help="write the tiny-PPO layouts to measure (cpu-local)")
     parser.add_argument("--template-hardware", default="cpu-local", help="profile of the template's predictions")
-    parser.add_argument("--model", default="tiny", help="template: model of every role (name or HF directory)")
+    parser.add_argument("--model", default="tiny",
+                        help=f"template: model of every role ({' or '.join(MEASURED_MODELS)}, or an HF directory)")
+    parser.add_argument("--max-ranks", type=int, default=4, choices=[4, 8],
+                        help="template: measure the layouts of up to this many processes")
     parser.add_argument("--prompts", type=int, default=32, help="template: prompts per step")
     parser.add_argument("--prompt-len", type=int, default=32, help="template: prompt tokens")
     parser.add_argument("--response-len", type=int, default=32, help="template: response tokens")
     parser.add_argument("--measure", metavar="PATH", help="runs file: run each layout with the PPO trainer")
     parser.add_argument("--steps", type=int, default=5, help="--measure: steps per layout (the first is dropped)")
     parser.add_argument("--validate-measured", metavar="PATH", help="measured-runs JSON: print Spearman rho")
+    parser.add_argument("--validate-hardware", metavar="PROFILE",
+                        help="--validate-measured: predict with this profile instead of the runs file's")
     args = parser.parse_args(argv)
     if args.template:
         write_template(args.template, args.template_hardware, model=args.model, prompts=args.prompts,
-                       prompt_length=args.prompt_len, response_length=args.response_len)
+                       prompt_length=args.prompt_len, response_length=args.response_len, max_ranks=args.max_ranks)
     elif args.measure:
         measure(args.measure, steps=args.steps)
     elif args.validate_measured:
-        validate_measured(args.validate_measured)
+        validate_measured(args.validate_measured, args.validate_hardware)
     elif args.native_decode:
         native_decode_check()
     elif args.granularity_sweep:

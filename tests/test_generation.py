@@ -332,3 +332,39 @@ def test_cuda_graphs_are_refused_without_static_decode_on_a_cuda_device():
     stage = DecoderStage.from_state_dict(tiny_model().config, tiny_model().state_dict())
     with pytest.raises(ValueError, match="cuda_graphs needs static_decode on a CUDA device"):
         GenerationEngine(stage, static_decode=True, cuda_graphs=True)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 256, 300])
+def test_decoder_projections_equal_f_linear_in_either_form_and_return_row_major_results(rows):
+    from hybridflow.engine import decoder
+
+    generator = torch.Generator().manual_seed(rows)
+    x_RK = torch.randn(rows, 512, generator=generator)
+    weight_NK = torch.randn(600, 512, generator=generator)  # 307,200 elements: feature-major for few rows
+    head_VK = torch.randn(2 * decoder.HEAD_CHUNK_ROWS + 5, 512, generator=generator)
+    projected = decoder.project(x_RK.view(rows, 1, 512), weight_NK)
+    assert projected.shape == (rows, 1, 600) and projected.is_contiguous()
+    torch.testing.assert_close(projected, torch.nn.functional.linear(x_RK, weight_NK).view(rows, 1, 600),
+                               atol=1e-4, rtol=1e-5)
+    logits = decoder.head_logits(x_RK, head_VK)
+    assert logits.is_contiguous()
+    torch.testing.assert_close(logits, torch.nn.functional.linear(x_RK, head_VK), atol=1e-4, rtol=1e-5)
+    few_rows = rows <= decoder.FEATURE_MAJOR_MAX_ROWS
+    assert decoder._feature_major(x_RK, weight_NK) == few_rows
+    assert not decoder._feature_major(x_RK, weight_NK[:100])  # a small weight keeps F.linear
+    assert not decoder._feature_major(x_RK.double(), weight_NK.double())  # measured in fp32 only
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_greedy_decode_through_the_feature_major_projections_still_equals_hf(family, monkeypatch):
+    from hybridflow.engine import decoder
+
+    monkeypatch.setattr(decoder, "FEATURE_MAJOR_MIN_WEIGHT", 0)  # every projection of the tiny model takes it
+    model = tiny_model(family)
+    prompts, mask = batch()
+    out = engine_for(model).generate(prompts, mask, GenerationConfig(max_new_tokens=T, greedy=True))
+    with torch.no_grad():
+        expected = model.generate(prompts, attention_mask=mask, max_new_tokens=T, do_sample=False,
+                                  pad_token_id=0, eos_token_id=None)[:, P:]
+    assert torch.equal(out["responses"], expected)
+    torch.testing.assert_close(out["logprobs"], hf_logprobs(model, out), atol=1e-5, rtol=0)

@@ -503,6 +503,14 @@ def test_the_stored_measurements_of_this_machine_still_rank_as_docs_mapping_md_s
     rho = bench.validate_measured(str(root / "benchmarks" / "mapping" / "tiny_ppo_runs_g.json"))
     assert round(rho, 3) == 0.883
     assert "standalone-1-1-1-1                 0.1426       0.286" in capsys.readouterr().out
+    # replicates h (the small model) and j (the built-in one), 12 layouts on 1-8 processes, against calibration i
+    rho = bench.validate_measured(str(root / "benchmarks" / "mapping" / "small_ppo_runs_h.json"),
+                                  "benchmarks/mapping/cpu_run_i.json")
+    assert round(rho, 3) == 0.930
+    assert "standalone-1-1-1-1                 0.2190       0.328" in capsys.readouterr().out
+    rho = bench.validate_measured(str(root / "benchmarks" / "mapping" / "tiny_ppo_runs_j.json"))
+    assert round(rho, 3) == 0.968
+    assert "standalone-1-1-1-1                 0.0816       0.159" in capsys.readouterr().out
 
 
 def test_safe_rlhf_searches_the_52_placements_of_its_five_models():

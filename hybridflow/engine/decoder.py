@@ -142,6 +142,49 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-second, first), dim=-1)
 
 
+FEATURE_MAJOR_MAX_ROWS = 256
+"""On CPU, fp32 projections of at most this many rows (decode steps) by a weight of at least
+``FEATURE_MAJOR_MIN_WEIGHT`` elements are computed as ``weight @ x^T`` and transposed back: the same product
+as ``F.linear``'s ``x @ weight^T``, with the weight's long side as the GEMM's row dimension, which this CPU's
+BLAS runs faster at few rows (``python benchmarks/bench_generation.py --projections``); from 512 rows it is
+no faster, so prefills and training keep ``F.linear``."""
+
+FEATURE_MAJOR_MIN_WEIGHT = 2**18
+"""Smaller weights keep ``F.linear``: their products are fast either way and the transposing copy costs more
+than it saves (a 3.2 M-parameter model decoding 128 rows was 5% slower with every projection transposed)."""
+
+HEAD_CHUNK_ROWS = 4096
+"""Vocabulary rows of the output head computed per product in the feature-major form (each chunk's
+transposed logits stay in cache while they are copied into the row-major result)."""
+
+
+def _feature_major(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    rows = x.numel() // x.shape[-1]
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and 0 < rows <= FEATURE_MAJOR_MAX_ROWS
+            and weight.numel() >= FEATURE_MAJOR_MIN_WEIGHT)
+
+
+def project(x_XK: torch.Tensor, weight_NK: torch.Tensor) -> torch.Tensor:
+    """``x @ weight^T`` ([..., K] -> [..., N], row-major); see ``FEATURE_MAJOR_MAX_ROWS`` for how."""
+    if not _feature_major(x_XK, weight_NK):
+        return F.linear(x_XK, weight_NK)
+    x_MK = x_XK.reshape(-1, x_XK.shape[-1])
+    return (weight_NK @ x_MK.t()).t().contiguous().view(*x_XK.shape[:-1], weight_NK.shape[0])
+
+
+def head_logits(hidden_BH: torch.Tensor, weight_VH: torch.Tensor) -> torch.Tensor:
+    """Row-major logits ``hidden @ weight^T`` [B, V]; in the feature-major form chunk by chunk of the
+    vocabulary."""
+    if not _feature_major(hidden_BH, weight_VH):
+        return F.linear(hidden_BH, weight_VH)
+    logits_BV = hidden_BH.new_empty((hidden_BH.shape[0], weight_VH.shape[0]))
+    hidden_HB = hidden_BH.t()
+    for start in range(0, weight_VH.shape[0], HEAD_CHUNK_ROWS):
+        chunk_CH = weight_VH[start:start + HEAD_CHUNK_ROWS]
+        logits_BV[:, start:start + chunk_CH.shape[0]] = (chunk_CH @ hidden_HB).t()
+    return logits_BV
+
+
 class DecoderStage:
     """The layers of one generation pipeline stage on one tensor-parallel rank, computed from weight pieces.
 
@@ -193,16 +236,16 @@ class DecoderStage:
         """Column-parallel projection: the local output features, piece by piece."""
         biases = self.weights.get(f"{name}.bias")
         weights = self.weights[f"{name}.weight"]
-        outs = [F.linear(x, w, biases[i] if biases is not None else None) for i, w in enumerate(weights)]
+        outs = [project(x, w) if biases is None else project(x, w) + biases[i] for i, w in enumerate(weights)]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
     def _row(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """Row-parallel projection: partial sums over the local input features, all-reduced over tp."""
         weights = self.weights[f"{name}.weight"]
         inputs = x.split([w.shape[1] for w in weights], dim=-1)
-        partial = F.linear(inputs[0], weights[0])
+        partial = project(inputs[0], weights[0])
         for inp, w in zip(inputs[1:], weights[1:]):
-            partial = partial + F.linear(inp, w)
+            partial = partial + project(inp, w)
         out = self.tp.all_reduce(partial)
         bias = self.weights.get(f"{name}.bias")
         return out + bias[0] if bias is not None else out
@@ -226,7 +269,7 @@ class DecoderStage:
     def head(self, hidden_BH: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits [B, V] in fp32: local vocabulary slices, gathered over tp."""
         name = "model.embed_tokens.weight" if self.spec.tie_word_embeddings else "lm_head.weight"
-        local = torch.cat([F.linear(hidden_BH, w) for w in self.weights[name]], dim=-1)
+        local = torch.cat([head_logits(hidden_BH, w) for w in self.weights[name]], dim=-1)
         return self.tp.gather_last_dim(local.float())
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -300,8 +343,18 @@ class DecoderStage:
 
     def _mlp(self, x_BSH: torch.Tensor, layer: int) -> torch.Tensor:
         prefix = f"model.layers.{layer}.mlp"
-        gated_BSI = F.silu(self._column(x_BSH, f"{prefix}.gate_proj")) * self._column(x_BSH, f"{prefix}.up_proj")
-        return self._row(gated_BSI, f"{prefix}.down_proj")
+        names = [f"{prefix}.{part}_proj" for part in ("gate", "up", "down")]
+        pieces = [self.weights[f"{name}.weight"] for name in names]
+        if (all(len(p) == 1 for p in pieces) and not any(f"{name}.bias" in self.weights for name in names)
+                and _feature_major(x_BSH, pieces[0][0])):
+            # feature-major from the input to the down projection: one transposing copy instead of three
+            (gate_IH,), (up_IH,), (down_HI,) = pieces
+            x_HM = x_BSH.reshape(-1, x_BSH.shape[-1]).t()
+            gated_IM = F.silu(gate_IH @ x_HM) * (up_IH @ x_HM)
+            out_MH = (down_HI @ gated_IM).t().contiguous().view(x_BSH.shape)
+            return self.tp.all_reduce(out_MH)
+        gated_BSI = F.silu(self._column(x_BSH, names[0])) * self._column(x_BSH, names[1])
+        return self._row(gated_BSI, names[2])
 
     def bytes_per_row(self, prompt_len: int, max_new_tokens: int) -> int:
         """Estimated device bytes one row costs this stage during generation: its KV cache at full length
