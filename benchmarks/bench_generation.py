@@ -7,6 +7,7 @@ checks that both produce the same tokens. Single process, fp32, on the device hy
     python benchmarks/bench_generation.py --smollm2        # SmolLM2-135M-Instruct too (if converted)
     python benchmarks/bench_generation.py --smollm2 --batch 32 --new-tokens 64   # the issue's decode check
     python benchmarks/bench_generation.py --projections    # F.linear vs the decoder's feature-major products
+    python benchmarks/bench_generation.py --smollm2 --batch 32 --feature-major-ab   # whole decode, with vs without
 
 Each line also gives hybridflow's matmul FLOP/s as a fraction of this machine's fp32 matmul peak
 (1024^3, measured in the same run at the same thread count).
@@ -50,13 +51,17 @@ def timed(fn, repeats: int) -> tuple[float, object]:
     return best, result
 
 
-def bench(name: str, *, batch: int, prompt_len: int, new_tokens: int, repeats: int) -> None:
+def workload(name: str, *, batch: int, prompt_len: int, new_tokens: int):
+    """(HF model, hybridflow engine on its weights, prompts, mask, greedy config) on the device hybridflow picks."""
     device = current_device()
     model = load(name, device)
     engine = GenerationEngine(DecoderStage.from_state_dict(model.config, model.state_dict()))
     prompts = torch.randint(3, 1000, (batch, prompt_len), generator=torch.Generator().manual_seed(0)).to(device)
-    mask = torch.ones_like(prompts)
-    config = GenerationConfig(max_new_tokens=new_tokens, greedy=True)
+    return model, engine, prompts, torch.ones_like(prompts), GenerationConfig(max_new_tokens=new_tokens, greedy=True)
+
+
+def bench(name: str, *, batch: int, prompt_len: int, new_tokens: int, repeats: int) -> None:
+    model, engine, prompts, mask, config = workload(name, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens)
 
     def ours():
         return engine.generate(prompts, mask, config)["responses"]
@@ -77,8 +82,8 @@ def bench(name: str, *, batch: int, prompt_len: int, new_tokens: int, repeats: i
     linear = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n
                  and "lm_head" not in n) + head
     flops = 2 * linear * batch * (prompt_len + new_tokens - 1)
-    peak = matmul_peak(device)
-    print(f"{name:>8} {str(device):>6} threads={torch.get_num_threads()} batch={batch} prompt={prompt_len} "
+    peak = matmul_peak(prompts.device)
+    print(f"{name:>8} {str(prompts.device):>6} threads={torch.get_num_threads()} batch={batch} prompt={prompt_len} "
           f"new={new_tokens}: hybridflow {generated / ours_s:8.1f} tok/s ({ours_s:.3f} s, "
           f"{flops / ours_s / 1e9:.1f} GFLOP/s = {flops / ours_s / peak:.0%} of the matmul peak "
           f"{peak / 1e9:.1f}), transformers generate {generated / theirs_s:8.1f} tok/s ({theirs_s:.3f} s, "
@@ -116,6 +121,27 @@ def bench_projections(repeats: int) -> None:
         print(f"rows {rows:>5}: " + "; ".join(cells))
 
 
+def feature_major_ab(name: str, *, batch: int, prompt_len: int, new_tokens: int, repeats: int) -> None:
+    """The same greedy generate with the decoder's feature-major projections off and on, alternating
+    (``repeats`` rounds; best of each), so both see the same machine load."""
+    from hybridflow.engine import decoder
+
+    model, engine, prompts, mask, config = workload(name, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens)
+    default = decoder.FEATURE_MAJOR_MAX_ROWS
+    seconds, tokens = {0: [], default: []}, {}
+    try:
+        for _ in range(repeats + 1):  # the first round warms up
+            for rows in seconds:
+                decoder.FEATURE_MAJOR_MAX_ROWS = rows
+                elapsed, tokens[rows] = timed(lambda: engine.generate(prompts, mask, config)["responses"], 1)
+                seconds[rows].append(elapsed)
+    finally:
+        decoder.FEATURE_MAJOR_MAX_ROWS = default
+    off, on = min(seconds[0][1:]), min(seconds[default][1:])
+    print(f"{name} batch={batch} prompt={prompt_len} new={new_tokens}: F.linear everywhere {off:.3f} s, "
+          f"feature-major decode {on:.3f} s ({off / on:.2f}x), same tokens: {torch.equal(tokens[0], tokens[default])}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smollm2", action="store_true")
@@ -125,7 +151,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--projections", action="store_true",
                         help="only time F.linear against the decoder's projections on SmolLM2's shapes")
+    parser.add_argument("--feature-major-ab", action="store_true",
+                        help="time the decode with the feature-major projections off and on, alternating")
     args = parser.parse_args()
+    if args.feature_major_ab:
+        for name in ["smollm2"] if args.smollm2 else ["tiny"]:
+            feature_major_ab(name, batch=args.batch, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+                             repeats=args.repeats)
+        return
     if args.projections:
         bench_projections(args.repeats)
         return

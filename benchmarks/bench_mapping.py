@@ -227,7 +227,7 @@ def layout_ranks(layout: dict) -> int:
 
 
 def model_directory(model: str) -> str:
-    """"small": its HF directory (built once under ~/.cache/hybridflow/bench_mapping); other names and paths as
+    """The HF directory of "small" (built once under ~/.cache/hybridflow/bench_mapping); other names and paths as
     given ("tiny" is the planner's named tiny spec in predictions; ``--measure`` runs the built-in model for it)."""
     from pathlib import Path
 

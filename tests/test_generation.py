@@ -52,7 +52,11 @@ def hf_logprobs(model, out, temperature: float = 1.0) -> torch.Tensor:
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "llama3_rope"])
 def test_greedy_responses_equal_hf_generate_and_logprobs_equal_an_hf_forward(family):
-    model = tiny_model(family)
+    assert_greedy_equals_hf(tiny_model(family))
+
+
+def assert_greedy_equals_hf(model) -> None:
+    """Greedy responses equal HF generate's and their log-probs an HF forward's."""
     prompts, mask = batch()
     out = engine_for(model).generate(prompts, mask, GenerationConfig(max_new_tokens=T, greedy=True))
     with torch.no_grad():
@@ -360,11 +364,4 @@ def test_greedy_decode_through_the_feature_major_projections_still_equals_hf(fam
     from hybridflow.engine import decoder
 
     monkeypatch.setattr(decoder, "FEATURE_MAJOR_MIN_WEIGHT", 0)  # every projection of the tiny model takes it
-    model = tiny_model(family)
-    prompts, mask = batch()
-    out = engine_for(model).generate(prompts, mask, GenerationConfig(max_new_tokens=T, greedy=True))
-    with torch.no_grad():
-        expected = model.generate(prompts, attention_mask=mask, max_new_tokens=T, do_sample=False,
-                                  pad_token_id=0, eos_token_id=None)[:, P:]
-    assert torch.equal(out["responses"], expected)
-    torch.testing.assert_close(out["logprobs"], hf_logprobs(model, out), atol=1e-5, rtol=0)
+    assert_greedy_equals_hf(tiny_model(family))

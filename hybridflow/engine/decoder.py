@@ -146,12 +146,12 @@ FEATURE_MAJOR_MAX_ROWS = 256
 """On CPU, fp32 projections of at most this many rows (decode steps) by a weight of at least
 ``FEATURE_MAJOR_MIN_WEIGHT`` elements are computed as ``weight @ x^T`` and transposed back: the same product
 as ``F.linear``'s ``x @ weight^T``, with the weight's long side as the GEMM's row dimension, which this CPU's
-BLAS runs faster at few rows (``python benchmarks/bench_generation.py --projections``); from 512 rows it is
+BLAS runs faster at few rows (``python benchmarks/bench_generation.py --smollm2 --feature-major-ab``); from 512 rows it is
 no faster, so prefills and training keep ``F.linear``."""
 
 FEATURE_MAJOR_MIN_WEIGHT = 2**18
 """Smaller weights keep ``F.linear``: their products are fast either way and the transposing copy costs more
-than it saves (a 3.2 M-parameter model decoding 128 rows was 5% slower with every projection transposed)."""
+than it saves (SmolLM2's 576 x 192 k/v projections, and a 3.2 M-parameter model's decode, were slower with it)."""
 
 HEAD_CHUNK_ROWS = 4096
 """Vocabulary rows of the output head computed per product in the feature-major form (each chunk's
