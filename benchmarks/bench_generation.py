@@ -1,16 +1,18 @@
 """Generation throughput (tokens/s) of hybridflow's engine vs transformers' generate, same model, batch and lengths.
 
 Greedy decoding without EOS, so both produce exactly batch x new-tokens tokens; the script also
-checks that both produce the same tokens. Single process, fp32, on the device hybridflow picks.
+checks that both produce the same tokens. Single process, on the device hybridflow picks, in fp32 or with
+``--dtype bfloat16`` both engines in bf16 (``--dtype auto``: what ``engine.dtype: auto`` picks for the model).
 
     python benchmarks/bench_generation.py                  # tiny model
     python benchmarks/bench_generation.py --smollm2        # SmolLM2-135M-Instruct too (if converted)
     python benchmarks/bench_generation.py --smollm2 --batch 32 --new-tokens 64   # the issue's decode check
     python benchmarks/bench_generation.py --projections    # F.linear vs the decoder's feature-major products
     python benchmarks/bench_generation.py --smollm2 --batch 32 --feature-major-ab   # whole decode, with vs without
+    python benchmarks/bench_generation.py --smollm2 --batch 32 --new-tokens 64 --dtype bfloat16
 
 Each line also gives hybridflow's matmul FLOP/s as a fraction of this machine's fp32 matmul peak
-(1024^3, measured in the same run at the same thread count).
+(1024^3, measured in the same run at the same thread count), and in bf16 of the bf16 peak too.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import time
 import torch
 
 from hybridflow.device import current_device
+from hybridflow.engine.config import EngineConfig
 from hybridflow.engine.decoder import DecoderStage, head_logits, project
 from hybridflow.engine.generation import GenerationConfig, GenerationEngine
 
@@ -51,17 +54,20 @@ def timed(fn, repeats: int) -> tuple[float, object]:
     return best, result
 
 
-def workload(name: str, *, batch: int, prompt_len: int, new_tokens: int):
-    """(HF model, hybridflow engine on its weights, prompts, mask, greedy config) on the device hybridflow picks."""
+def workload(name: str, *, batch: int, prompt_len: int, new_tokens: int, dtype: str = "float32"):
+    """(HF model, hybridflow engine on its weights, prompts, mask, greedy config) on the device hybridflow picks,
+    both in ``dtype`` ('auto': ``engine.dtype: auto`` for this model)."""
     device = current_device()
     model = load(name, device)
+    model = model.to(EngineConfig(dtype=dtype).resolve_dtype(model.config.hidden_size))
     engine = GenerationEngine(DecoderStage.from_state_dict(model.config, model.state_dict()))
     prompts = torch.randint(3, 1000, (batch, prompt_len), generator=torch.Generator().manual_seed(0)).to(device)
     return model, engine, prompts, torch.ones_like(prompts), GenerationConfig(max_new_tokens=new_tokens, greedy=True)
 
 
-def bench(name: str, *, batch: int, prompt_len: int, new_tokens: int, repeats: int) -> None:
-    model, engine, prompts, mask, config = workload(name, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens)
+def bench(name: str, *, batch: int, prompt_len: int, new_tokens: int, repeats: int, dtype: str) -> None:
+    model, engine, prompts, mask, config = workload(name, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens,
+                                                    dtype=dtype)
 
     def ours():
         return engine.generate(prompts, mask, config)["responses"]
@@ -75,6 +81,7 @@ def bench(name: str, *, batch: int, prompt_len: int, new_tokens: int, repeats: i
     ours_s, ours_tokens = timed(ours, repeats)
     theirs_s, theirs_tokens = timed(theirs, repeats)
     same = torch.equal(ours_tokens, theirs_tokens)
+    agree = (ours_tokens == theirs_tokens).long().cumprod(1).sum(1).float().mean()  # tokens before rows diverge
     generated = batch * new_tokens
     # matmul FLOPs: every prompt token once (prefill) and every fed-back token once (decode), 2 per weight
     # of the linear layers and the output head (the embedding lookup is not a matmul; attention not counted)
@@ -82,17 +89,22 @@ def bench(name: str, *, batch: int, prompt_len: int, new_tokens: int, repeats: i
     linear = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n
                  and "lm_head" not in n) + head
     flops = 2 * linear * batch * (prompt_len + new_tokens - 1)
+    compute = next(model.parameters()).dtype
     peak = matmul_peak(prompts.device)
-    print(f"{name:>8} {str(prompts.device):>6} threads={torch.get_num_threads()} batch={batch} prompt={prompt_len} "
-          f"new={new_tokens}: hybridflow {generated / ours_s:8.1f} tok/s ({ours_s:.3f} s, "
-          f"{flops / ours_s / 1e9:.1f} GFLOP/s = {flops / ours_s / peak:.0%} of the matmul peak "
-          f"{peak / 1e9:.1f}), transformers generate {generated / theirs_s:8.1f} tok/s ({theirs_s:.3f} s, "
-          f"{flops / theirs_s / peak:.0%}), ratio {theirs_s / ours_s:.2f}x, same tokens: {same}")
+    of_peak = f"{flops / ours_s / peak:.0%} of the fp32 matmul peak {peak / 1e9:.1f}"
+    if compute != torch.float32:
+        half_peak = matmul_peak(prompts.device, dtype=compute)
+        of_peak += f", {flops / ours_s / half_peak:.0%} of the {str(compute)[6:]} peak {half_peak / 1e9:.1f}"
+    print(f"{name:>8} {str(prompts.device):>6} {str(compute)[6:]} threads={torch.get_num_threads()} batch={batch} "
+          f"prompt={prompt_len} new={new_tokens}: hybridflow {generated / ours_s:8.1f} tok/s ({ours_s:.3f} s, "
+          f"{flops / ours_s / 1e9:.1f} GFLOP/s = {of_peak}), transformers generate {generated / theirs_s:8.1f} "
+          f"tok/s ({theirs_s:.3f} s, {flops / theirs_s / peak:.0%} of fp32), ratio {theirs_s / ours_s:.2f}x, "
+          f"same tokens: {same}" + ("" if same else f" (rows agree for {agree:.1f} of {new_tokens} tokens on average)"))
 
 
-def matmul_peak(device, size: int = 1024, seconds: float = 1.0) -> float:
-    """fp32 FLOP/s of a size^3 matmul on ``device`` at the current thread count (best of a short loop)."""
-    a, b = torch.randn(size, size, device=device), torch.randn(size, size, device=device)
+def matmul_peak(device, size: int = 1024, seconds: float = 1.0, dtype: torch.dtype = torch.float32) -> float:
+    """FLOP/s of a size^3 matmul in ``dtype`` on ``device`` at the current thread count (best of a short loop)."""
+    a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
     best, started = float("inf"), time.perf_counter()
     while time.perf_counter() - started < seconds:
         best = min(best, timed(lambda: a @ b, 1)[0])
@@ -153,6 +165,8 @@ def main() -> None:
                         help="only time F.linear against the decoder's projections on SmolLM2's shapes")
     parser.add_argument("--feature-major-ab", action="store_true",
                         help="time the decode with the feature-major projections off and on, alternating")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "auto"),
+                        help="both engines' weights and compute ('auto': engine.dtype auto for the model)")
     args = parser.parse_args()
     if args.feature_major_ab:
         for name in ["smollm2"] if args.smollm2 else ["tiny"]:
@@ -164,7 +178,8 @@ def main() -> None:
         return
     names = ["tiny"] + (["smollm2"] if args.smollm2 else [])
     for name in names:
-        bench(name, batch=args.batch, prompt_len=args.prompt_len, new_tokens=args.new_tokens, repeats=args.repeats)
+        bench(name, batch=args.batch, prompt_len=args.prompt_len, new_tokens=args.new_tokens, repeats=args.repeats,
+              dtype=args.dtype)
 
 
 if __name__ == "__main__":

@@ -60,11 +60,42 @@ def require_devices(world_size: int, *, what: str = "this run") -> None:
             f"HYBRIDFLOW_BACKEND=gloo with CUDA_VISIBLE_DEVICES='' to run them on the CPU")
 
 
-def default_dtype() -> torch.dtype:
-    """bf16 where the device computes it natively (CUDA with bf16 support), fp32 on CPU."""
-    if device_type() == "cuda" and torch.cuda.is_bf16_supported():
-        return torch.bfloat16
-    return torch.float32
+CPU_DTYPE_ENV = "HYBRIDFLOW_CPU_DTYPE"
+"""Environment variable: what ``dtype: auto`` means on CPU: 'auto' (the default: see ``default_dtype``),
+'float32' or 'bfloat16'."""
+CPU_BF16_MIN_HIDDEN = 256
+"""Smallest hidden size at which ``dtype: auto`` computes in bf16 on a CPU with bf16 instructions. Below it,
+autocast's casts cost more than the faster matmuls save: a GRPO step of the 64-wide model of
+benchmarks/vs_trl runs 0.76x as fast in bf16, the 256-wide one 1.54x (benchmarks/README.md, "bf16 on CPU")."""
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU has bf16 dot-product instructions (AVX512-BF16 or AMX), which oneDNN's bf16 matmuls use.
+
+    Where it has them, a bf16 matmul runs 2-3x as fast as fp32 (`python benchmarks/bench_precision.py`);
+    where it has not (AVX2 only), bf16 is converted in software and runs 3.7-5x slower than fp32.
+    """
+    probes = (getattr(torch.cpu, "_is_avx512_bf16_supported", None), getattr(torch.cpu, "_is_amx_tile_supported", None))
+    return any(probe is not None and probe() for probe in probes)
+
+
+def default_dtype(hidden_size: int | None = None) -> torch.dtype:
+    """The compute dtype of ``dtype: auto`` for a model of ``hidden_size`` (None: any size).
+
+    CUDA: bf16 when the GPU supports it. CPU: bf16 when it has bf16 dot-product instructions
+    (``cpu_has_native_bf16``) and the model is at least ``CPU_BF16_MIN_HIDDEN`` wide, fp32 otherwise;
+    ``HYBRIDFLOW_CPU_DTYPE=float32|bfloat16`` overrides the CPU's choice. Master weights, gradients and
+    optimizer state stay fp32 either way (autocast).
+    """
+    if device_type() == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    choice = os.environ.get(CPU_DTYPE_ENV, "auto")
+    if choice not in ("auto", "float32", "bfloat16"):
+        raise ValueError(f"{CPU_DTYPE_ENV} must be 'auto', 'float32' or 'bfloat16', got {choice!r}")
+    if choice != "auto":
+        return getattr(torch, choice)
+    wide_enough = hidden_size is None or hidden_size >= CPU_BF16_MIN_HIDDEN
+    return torch.bfloat16 if cpu_has_native_bf16() and wide_enough else torch.float32
 
 
 def configure_matmul_precision(compute_dtype: torch.dtype) -> str:

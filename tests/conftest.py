@@ -12,6 +12,9 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# the equivalence tests compare against fp32 references: `dtype: auto` stays fp32 on CPUs with bf16
+# instructions too (tests that exercise bf16 ask for it, or monkeypatch this)
+os.environ.setdefault("HYBRIDFLOW_CPU_DTYPE", "float32")
 
 
 @pytest.fixture(scope="session")
@@ -25,7 +28,8 @@ def ray_session():
 
     if not ray.is_initialized():
         ray.init(num_cpus=16, include_dashboard=False, log_to_driver=True,
-                 runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}})
+                 runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled",
+                                            "HYBRIDFLOW_CPU_DTYPE": os.environ["HYBRIDFLOW_CPU_DTYPE"]}})
     yield ray
     ray.shutdown()
 

@@ -108,6 +108,26 @@ def test_float16_compute_is_refused_for_want_of_loss_scaling():
     assert EngineConfig(dtype="bfloat16").compute_dtype == torch.bfloat16
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's rule; CUDA resolves auto by the GPU")
+def test_auto_dtype_on_cpu_is_bf16_only_with_bf16_instructions_and_a_wide_enough_model(monkeypatch):
+    from hybridflow import device
+
+    monkeypatch.setenv(device.CPU_DTYPE_ENV, "auto")
+    wide, narrow = device.CPU_BF16_MIN_HIDDEN, device.CPU_BF16_MIN_HIDDEN - 1
+    monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: True)
+    assert EngineConfig().resolve_dtype(wide) == torch.bfloat16 and EngineConfig().compute_dtype == torch.bfloat16
+    assert EngineConfig().resolve_dtype(narrow) == torch.float32  # autocast's casts outweigh the faster matmuls
+    assert EngineConfig(dtype="float32").resolve_dtype(wide) == torch.float32  # an explicit dtype is kept
+    assert EngineConfig(dtype="bfloat16").resolve_dtype(narrow) == torch.bfloat16
+    monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: False)  # AVX2 only: bf16 emulated, slower
+    assert EngineConfig().resolve_dtype(wide) == torch.float32
+    monkeypatch.setenv(device.CPU_DTYPE_ENV, "bfloat16")
+    assert EngineConfig().resolve_dtype(narrow) == torch.bfloat16
+    monkeypatch.setenv(device.CPU_DTYPE_ENV, "half")
+    with pytest.raises(ValueError, match=r"HYBRIDFLOW_CPU_DTYPE must be 'auto', 'float32' or 'bfloat16', got 'half'"):
+        EngineConfig().compute_dtype
+
+
 def test_grad_clip_zero_is_refused_in_favour_of_null():
     with pytest.raises(ValueError,
                        match=r"optim\.grad_clip must be a finite number > 0 or None \(no clipping\), got 0\.0"):

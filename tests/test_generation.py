@@ -365,3 +365,44 @@ def test_greedy_decode_through_the_feature_major_projections_still_equals_hf(fam
 
     monkeypatch.setattr(decoder, "FEATURE_MAJOR_MIN_WEIGHT", 0)  # every projection of the tiny model takes it
     assert_greedy_equals_hf(tiny_model(family))
+
+
+@pytest.mark.parametrize("kv_heads,queries", [(3, 1), (1, 1), (3, 5)])
+def test_cpu_half_precision_attention_as_grouped_matmuls_equals_fp32_sdpa(kv_heads, queries):
+    """bf16 on CPU skips SDPA's slow kernel for two grouped matmuls: the same attention up to bf16 rounding."""
+    from hybridflow.engine.decoder import attention
+
+    generator = torch.Generator().manual_seed(kv_heads * 10 + queries)
+    B, N, L, D = 4, 9 if kv_heads == 3 else 2, 12, 16
+    q = torch.randn(B, N, queries, D, generator=generator)
+    keys, values = torch.randn(B, kv_heads, L, D, generator=generator), torch.randn(B, kv_heads, L, D, generator=generator)
+    mask = torch.rand(B, 1, queries, L, generator=generator) > 0.3
+    mask[..., L - queries:] |= torch.eye(queries, dtype=torch.bool)  # every query sees itself, as the decoder's do
+    reference = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=D ** -0.5,
+                                                                 enable_gqa=N != kv_heads)
+    fp32 = attention(q, keys, values, mask, D ** -0.5)
+    torch.testing.assert_close(fp32, reference)  # fp32 keeps SDPA
+    half = attention(q.bfloat16(), keys.bfloat16(), values.bfloat16(), mask, D ** -0.5)
+    assert half.dtype == torch.bfloat16 and half.shape == reference.shape
+    torch.testing.assert_close(half.float(), reference, atol=0.05, rtol=0.05)
+    # masked keys get no weight at all: changing them changes nothing
+    poisoned = values.bfloat16().masked_fill(~mask[:, :, -1, :, None].expand(B, kv_heads, L, D), 1e4)
+    if queries == 1:
+        torch.testing.assert_close(attention(q.bfloat16(), keys.bfloat16(), poisoned, mask, D ** -0.5), half)
+
+
+def test_bf16_greedy_decode_mostly_agrees_with_fp32_and_its_logprobs_are_close():
+    model = tiny_model()
+    prompts = torch.randint(3, model.config.vocab_size, (6, 5), generator=torch.Generator().manual_seed(3))
+    config = GenerationConfig(max_new_tokens=8, greedy=True)
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        state = {name: tensor.to(dtype) for name, tensor in model.state_dict().items()}
+        out[dtype] = GenerationEngine(DecoderStage.from_state_dict(model.config, state)).generate(
+            prompts, torch.ones_like(prompts), config)
+    fp32, bf16 = out[torch.float32], out[torch.bfloat16]
+    # the prefill's token (position 0) and the first decoded one (position 1), where the rows still agree
+    agree_BT = (fp32["responses"] == bf16["responses"]).long().cumprod(1).bool()[:, :2]
+    assert agree_BT[:, 0].float().mean() >= 0.8 and agree_BT[:, 1].any()
+    gap = (fp32["logprobs"][:, :2] - bf16["logprobs"][:, :2]).abs()[agree_BT]
+    assert gap.max() < 0.1

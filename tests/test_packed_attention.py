@@ -84,3 +84,36 @@ def test_packed_sdpa_on_cuda_equals_the_dense_mask():
         packed = stage_of("sdpa").to("cuda")(ids, positions)
         dense = stage_of("eager").to("cuda")(ids, positions)
     torch.testing.assert_close(packed, dense, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("short_max", [0, 128])
+def test_packed_attention_under_cpu_bf16_autocast_matches_fp32_in_values_and_gradients(short_max, monkeypatch):
+    """CPU SDPA is slower in bf16 than fp32 (backward most): under autocast the packed path runs short sequences
+    as bf16 matmuls (short_max 128) and longer ones (short_max 0) through SDPA in fp32, never SDPA in bf16."""
+    from hybridflow.models import packed_attention
+
+    monkeypatch.setattr(packed_attention, "SHORT_SEQUENCE_MAX", short_max)
+    seen = []
+    sdpa = packed_attention.F.scaled_dot_product_attention
+
+    def recording(query, key, value, **kwargs):
+        seen.append(query.dtype)
+        return sdpa(query, key, value, **kwargs)
+
+    monkeypatch.setattr(packed_attention.F, "scaled_dot_product_attention", recording)
+    ids, positions = packed_inputs(2)
+    results, calls = [], []
+    for autocast in (False, True):
+        calls.append(len(seen))
+        stage = stage_of("sdpa")
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logits = stage(ids, positions)
+        torch.log_softmax(logits.float(), -1)[0, :-1].gather(-1, ids[0, 1:, None]).sum().backward()
+        results.append((logits.float(), {name: p.grad.clone() for name, p in stage.named_parameters()}))
+    assert all(dtype == torch.float32 for dtype in seen)
+    layers = calls[1]  # the fp32 forward calls SDPA once per layer
+    assert layers > 0 and len(seen) - layers == (layers if short_max == 0 else 0)
+    (fp32, fp32_grads), (bf16, bf16_grads) = results
+    torch.testing.assert_close(bf16, fp32, atol=0.1, rtol=0.05)
+    for name, grad in fp32_grads.items():
+        assert torch.linalg.vector_norm(bf16_grads[name] - grad) <= 0.05 * torch.linalg.vector_norm(grad) + 1e-6, name

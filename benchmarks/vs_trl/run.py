@@ -94,6 +94,11 @@ def main() -> None:
     parser.add_argument("--local", action="store_true", help="also run hybridflow with placement.runtime=local")
     parser.add_argument("--ray", action="store_true", help="also run hybridflow with placement.runtime=ray "
                         "(the default, auto, runs this one-device workload in the driver's process)")
+    parser.add_argument("--fp32", action="store_true",
+                        help="also run hybridflow with every role's engine.dtype=float32 (the default, auto, computes "
+                             "in bf16 on CPUs with native bf16 dot products)")
+    parser.add_argument("--trl-bf16", action="store_true",
+                        help="also run TRL with bf16=True (autocast over its fp32 weights)")
     args = parser.parse_args()
 
     sys.path.insert(0, str(HERE))
@@ -152,6 +157,11 @@ def run_algorithm(algorithm: str, args, work: Path, prompts: Path, total_steps: 
             sides["hybridflow --local"] = sides["hybridflow"] + ["--runtime", "local"]
         if args.ray:
             sides["hybridflow --ray"] = sides["hybridflow"] + ["--runtime", "ray"]
+        if args.fp32:
+            roles = ("actor", "reference", "critic", "reward") if algorithm == "ppo" else ("actor",)
+            sides["hybridflow fp32"] = sides["hybridflow"] + ["--set"] + [f"{role}.engine.dtype=float32" for role in roles]
+        if args.trl_bf16:
+            sides["trl bf16"] = sides["trl"] + ["--bf16"]
         results = {}
         for side, command in sides.items():
             out = work / "runs" / (label.replace(" ", "-") + model) / side.replace(" ", "")
@@ -169,7 +179,7 @@ def run_algorithm(algorithm: str, args, work: Path, prompts: Path, total_steps: 
                   f"steps={r['per_step_s']}" + (f" startup={r['startup_s']:.1f}s" if r["startup_s"] else ""),
                   flush=True)
         for side in results:
-            if side != "trl":
+            if side != "trl":  # every other side against TRL's fp32 run
                 ratio = results[side]["tokens_per_s"] / results["trl"]["tokens_per_s"]
                 cpu_ratio = results[side]["tokens_per_cpu_s"] / results["trl"]["tokens_per_cpu_s"]
                 print(f"{label}{model:6s} {side} / trl throughput ratio: {ratio:.2f}x wall, "

@@ -27,8 +27,12 @@ def side_parser(*, score_model: bool = False, threads: bool = False, runtime: bo
         parser.add_argument("--threads", type=int, required=True)
         parser.add_argument("--no-gradient-checkpointing", action="store_true",
                             help="turn off TRL's activation checkpointing (on by default in TRL 1.16's GRPOConfig)")
+        parser.add_argument("--bf16", action="store_true",
+                            help="TRL's bf16=True (autocast over fp32 weights) instead of the suite's fp32")
     parser.add_argument("--output-dir", required=True)
     if runtime:
         parser.add_argument("--runtime", choices=("auto", "ray", "local"), default="auto",
                             help="placement.runtime (default auto: in the driver's process for this one-device run)")
+        parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                            help="extra config overrides after the workload's (e.g. actor.engine.dtype=float32)")
     return parser

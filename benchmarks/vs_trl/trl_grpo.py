@@ -36,7 +36,7 @@ def main() -> None:
     dataset = load_dataset("json", data_files=args.prompts, split="train")
     samples = args.prompts_per_step * args.samples_per_prompt
     config = GRPOConfig(
-        output_dir=args.output_dir, use_cpu=True, bf16=False, fp16=False, learning_rate=args.lr,
+        output_dir=args.output_dir, use_cpu=True, bf16=args.bf16, fp16=False, learning_rate=args.lr,
         per_device_train_batch_size=samples, gradient_accumulation_steps=1, steps_per_generation=1,
         num_generations=args.samples_per_prompt, num_iterations=1, max_completion_length=args.max_new_tokens,
         temperature=1.0, top_p=1.0, top_k=0, beta=0.0, max_steps=args.steps, logging_steps=1, report_to=[],

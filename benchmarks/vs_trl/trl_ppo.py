@@ -40,7 +40,7 @@ def main() -> None:
                           remove_columns=dataset.column_names)
     batch = args.prompts_per_step
     config = PPOConfig(
-        output_dir=args.output_dir, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
+        output_dir=args.output_dir, use_cpu=True, bf16=args.bf16, fp16=False, gradient_checkpointing=False,
         learning_rate=args.lr, lr_scheduler_type="constant", per_device_train_batch_size=batch,
         gradient_accumulation_steps=1, num_mini_batches=1, num_ppo_epochs=1, total_episodes=batch * args.steps,
         local_rollout_forward_batch_size=batch, response_length=args.max_new_tokens, stop_token="eos",

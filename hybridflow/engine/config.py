@@ -103,8 +103,10 @@ class EngineConfig:
     micro_batch_tokens: int = 4096
     """Per-rank token budget of one forward/backward (real tokens; padding is removed)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Compute dtype of forward/backward (autocast): 'auto' is bf16 on GPUs that support it, fp32 on CPU.
-    Master weights, gradients and optimizer state stay fp32. 'float16' is refused (no loss scaling)."""
+    """Compute dtype of forward/backward and generation (autocast): 'auto' is bf16 on GPUs that support it and on
+    CPUs with bf16 instructions (AVX512-BF16 or AMX) for models at least 256 wide, fp32 elsewhere
+    (``hybridflow.device.default_dtype``; docs/engines.md, "Precision"). Master weights, gradients and
+    optimizer state stay fp32. 'float16' is refused (no loss scaling)."""
     pipeline_schedule: Literal["1f1b", "gpipe"] = "1f1b"
     """Pipeline schedule of the 3d layout when pp_size > 1."""
     num_threads: int = 0
@@ -148,9 +150,13 @@ class EngineConfig:
 
     @property
     def compute_dtype(self) -> "torch.dtype":
-        """The dtype forward/backward compute in (resolves 'auto' on this device)."""
+        """The dtype forward/backward compute in, for a model of any size (``resolve_dtype`` for one model)."""
+        return self.resolve_dtype(None)
+
+    def resolve_dtype(self, hidden_size: int | None) -> "torch.dtype":
+        """The compute dtype for a model ``hidden_size`` wide: 'auto' resolved on this device (``default_dtype``)."""
         import torch
 
         from hybridflow.device import default_dtype
 
-        return default_dtype() if self.dtype == "auto" else getattr(torch, self.dtype)
+        return default_dtype(hidden_size) if self.dtype == "auto" else getattr(torch, self.dtype)

@@ -185,6 +185,34 @@ def head_logits(hidden_BH: torch.Tensor, weight_VH: torch.Tensor) -> torch.Tenso
     return logits_BV
 
 
+def grouped_matmul_attention(x: torch.Tensor) -> bool:
+    """Whether ``attention`` computes in batched matmuls rather than SDPA: half precision on CPU."""
+    return x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16)
+
+
+def attention(q_BNSD: torch.Tensor, keys_BKLD: torch.Tensor, values_BKLD: torch.Tensor, mask_B1SL: torch.Tensor,
+              scale: float) -> torch.Tensor:
+    """Attention of N query heads over K key/value heads (grouped when K < N) under a boolean mask.
+
+    SDPA, except for half precision on CPU: PyTorch's CPU SDPA kernel is several times slower in bf16 than in
+    fp32 there (decode at batch 32, 96 cached positions: 1.7 ms against 0.23 ms per layer), so each group of
+    N // K query heads is multiplied with its key/value head as two batched bf16 matmuls, with the softmax in
+    fp32 (0.2 ms; `python benchmarks/bench_precision.py --attention`). The mask always lets a query see
+    itself, so no row is fully masked.
+    """
+    num_heads, num_kv_heads = q_BNSD.shape[1], keys_BKLD.shape[1]
+    if not grouped_matmul_attention(q_BNSD):
+        return F.scaled_dot_product_attention(q_BNSD, keys_BKLD, values_BKLD, attn_mask=mask_B1SL, scale=scale,
+                                              enable_gqa=num_heads != num_kv_heads)
+    B, _, S, D = q_BNSD.shape
+    L, group = keys_BKLD.shape[2], num_heads // num_kv_heads
+    q_BKXD = q_BNSD.reshape(B, num_kv_heads, group * S, D)  # X = (query head within the group, position)
+    scores_BKGSL = (q_BKXD @ keys_BKLD.transpose(-1, -2)).float().mul_(scale).view(B, num_kv_heads, group, S, L)
+    scores_BKGSL.masked_fill_(~mask_B1SL.unsqueeze(1), torch.finfo(torch.float32).min)
+    probs_BKXL = scores_BKGSL.softmax(-1).to(q_BNSD.dtype).view(B, num_kv_heads, group * S, L)
+    return (probs_BKXL @ values_BKLD).view(B, num_heads, S, D)
+
+
 class DecoderStage:
     """The layers of one generation pipeline stage on one tensor-parallel rank, computed from weight pieces.
 
@@ -295,12 +323,13 @@ class DecoderStage:
         end = cache.length + S
         cache.keys[slot][:, :, cache.length:end] = k_BNSD
         cache.values[slot][:, :, cache.length:end] = v_BNSD
-        keys_BKLD, values_BKLD = cache.keys[slot][:, :, :end], cache.values[slot][:, :, :end]
-        # grouped-query attention inside SDPA: expanding the cache to every query head would copy the
-        # whole KV cache once per layer per decode step
-        out_BNSD = F.scaled_dot_product_attention(q_BNSD, keys_BKLD, values_BKLD, attn_mask=mask_B1SL,
-                                                  scale=D ** -0.5,
-                                                  enable_gqa=self.local_heads != self.local_kv_heads)
+        if mask_B1SL.shape[-1] == end:
+            keys_BKLD, values_BKLD = cache.keys[slot][:, :, :end], cache.values[slot][:, :, :end]
+        else:  # the whole preallocated cache, the positions from ``end`` on masked (forward_layers)
+            keys_BKLD, values_BKLD = cache.keys[slot], cache.values[slot]
+        # grouped-query attention without expanding the cache to every query head (that would copy the
+        # whole KV cache once per layer per decode step)
+        out_BNSD = attention(q_BNSD, keys_BKLD, values_BKLD, mask_B1SL, D ** -0.5)
         out_BSX = out_BNSD.transpose(1, 2).reshape(B, S, self.local_heads * D)
         return self._row(out_BSX, f"{prefix}.o_proj")
 
@@ -319,9 +348,7 @@ class DecoderStage:
         k_BK1D = k_BK1D * cos + _rotate_half(k_BK1D) * sin
         cache.keys[slot].index_copy_(2, index_1, k_BK1D)
         cache.values[slot].index_copy_(2, index_1, v_BK1D)
-        out_BN1D = F.scaled_dot_product_attention(q_BN1D, cache.keys[slot], cache.values[slot], attn_mask=mask_B11L,
-                                                  scale=D ** -0.5,
-                                                  enable_gqa=self.local_heads != self.local_kv_heads)
+        out_BN1D = attention(q_BN1D, cache.keys[slot], cache.values[slot], mask_B11L, D ** -0.5)
         return self._row(out_BN1D.transpose(1, 2).reshape(B, 1, self.local_heads * D), f"{prefix}.o_proj")
 
     def decode_layers_at(self, hidden_B1H: torch.Tensor, positions_B1: torch.Tensor, cache: KVCache,
@@ -386,6 +413,12 @@ class DecoderStage:
         key_pos = torch.arange(L, device=hidden_BSH.device)
         causal_SL = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)
         mask_B1SL = (key_valid_BL[:, None, None, :L] & causal_SL) | (key_pos == query_pos.unsqueeze(1))
+        if grouped_matmul_attention(hidden_BSH):
+            # bf16 matmuls on CPU copy a strided slice of the cache before multiplying it (3 ms per layer at
+            # batch 128 on the 256-wide model: more than the attention), so they take the whole contiguous
+            # cache and the positions not yet written are masked
+            unwritten = cache.keys[0].shape[2] - L
+            mask_B1SL = torch.cat([mask_B1SL, mask_B1SL.new_zeros(*mask_B1SL.shape[:-1], unwritten)], dim=-1)
         cos, sin = self._rope(positions_BS)
         for slot, layer in enumerate(self.layers):
             prefix = f"model.layers.{layer}"

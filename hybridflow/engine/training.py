@@ -58,7 +58,9 @@ class TrainingEngine:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.coords = self.layout.coords(self.rank)
         self.device = current_device(int(os.environ.get("LOCAL_RANK", "0")))
-        configure_matmul_precision(config.compute_dtype)  # TF32 on CUDA under bf16 compute; true fp32 otherwise
+        self.compute_dtype = config.resolve_dtype(self.hf_config.hidden_size)
+        """What forward/backward compute in (autocast) and generation runs in: ``engine.dtype`` for this model."""
+        configure_matmul_precision(self.compute_dtype)  # TF32 on CUDA under bf16 compute; true fp32 otherwise
         configure_host_allocator()  # CPU: freed memory kept for the next step instead of faulted in again
         self.mesh = build_training_mesh(self.layout)
         self.ties_embeddings = head == "lm" and bool(getattr(self.hf_config, "tie_word_embeddings", False))
@@ -110,7 +112,7 @@ class TrainingEngine:
         # fp32 master weights whatever dtype the model was built in; compute runs in config.dtype (autocast).
         # A meta model stays on meta through sharding and is allocated shard by shard in _materialize.
         on_meta = all(p.device.type == "meta" for p in model.parameters())
-        dtype = torch.float32 if self.trainable else self.config.compute_dtype
+        dtype = torch.float32 if self.trainable else self.compute_dtype
         model.to(dtype=dtype) if on_meta else model.to(device=self.device, dtype=dtype)
         model.train()
         stage = build_stage(model, head=self.head, pp_size=self.layout.pp_size, pp_rank=self.coords.pp_rank)
@@ -123,7 +125,7 @@ class TrainingEngine:
 
             apply_tensor_parallel(stage, self.mesh["tp"])
         if self.config.layout == "fsdp" and self.layout.dp_size > 1:
-            compute = self.config.compute_dtype
+            compute = self.compute_dtype
             apply_fsdp(stage, self.mesh["dp"], cpu_offload=self.config.fsdp_cpu_offload,
                        param_dtype=None if compute == torch.float32 else compute)
         return stage
@@ -334,7 +336,7 @@ class TrainingEngine:
         return loss
 
     def _autocast(self):
-        dtype = self.config.compute_dtype
+        dtype = self.compute_dtype
         return torch.autocast(device_type(), dtype=dtype, enabled=dtype != torch.float32)
 
     # ----------------------------------------------------------------- training
@@ -466,7 +468,7 @@ class TrainingEngine:
                 self.model, pp_rank=self.coords.pp_rank, pp_size=self.layout.pp_size, group=self.pp_group,
                 device=self.device, num_tokens=self.config.micro_batch_tokens,
                 hidden_size=self.hf_config.hidden_size, vocab_size=self.hf_config.vocab_size,
-                compute_dtype=self.config.compute_dtype)
+                compute_dtype=self.compute_dtype)
         schedule = build_schedule(self._pipeline_stage, num_micro_batches=len(packed), loss_fn=schedule_loss,
                                   schedule=self.config.pipeline_schedule)
         args = (ids, positions) if self.coords.pp_rank == 0 else ()

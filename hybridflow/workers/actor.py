@@ -90,9 +90,10 @@ class ActorWorker(ModelWorker):
     def __init__(self, spec: ActorSpec) -> None:
         super().__init__(spec.engine)
         self.actor_spec = spec
-        # generation computes in the actor's compute dtype (bf16 on GPUs by default), not in the fp32 masters
+        # generation computes in the actor's compute dtype (bf16 by default on GPUs and bf16-capable CPUs), not in
+        # the fp32 masters
         self.hybrid = HybridEngine(self.engine.hf_config, self.engine.layout, spec.hybrid_engine,
-                                   dtype=self.engine.config.compute_dtype)
+                                   dtype=self.engine.compute_dtype)
         self.set_parallel_layout(self.engine.layout, generation=self.hybrid.generation_layout)
         self.last_transition: dict[str, float] = {}
         # the AdamW moments leave the accelerator for the rollout (actor.hybrid_engine.offload_optimizer)
