@@ -66,7 +66,7 @@ CPU_DTYPE_ENV = "HYBRIDFLOW_CPU_DTYPE"
 CPU_BF16_MIN_HIDDEN = 256
 """Smallest hidden size at which ``dtype: auto`` computes in bf16 on a CPU with bf16 instructions. Below it,
 autocast's casts cost more than the faster matmuls save: a GRPO step of the 64-wide model of
-benchmarks/vs_trl runs 0.76x as fast in bf16, the 256-wide one 1.54x (benchmarks/README.md, "bf16 on CPU")."""
+benchmarks/vs_trl runs 0.82x as fast in bf16, of the 256-wide one 1.55x (docs/engines.md, "Precision on CPU")."""
 
 
 def cpu_has_native_bf16() -> bool:

@@ -97,6 +97,11 @@ def main() -> None:
     parser.add_argument("--fp32", action="store_true",
                         help="also run hybridflow with every role's engine.dtype=float32 (the default, auto, computes "
                              "in bf16 on CPUs with native bf16 dot products)")
+    parser.add_argument("--runs", type=int, default=1,
+                        help="processes per side, interleaved; each side reports its median run (steadier on a "
+                             "shared machine, where one process can run 30%% slower than the next)")
+    parser.add_argument("--bf16", action="store_true",
+                        help="also run hybridflow with every role's engine.dtype=bfloat16 (what auto picks or not)")
     parser.add_argument("--trl-bf16", action="store_true",
                         help="also run TRL with bf16=True (autocast over its fp32 weights)")
     args = parser.parse_args()
@@ -157,17 +162,22 @@ def run_algorithm(algorithm: str, args, work: Path, prompts: Path, total_steps: 
             sides["hybridflow --local"] = sides["hybridflow"] + ["--runtime", "local"]
         if args.ray:
             sides["hybridflow --ray"] = sides["hybridflow"] + ["--runtime", "ray"]
-        if args.fp32:
-            roles = ("actor", "reference", "critic", "reward") if algorithm == "ppo" else ("actor",)
-            sides["hybridflow fp32"] = sides["hybridflow"] + ["--set"] + [f"{role}.engine.dtype=float32" for role in roles]
+        roles = ("actor", "reference", "critic", "reward") if algorithm == "ppo" else ("actor",)
+        for wanted, name, dtype in ((args.fp32, "fp32", "float32"), (args.bf16, "bf16", "bfloat16")):
+            if wanted:
+                sides[f"hybridflow {name}"] = sides["hybridflow"] + ["--set"] + [f"{role}.engine.dtype={dtype}"
+                                                                                 for role in roles]
         if args.trl_bf16:
             sides["trl bf16"] = sides["trl"] + ["--bf16"]
-        results = {}
-        for side, command in sides.items():
-            out = work / "runs" / (label.replace(" ", "-") + model) / side.replace(" ", "")
-            results[side] = run_side(command + ["--model-dir", str(model_dir), "--output-dir", str(out)] + common,
-                                     env, args.warmup)
-            r = results[side]
+        results, attempts = {}, {side: [] for side in sides}
+        for _ in range(args.runs):  # the sides interleaved, so each sees the machine's drift alike
+            for side, command in sides.items():
+                out = work / "runs" / (label.replace(" ", "-") + model) / side.replace(" ", "")
+                attempts[side].append(run_side(command + ["--model-dir", str(model_dir), "--output-dir", str(out)]
+                                               + common, env, args.warmup))
+        for side, runs in attempts.items():
+            results[side] = r = sorted(runs, key=lambda run: run["step_s"])[(len(runs) - 1) // 2]  # the median run
+            r["runs_step_s"] = [round(run["step_s"], 3) for run in runs]
             r["tokens_per_s"] = samples * (prompt_tokens + r["completion_length"]) / r["step_s"]
             r["algorithm"] = algorithm
             rows.append((model, side, r))
@@ -176,7 +186,8 @@ def run_algorithm(algorithm: str, args, work: Path, prompts: Path, total_steps: 
                   f"cpu={r['cpu_s']:.3f}s tok/cpu-s={r['tokens_per_cpu_s']:8.0f} "
                   f"gen={r['generate_s']:.3f} score={r['score_s']:.3f} update={r['update_s']:.3f} "
                   f"len={r['completion_length']:.1f} peak={r['peak_rss_gib']:.2f}GiB load={r['load']:.1f} "
-                  f"steps={r['per_step_s']}" + (f" startup={r['startup_s']:.1f}s" if r["startup_s"] else ""),
+                  f"steps={r['per_step_s']}" + (f" startup={r['startup_s']:.1f}s" if r["startup_s"] else "")
+                  + (f" runs={r['runs_step_s']}" if args.runs > 1 else ""),
                   flush=True)
         for side in results:
             if side != "trl":  # every other side against TRL's fp32 run
