@@ -254,7 +254,7 @@ def write_template(path: str, hardware: str, *, model: str = "tiny", prompts: in
     """The layouts of at most ``max_ranks`` processes (all on this one machine) with their predictions."""
     layouts = {name: layout for name, layout in TINY_LAYOUTS.items() if layout_ranks(layout) <= max_ranks}
     spec = {"algorithm": "ppo", "hardware": hardware, "per_node": max(4, max_ranks),
-            "models": dict.fromkeys(PPO_ROLES, model_directory(model)),
+            "models": dict.fromkeys(PPO_ROLES, model),  # a name or path: model_directory() resolves it
             # 4096: the trainer's default micro-batch token budget (engine.micro_batch_tokens)
             "workload": {"prompts_per_step": prompts, "prompt_length": prompt_length,
                          "response_length": response_length, "micro_batch_tokens": 4096},
@@ -277,7 +277,8 @@ def predict(spec: dict) -> list[float]:
         num_devices = sum(pool.num_devices for pool in layout.pools)
         cluster = Cluster(num_devices=num_devices, devices_per_node=min(spec["per_node"], num_devices),
                           hardware=hardware)
-        simulated = simulate_plan(layout, spec.get("algorithm", "ppo"), spec["models"], workload, cluster)
+        models = {role: model_directory(model) for role, model in spec["models"].items()}
+        simulated = simulate_plan(layout, spec.get("algorithm", "ppo"), models, workload, cluster)
         predictions.append(simulated.total_seconds)
     return predictions
 

@@ -195,9 +195,9 @@ def attention(q_BNSD: torch.Tensor, keys_BKLD: torch.Tensor, values_BKLD: torch.
     """Attention of N query heads over K key/value heads (grouped when K < N) under a boolean mask.
 
     SDPA, except for half precision on CPU: PyTorch's CPU SDPA kernel is several times slower in bf16 than in
-    fp32 there (decode at batch 32, 96 cached positions: 1.7 ms against 0.23 ms per layer), so each group of
+    fp32 there (decode at batch 32, 96 cached positions: 1.6 ms against 0.26 ms per layer), so each group of
     N // K query heads is multiplied with its key/value head as two batched bf16 matmuls, with the softmax in
-    fp32 (0.2 ms; `python benchmarks/bench_precision.py --attention`). The mask always lets a query see
+    fp32 (0.23 ms; `python benchmarks/bench_precision.py --attention`). The mask always lets a query see
     itself, so no row is fully masked.
     """
     num_heads, num_kv_heads = q_BNSD.shape[1], keys_BKLD.shape[1]
