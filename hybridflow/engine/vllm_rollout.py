@@ -30,12 +30,10 @@ import json
 import os
 import tempfile
 import time
-import uuid
 from dataclasses import dataclass
 
 import torch
 
-from hybridflow.device import device_type
 from hybridflow.engine.generation import _wave_output
 from hybridflow.engine.generation_config import GenerationConfig
 from hybridflow.parallel.sharding import tp_shard_dim
@@ -183,13 +181,6 @@ class VllmRollout:
             # the executor reads this rank from the environment; torch.distributed is already ours
             os.environ["RANK"] = str(dist.get_rank())
             os.environ.setdefault("LOCAL_RANK", "0")
-            if device_type() == "cpu":
-                # vLLM's CPU communicator names its /dev/shm segments after VLLM_DIST_IDENT (empty by default here),
-                # so a segment left by a killed run made the next engine fail with EEXIST ("create shm in
-                # SHMManager failed. errno: 17"): each engine's group gets a name of its own, drawn once for the world
-                ident = [uuid.uuid4().hex[:12] if dist.get_rank() == 0 else None]
-                dist.broadcast_object_list(ident, src=0)
-                os.environ["VLLM_DIST_IDENT"] = f"hybridflow-{ident[0]}"
             parallel = dict(tensor_parallel_size=self.tp_size, distributed_executor_backend="external_launcher")
         # vLLM's CPU worker replaces torch.set_num_threads process-wide with a no-op and drops torch to one
         # thread "for serving": both are restored below, so training keeps its threads (and so does vLLM)
