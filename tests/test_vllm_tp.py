@@ -71,6 +71,7 @@ def _rollouts_under_tp(rank: int, world_size: int, tp_size: int, gen_tp_size: in
                   vllm_rows={name: tuple(param.shape) for name, param in vllm.rollout.params.items()
                              if name.startswith(("model.embed_tokens", "model.layers.0.", "lm_head"))},
                   resident_after_rollout=vllm.rollout.resident_bytes(),
+                  shared_memory=_shared_memory_of(parallel_state.get_tp_group()),
                   shard_bytes=_generation_shard_bytes(vllm.engine.hf_config, gen_tp_size))
     # the same batch on every rank of the training TP group: the native rollout of common prompts
     batch = tensors_of(native.generate_sequences(_prompts(4, seed=99)), SEQUENCE_KEYS)
@@ -78,6 +79,20 @@ def _rollouts_under_tp(rank: int, world_size: int, tp_size: int, gen_tp_size: in
         actor.engine.train_step(batch, next_token_loss_fn(1.0), outputs=("logprobs",))
     result["after"] = (_outputs(native.generate_sequences(prompts)), _outputs(vllm.generate_sequences(prompts)))
     return result
+
+
+def _shared_memory_of(group) -> dict:
+    """The /dev/shm names vLLM's TP group uses on CPU (its communicator's segments, one per rank, and its
+    message queue's ring buffer) and which of them are still linked."""
+    import os
+
+    segments = getattr(group.device_communicator, "dist_module", None)
+    group_name = getattr(segments, "group_name", "")
+    names = [f"{group_name}_{rank}".lstrip("/") for rank in range(group.world_size)] if group_name else []
+    if group.mq_broadcaster is not None and group.mq_broadcaster.buffer is not None:
+        names.append(group.mq_broadcaster.buffer.shared_memory.name.lstrip("/"))
+    return dict(group_name=group_name, names=names,
+                linked=[name for name in names if os.path.exists(os.path.join("/dev/shm", name))])
 
 
 def _generation_shard_bytes(hf_config, gen_tp_size: int) -> int:
@@ -108,6 +123,11 @@ def _check(results: list[dict], gen_tp_size: int, expected_groups: list[list[int
         assert stats["bytes_received"] == native_stats["bytes_received"]
         assert stats["vllm_bytes_loaded"] == result["shard_bytes"]
         assert result["resident_after_rollout"] == 0
+        # vLLM's shared memory on CPU: named for this engine alone, and unlinked once every rank mapped it
+        # (nothing for a killed run to leave behind in /dev/shm, nothing a stale segment can collide with)
+        shared_memory = result["shared_memory"]
+        assert shared_memory["group_name"].startswith("hybridflow-"), shared_memory
+        assert len(shared_memory["names"]) == gen_tp_size + 1 and shared_memory["linked"] == [], shared_memory
         # vocabulary split into equal chunks (padded to tg, not to 64), q/k/v and gate/up heads split tg ways
         vocab = 24
         assert result["vllm_rows"]["model.embed_tokens.weight"] == (vocab // gen_tp_size, 128)

@@ -30,10 +30,12 @@ import json
 import os
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass
 
 import torch
 
+from hybridflow.device import device_type
 from hybridflow.engine.generation import _wave_output
 from hybridflow.engine.generation_config import GenerationConfig
 from hybridflow.parallel.sharding import tp_shard_dim
@@ -174,19 +176,24 @@ class VllmRollout:
         # the temperature-1 distribution, as the native engine and the training engine record; with another
         # temperature, the tempered one (vLLM's processed log-probs, also shaped by top-k/top-p)
         tempered = not config.greedy and config.temperature != 1.0
-        parallel = {}
+        parallel, shm_ident = {}, None
         if self.tp_size > 1:
             import torch.distributed as dist
 
             # the executor reads this rank from the environment; torch.distributed is already ours
             os.environ["RANK"] = str(dist.get_rank())
             os.environ.setdefault("LOCAL_RANK", "0")
+            if device_type() == "cpu":  # a shared-memory name of this engine's own (see vllm_tp_groups)
+                drawn = [f"hybridflow-{uuid.uuid4().hex[:12]}" if dist.get_rank() == 0 else None]
+                dist.broadcast_object_list(drawn, src=0)
+                shm_ident = drawn[0]
             parallel = dict(tensor_parallel_size=self.tp_size, distributed_executor_backend="external_launcher")
         # vLLM's CPU worker replaces torch.set_num_threads process-wide with a no-op and drops torch to one
         # thread "for serving": both are restored below, so training keeps its threads (and so does vLLM)
         set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
         try:
-            with vllm_tp_groups(tp_groups), vocab_padding(self.tp_size if self.tp_size > 1 else None):
+            with (vllm_tp_groups(tp_groups, shm_ident=shm_ident),
+                  vocab_padding(self.tp_size if self.tp_size > 1 else None)):
                 self.llm = LLM(model=self._model_dir.name, skip_tokenizer_init=True, load_format="dummy",
                                dtype=str(dtype).removeprefix("torch."), seed=seed,
                                enforce_eager=config.vllm_enforce_eager,
@@ -366,7 +373,7 @@ def check_tp_groups(tp_groups: list[list[int]], hf_config) -> int:
 
 
 @contextlib.contextmanager
-def vllm_tp_groups(tp_groups: list[list[int]]):
+def vllm_tp_groups(tp_groups: list[list[int]], *, shm_ident: str | None = None):
     """While vLLM builds its engine, its parallel groups are made over ``tp_groups`` instead of consecutive ranks.
 
     vLLM lays the world out as (external DP, DP, PP, PCP, TP) over ranks 0..N-1, TP innermost, so its TP
@@ -375,6 +382,15 @@ def vllm_tp_groups(tp_groups: list[list[int]]):
     world rank ``order[i]`` and its TP groups are exactly ``tp_groups`` (strided ones included). Nothing
     else of vLLM reads rank numbers while the groups are built (``GroupCoordinator`` finds this rank in
     each group it is given). No-op for groups of one rank.
+
+    On CPU vLLM's TP group communicates through POSIX shared-memory segments (``/dev/shm``), one per rank,
+    named after ``VLLM_DIST_IDENT``, which its CPU worker sets from the executor's init method: the same
+    ``-tp:0-[0-1]-cpushm_0`` for every engine on the host, created with O_EXCL, and unlinked only by a
+    destructor that never runs when the process is killed. A segment a killed run left behind therefore
+    made every later engine on that host fail ("create shm in SHMManager failed. errno: 17"). Here each
+    group is named after ``shm_ident`` (the same on every rank of this engine, unique to it), and its
+    shared memory is unlinked as soon as the group is built (``unlink_shared_memory``): it then lives
+    exactly as long as the processes that mapped it, and nothing is left in /dev/shm however they end.
     """
     if len({len(group) for group in tp_groups}) == 1 and len(tp_groups[0]) == 1:
         yield
@@ -385,13 +401,43 @@ def vllm_tp_groups(tp_groups: list[list[int]]):
     original = parallel_state.init_model_parallel_group
 
     def init_model_parallel_group(group_ranks, *args, **kwargs):
-        return original([[order[position] for position in group] for group in group_ranks], *args, **kwargs)
+        if shm_ident is not None:
+            os.environ["VLLM_DIST_IDENT"] = shm_ident  # read when the group's CPU communicator is built
+        coordinator = original([[order[position] for position in group] for group in group_ranks], *args, **kwargs)
+        unlink_shared_memory(coordinator)
+        return coordinator
 
     parallel_state.init_model_parallel_group = init_model_parallel_group
     try:
         yield
     finally:
         parallel_state.init_model_parallel_group = original
+
+
+def unlink_shared_memory(coordinator) -> list[str]:
+    """Unlinks the ``/dev/shm`` names of a just-built vLLM group's shared memory, which every rank of the group
+    has mapped by then (see ``vllm_tp_groups``); the memory itself lives on until the processes unmap it.
+
+    Two kinds: the CPU communicator's segment of this rank (``{group name}_{rank in group}``; vLLM joins
+    them behind a barrier) and the message-queue ring buffer the group's writer rank creates (its readers
+    open it before ``create_from_process_group`` returns on the writer). Returns the names unlinked: none for
+    a group without them (CUDA, one rank, or a vLLM that lays them out differently).
+    """
+    unlinked = []
+    communicator = getattr(getattr(coordinator, "device_communicator", None), "dist_module", None)
+    name = getattr(communicator, "group_name", None)
+    if isinstance(name, str):
+        # vLLM's shared-memory manager opens f"{name}_{rank in group}"; shm_open drops the leading slashes
+        path = os.path.join("/dev/shm", f"{name}_{coordinator.rank_in_group}".lstrip("/"))
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+            unlinked.append(path)
+    ring = getattr(getattr(coordinator, "mq_broadcaster", None), "buffer", None)
+    if getattr(ring, "is_creator", False) and hasattr(ring, "shared_memory"):
+        ring.shared_memory.unlink()
+        ring.is_creator = False  # its destructor would unlink the name again
+        unlinked.append(ring.shared_memory.name)
+    return unlinked
 
 
 @contextlib.contextmanager
