@@ -105,7 +105,7 @@ def test_float16_compute_is_refused_for_want_of_loss_scaling():
     with pytest.raises(ValueError, match=r"config key actor\.engine: engine\.dtype got 'float16', which needs loss "
                                          r"scaling"):
         load_rl_config(None, [*BASE, "actor.engine.dtype=float16"])
-    assert EngineConfig(dtype="bfloat16").compute_dtype == torch.bfloat16
+    assert EngineConfig(dtype="bfloat16").resolve_dtype(None) == torch.bfloat16
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's rule; CUDA resolves auto by the GPU")
@@ -115,7 +115,7 @@ def test_auto_dtype_on_cpu_is_bf16_only_with_bf16_instructions_and_a_wide_enough
     monkeypatch.setenv(device.CPU_DTYPE_ENV, "auto")
     wide, narrow = device.CPU_BF16_MIN_HIDDEN, device.CPU_BF16_MIN_HIDDEN - 1
     monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: True)
-    assert EngineConfig().resolve_dtype(wide) == torch.bfloat16 and EngineConfig().compute_dtype == torch.bfloat16
+    assert EngineConfig().resolve_dtype(wide) == torch.bfloat16 and EngineConfig().resolve_dtype(None) == torch.bfloat16
     assert EngineConfig().resolve_dtype(narrow) == torch.float32  # autocast's casts outweigh the faster matmuls
     assert EngineConfig(dtype="float32").resolve_dtype(wide) == torch.float32  # an explicit dtype is kept
     assert EngineConfig(dtype="bfloat16").resolve_dtype(narrow) == torch.bfloat16
@@ -125,7 +125,7 @@ def test_auto_dtype_on_cpu_is_bf16_only_with_bf16_instructions_and_a_wide_enough
     assert EngineConfig().resolve_dtype(narrow) == torch.bfloat16
     monkeypatch.setenv(device.CPU_DTYPE_ENV, "half")
     with pytest.raises(ValueError, match=r"HYBRIDFLOW_CPU_DTYPE must be 'auto', 'float32' or 'bfloat16', got 'half'"):
-        EngineConfig().compute_dtype
+        EngineConfig().resolve_dtype(None)
 
 
 def test_grad_clip_zero_is_refused_in_favour_of_null():

@@ -170,6 +170,27 @@ def test_single_device_training_is_model_flops_over_achievable_flops():
     assert simulator.inference_seconds(spec, "lm", strategy, 1) == pytest.approx(8 * 128 * 2 * per_token / flops)
 
 
+def test_a_bf16_cpu_costs_wide_models_at_its_bf16_rate_with_bf16_elements_and_narrow_ones_in_fp32():
+    fp32_cpu = HardwareProfile(**(load_hardware("a100-80g").to_dict()
+                                  | {"compute_dtype": "fp32", "peak_flops": 1e11, "compute_units_per_node": 2}))
+    bf16_cpu = replace(fp32_cpu, cpu_bf16_peak_flops=3e11, cpu_bf16_min_hidden=256)
+    workload = Workload(prompts_per_step=8, prompt_length=16, response_length=16)
+    wide, narrow = model_spec("llama-7b"), model_spec("tiny")  # 4096 and 64 wide
+    strategy = RoleStrategy(layout="3d", generation_pp_size=1, generation_tp_size=1)
+    plain = Simulator(workload=workload, cluster=Cluster(num_devices=1, devices_per_node=1, hardware=fp32_cpu))
+    bf16 = Simulator(workload=workload, cluster=Cluster(num_devices=1, devices_per_node=1, hardware=bf16_cpu))
+    assert bf16_cpu.for_model(256).peak_flops == 3e11 and bf16_cpu.for_model(256).compute_dtype == "bf16"
+    assert bf16_cpu.for_model(255) is bf16_cpu and fp32_cpu.for_model(4096) is fp32_cpu
+    # the wide model: 3x the matmul rate (compute-bound here) and half the bytes per generation weight
+    assert bf16.inference_seconds(wide, "lm", strategy, 1) < plain.inference_seconds(wide, "lm", strategy, 1) / 2
+    assert bf16.generation_weight_bytes(wide, strategy) == plain.generation_weight_bytes(wide, strategy) / 2
+    # the narrow one computes in fp32 (engine.dtype auto): costed exactly as on the fp32 profile
+    assert bf16.inference_seconds(narrow, "lm", strategy, 1) == plain.inference_seconds(narrow, "lm", strategy, 1)
+    assert bf16.generation_weight_bytes(narrow, strategy) == plain.generation_weight_bytes(narrow, strategy)
+    with pytest.raises(ValueError, match=r"cpu_bf16_peak_flops must be a positive number or null .*got 0"):
+        replace(fp32_cpu, cpu_bf16_peak_flops=0)
+
+
 def test_ring_all_reduce_moves_twice_the_shard_fraction_of_the_bytes_and_pays_every_ring_step():
     simulator = Simulator(workload=PAPER_WORKLOAD, cluster=a100_cluster(16))
     # a100-80g: NVLink 300 GB/s, 200 Gb/s per node shared by its 8 GPUs; 80% of either; 2.5 / 10 us per step
@@ -511,6 +532,14 @@ def test_the_stored_measurements_of_this_machine_still_rank_as_docs_mapping_md_s
     rho = bench.validate_measured(str(root / "benchmarks" / "mapping" / "tiny_ppo_runs_j.json"))
     assert round(rho, 3) == 0.968
     assert "standalone-1-1-1-1                 0.0816       0.159" in capsys.readouterr().out
+    # replicate k: the small model in bf16 on a bf16 host, against its calibration with and without the bf16 rate
+    rho = bench.validate_measured(str(root / "benchmarks" / "mapping" / "small_ppo_runs_k.json"),
+                                  "benchmarks/mapping/cpu_run_k.json")
+    assert round(rho, 3) == 0.909
+    assert "standalone-1-1-1-1                 0.1026       0.334" in capsys.readouterr().out
+    rho = bench.validate_measured(str(root / "benchmarks" / "mapping" / "small_ppo_runs_k.json"),
+                                  "benchmarks/mapping/cpu_run_k_fp32_only.json")
+    assert round(rho, 3) == 0.853
 
 
 def test_safe_rlhf_searches_the_52_placements_of_its_five_models():

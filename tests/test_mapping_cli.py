@@ -93,6 +93,13 @@ def test_calibrate_writes_a_profile_that_the_planner_loads_as_cpu_local(tmp_path
     # a 2-core VM does more than 1 GFLOP/s and 0.1 GB/s in one thread; gloo moves more than 1 MB/s
     assert profile.peak_flops > 1e9 and profile.memory_bandwidth > 1e8 and profile.intra_node_bandwidth > 1e6
     assert 0 < profile.intra_node_latency_s < 1.0
+    from hybridflow.device import CPU_BF16_MIN_HIDDEN, cpu_has_native_bf16
+
+    # the bf16 rate only where the cores multiply bf16 in hardware (where engine.dtype auto uses it)
+    if cpu_has_native_bf16():
+        assert profile.cpu_bf16_peak_flops > 1e9 and profile.cpu_bf16_min_hidden == CPU_BF16_MIN_HIDDEN
+    else:
+        assert profile.cpu_bf16_peak_flops is None
     assert plan_main(TINY_PPO + ["--devices", "4", "--per-node", "4", "--hardware", "cpu-local"]) == 0
     assert "cpu-local" in capsys.readouterr().out
 

@@ -148,13 +148,9 @@ class EngineConfig:
         if not isinstance(self.optim, OptimConfig):
             raise ValueError(f"engine.optim must be an OptimConfig, got {type(self.optim).__name__}")
 
-    @property
-    def compute_dtype(self) -> "torch.dtype":
-        """The dtype forward/backward compute in, for a model of any size (``resolve_dtype`` for one model)."""
-        return self.resolve_dtype(None)
-
     def resolve_dtype(self, hidden_size: int | None) -> "torch.dtype":
-        """The compute dtype for a model ``hidden_size`` wide: 'auto' resolved on this device (``default_dtype``)."""
+        """The compute dtype for a model ``hidden_size`` wide (None: any width): 'auto' resolved on this device
+        (``default_dtype``). Each engine resolves it for its own model (``TrainingEngine.compute_dtype``)."""
         import torch
 
         from hybridflow.device import default_dtype

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 
 PROFILE_DIR = Path(__file__).parent / "profiles"
@@ -79,6 +79,14 @@ class HardwareProfile:
     vLLM with ``enforce_eager: True``; hybridflow's native engine replays CUDA graphs only at tg = 1).
     Launches run ahead of the device, so a step takes max(device time, layers per stage x this): a floor
     that binds when a replica's batch is small. 0: no floor (not measured on any device type yet)."""
+    cpu_bf16_peak_flops: float | None = None
+    """CPU profiles of a host whose cores multiply bf16 in hardware (AVX512-BF16 or AMX): one thread's bf16 matmul
+    FLOP/s. There ``engine.dtype: auto`` computes models at least ``cpu_bf16_min_hidden`` wide in bf16
+    (``hybridflow.device.default_dtype``), so the simulators cost those models at this rate with bf16 elements
+    (``for_model``). None: every model computes in compute_dtype at peak_flops."""
+    cpu_bf16_min_hidden: int = 0
+    """The narrowest model that computes in bf16 where ``cpu_bf16_peak_flops`` is set (calibrate writes
+    ``hybridflow.device.CPU_BF16_MIN_HIDDEN``)."""
     source: str = ""
     """Where the numbers come from (spec sheet, calibration command and date)."""
 
@@ -104,11 +112,27 @@ class HardwareProfile:
                                      or not 0 < fraction <= 1):
             raise ValueError(f"HardwareProfile.native_decode_bandwidth_fraction must be in (0, 1] or null "
                              f"(same as memory_bandwidth_fraction), got {fraction!r}")
+        bf16_flops = self.cpu_bf16_peak_flops
+        if bf16_flops is not None and (isinstance(bf16_flops, bool) or not isinstance(bf16_flops, (int, float))
+                                       or bf16_flops <= 0):
+            raise ValueError(f"HardwareProfile.cpu_bf16_peak_flops must be a positive number or null (no native "
+                             f"bf16), got {bf16_flops!r}")
+        if (not isinstance(self.cpu_bf16_min_hidden, int) or isinstance(self.cpu_bf16_min_hidden, bool)
+                or self.cpu_bf16_min_hidden < 0):
+            raise ValueError(f"HardwareProfile.cpu_bf16_min_hidden must be an integer >= 0, "
+                             f"got {self.cpu_bf16_min_hidden!r}")
         if self.compute_dtype not in ("bf16", "fp32"):
             raise ValueError(f"HardwareProfile.compute_dtype must be 'bf16' or 'fp32', got {self.compute_dtype!r}")
         if not isinstance(self.compute_units_per_node, int) or self.compute_units_per_node < 0:
             raise ValueError(f"HardwareProfile.compute_units_per_node must be an integer >= 0, "
                              f"got {self.compute_units_per_node!r}")
+
+    def for_model(self, hidden_size: int) -> "HardwareProfile":
+        """The profile as a model ``hidden_size`` wide runs on it: a bf16-capable CPU's bf16 rate and elements
+        for models that compute in bf16 there (``cpu_bf16_peak_flops``), else this profile unchanged."""
+        if self.cpu_bf16_peak_flops is None or hidden_size < self.cpu_bf16_min_hidden:
+            return self
+        return replace(self, peak_flops=self.cpu_bf16_peak_flops, compute_dtype="bf16")
 
     @property
     def usable_memory_bytes(self) -> float:

@@ -120,6 +120,7 @@ class Simulator:
         self.generation_passes = generation_passes
         self.compute_share = compute_share
         hardware = cluster.hardware
+        # in the profile's compute dtype; a model's own (a bf16 CPU's bf16 for wide models): _element_bytes, _flops
         self.element_bytes = hardware.element_bytes
         self.flops = hardware.peak_flops * hardware.flops_fraction * compute_share
         self.memory_bandwidth = hardware.memory_bandwidth * hardware.memory_bandwidth_fraction * compute_share
@@ -129,6 +130,15 @@ class Simulator:
         # dispatch is host work: an oversubscribed core slows it down like compute
         self.layer_overhead_s = hardware.layer_overhead_s / compute_share
         self.decode_dispatch_s = hardware.decode_dispatch_seconds_per_layer / compute_share
+
+    def _element_bytes(self, spec: ModelSpec) -> int:
+        """Bytes of one of ``spec``'s compute elements: bf16 on a bf16 CPU for wide models (``for_model``)."""
+        return self.cluster.hardware.for_model(spec.hidden_size).element_bytes
+
+    def _flops(self, spec: ModelSpec) -> float:
+        """Achievable FLOP/s of one process computing ``spec`` (its dtype's rate, ``for_model``)."""
+        hardware = self.cluster.hardware
+        return hardware.for_model(spec.hidden_size).peak_flops * hardware.flops_fraction * self.compute_share
 
     # ---- links -------------------------------------------------------------------------------
     def crosses_nodes(self, group_span: int, num_devices: int | None = None) -> bool:
@@ -180,7 +190,7 @@ class Simulator:
     # ---- memory ------------------------------------------------------------------------------
     def resident_bytes(self, spec: ModelSpec, head: str, strategy: RoleStrategy, num_devices: int, *,
                        trained: bool) -> float:
-        per_param = MASTER_WEIGHT_BYTES + ADAM_STATE_BYTES if trained else self.element_bytes
+        per_param = MASTER_WEIGHT_BYTES + ADAM_STATE_BYTES if trained else self._element_bytes(spec)
         return spec.num_params(head=head) * per_param / self._state_shards(strategy, num_devices)
 
     @staticmethod
@@ -194,10 +204,11 @@ class Simulator:
         logits, fsdp's gathered layers and, for trained roles, the fp32 gradients of an update."""
         tokens = self.workload.sequences_per_micro_batch * self.workload.sequence_length
         tp_size = strategy.tp_size
-        per_layer = ACTIVATION_ELEMENTS_PER_TOKEN_PER_HIDDEN * self.element_bytes * tokens * spec.hidden_size / tp_size
+        per_layer = (ACTIVATION_ELEMENTS_PER_TOKEN_PER_HIDDEN * self._element_bytes(spec) * tokens * spec.hidden_size
+                     / tp_size)
         layers_held = spec.num_layers if trained else 1
         logits = tokens * spec.vocab_size * LOGIT_BYTES / tp_size if head == "lm" else 0.0
-        gathered = 2 * spec.params_per_layer * self.element_bytes if strategy.layout == "fsdp" else 0.0
+        gathered = 2 * spec.params_per_layer * self._element_bytes(spec) if strategy.layout == "fsdp" else 0.0
         gradients = spec.num_params(head=head) * GRADIENT_BYTES / self._state_shards(strategy, num_devices) \
             if trained else 0.0
         return per_layer * layers_held + logits * (2 if trained else 1) + gathered + gradients
@@ -221,24 +232,24 @@ class Simulator:
         stage_params, stage_layers = slowest_stage(spec, head, strategy.pp_size)
         flops_per_token = 2 * work_factor * (stage_params + stage_layers * spec.hidden_size * seq_len)
         micro_batches = math.ceil(sequences_per_rank / workload.sequences_per_micro_batch)
-        compute = passes * sequences_per_rank * seq_len * flops_per_token / strategy.tp_size / self.flops
+        compute = passes * sequences_per_rank * seq_len * flops_per_token / strategy.tp_size / self._flops(spec)
         # efficiency falls with the work per device: every micro-batch streams the device's weight shard
         # (forward; backward reads it again and writes its gradient), so a pass takes at least that
         # memory time: the roofline, whose knee is peak FLOP/s / bandwidth tokens per micro-batch
-        shard_bytes = spec.matmul_params(head=head) * self.element_bytes / strategy.model_parallel_size
+        shard_bytes = spec.matmul_params(head=head) * self._element_bytes(spec) / strategy.model_parallel_size
         if strategy.layout == "fsdp":
-            shard_bytes = spec.matmul_params(head=head) * self.element_bytes  # each rank runs the whole model
+            shard_bytes = spec.matmul_params(head=head) * self._element_bytes(spec)  # each rank runs the whole model
         streaming = passes * micro_batches * work_factor * shard_bytes / self.memory_bandwidth
         compute = max(compute, streaming)
         compute += passes * micro_batches * work_factor * spec.num_layers / strategy.pp_size * self.layer_overhead_s
         micro_tokens = workload.sequences_per_micro_batch * seq_len
-        activation_bytes = micro_tokens * spec.hidden_size * self.element_bytes
+        activation_bytes = micro_tokens * spec.hidden_size * self._element_bytes(spec)
         if strategy.layout == "fsdp":
             # each micro-batch gathers the parameters for forward (and again for backward), one
             # collective per FSDP unit (a decoder layer, plus the root); FSDP2 prefetches the next
             # unit's while computing, so the gathers hide behind compute
             gathers = passes * micro_batches * (2 if backward else 1) * self.all_gather_seconds(
-                spec.num_params(head=head) * self.element_bytes, num_devices, num_devices,
+                spec.num_params(head=head) * self._element_bytes(spec), num_devices, num_devices,
                 num_collectives=spec.num_layers + 1)
             return max(compute, gathers)
         bubble = (micro_batches + strategy.pp_size - 1) / micro_batches
@@ -279,17 +290,17 @@ class Simulator:
     def generation_weight_bytes(self, spec: ModelSpec, strategy: RoleStrategy) -> float:
         """Per device: the generation shard of the weights, 1/(tg*pg) of the model."""
         gen_size = strategy.generation_pp_size * strategy.generation_tp_size
-        return spec.num_params(head="lm") * self.element_bytes / gen_size
+        return spec.num_params(head="lm") * self._element_bytes(spec) / gen_size
 
     def generation_extra_bytes(self, spec: ModelSpec, strategy: RoleStrategy) -> float:
         """Per device: the generation weights the actor holds beside its training state while generating
         (with a backend that keeps its own copy, at the moment that copy is loaded, when the KV cache is
         already allocated)."""
-        model_bytes = spec.num_params(head="lm") * self.element_bytes
+        model_bytes = spec.num_params(head="lm") * self._element_bytes(spec)
         own_copy = self.generation_weight_bytes(spec, strategy) if self.backend.own_weight_copy else 0.0
         if strategy.layout == "fsdp":
             return model_bytes + own_copy  # a full compute-dtype copy next to the fp32 shards
-        if self.element_bytes == MASTER_WEIGHT_BYTES:  # fp32: the training shard is one piece of the
+        if self._element_bytes(spec) == MASTER_WEIGHT_BYTES:  # fp32: the training shard is one piece of the
             # generation shard, used in place (zero redundancy): only the gathered pieces are extra
             return self.generation_weight_bytes(spec, strategy) - model_bytes / strategy.model_parallel_size + own_copy
         # bf16 generation from fp32 master weights: the hybrid engine casts into a new shard
@@ -308,7 +319,7 @@ class Simulator:
         Each rank receives (t p - tg pg) / (tg pg t p) of the model (paper Table 2, HybridFlow row);
         fsdp gathers the whole model on every rank. Going back to training drops the extra copy (free).
         """
-        model_bytes = spec.num_params(head="lm") * self.element_bytes
+        model_bytes = spec.num_params(head="lm") * self._element_bytes(spec)
         if strategy.layout == "fsdp":
             return self.all_gather_seconds(model_bytes, num_devices, num_devices, num_collectives=spec.num_layers + 1)
         train_size = strategy.model_parallel_size
@@ -328,7 +339,7 @@ class Simulator:
         generation to run at all, with either backend: vLLM refuses to start below one such sequence)."""
         kv_shards = min(strategy.generation_tp_size, spec.num_kv_heads)
         layers = spec.num_layers / strategy.generation_pp_size
-        return 2 * layers * spec.kv_dim / kv_shards * self.workload.sequence_length * self.element_bytes
+        return 2 * layers * spec.kv_dim / kv_shards * self.workload.sequence_length * self._element_bytes(spec)
 
     def generation_seconds(self, spec: ModelSpec, strategy: RoleStrategy, num_devices: int,
                            kv_budget_bytes: float) -> tuple[float, dict[str, float]] | None:
@@ -350,7 +361,7 @@ class Simulator:
         sequences = math.ceil(workload.prompts_per_step / replicas) * workload.samples_per_prompt
         waves = math.ceil(sequences / max_batch)
         batch = math.ceil(sequences / waves)
-        h, layers, e = spec.hidden_size, spec.num_layers, self.element_bytes
+        h, layers, e = spec.hidden_size, spec.num_layers, self._element_bytes(spec)
         matmul_params = spec.matmul_params(head="lm")
         prompt_len, response_len = workload.prompt_length, workload.response_length
 
@@ -366,7 +377,7 @@ class Simulator:
             stage_bytes = matmul_params * e / (tg * pg) + kv_tokens * kv_bytes_per_token
             stage_flops = (2 * new_tokens * matmul_params + 4 * attention_pairs * h * layers) / (tg * pg)
             stage_tp = 2 * layers / pg * self.all_reduce_seconds(new_tokens * h * e, tg, tg, num_devices=num_devices)
-            device = max(stage_bytes / self.decode_memory_bandwidth, stage_flops / self.flops) + stage_tp
+            device = max(stage_bytes / self.decode_memory_bandwidth, stage_flops / self._flops(spec)) + stage_tp
             # eager decode: the host launches every layer's kernels; launches run ahead of the device, so
             # the stage takes at least their time (0 unless the profile measured it)
             stage = max(device, layers / pg * self.decode_dispatch_s) + layers / pg * self.layer_overhead_s

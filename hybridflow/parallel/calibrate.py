@@ -42,15 +42,16 @@ def _best_seconds(fn: Callable[[], object], repeats: int, synchronize: Callable[
 
 
 # ---- CPU probes (one thread, like every process of a hybridflow CPU run) ---------------------
-def measure_matmul_flops(*, size: int = 1024, repeats: int = 5) -> float:
-    """fp32 FLOP/s of one thread multiplying two ``size`` x ``size`` matrices (2 size^3 FLOPs)."""
+def measure_matmul_flops(*, size: int = 1024, repeats: int = 5, dtype: str = "float32") -> float:
+    """FLOP/s of one thread multiplying two ``size`` x ``size`` matrices of ``dtype`` (2 size^3 FLOPs)."""
     import torch
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        left, right = torch.randn(size, size), torch.randn(size, size)
-        out = torch.empty(size, size)
+        element = getattr(torch, dtype)
+        left, right = torch.randn(size, size, dtype=element), torch.randn(size, size, dtype=element)
+        out = torch.empty(size, size, dtype=element)
         seconds = _best_seconds(lambda: torch.matmul(left, right, out=out), repeats)
     finally:
         torch.set_num_threads(threads)
@@ -188,9 +189,14 @@ def _stamp() -> str:
 
 def calibrate_cpu(*, quick: bool = False) -> HardwareProfile:
     """Measure this machine's CPU as hybridflow CPU processes use it (profile ``cpu-local``)."""
+    from hybridflow.device import CPU_BF16_MIN_HIDDEN, cpu_has_native_bf16
+
     repeats = 3 if quick else 5
     cores = os.cpu_count() or 1
     flops = measure_matmul_flops(size=512 if quick else 1024, repeats=repeats)
+    # where the cores multiply bf16 in hardware, engine.dtype auto trains and generates wide models in bf16
+    bf16_flops = (measure_matmul_flops(size=512 if quick else 1024, repeats=repeats, dtype="bfloat16")
+                  if cpu_has_native_bf16() else None)
     bandwidth = measure_memory_bandwidth(num_bytes=(64 if quick else 256) * 1024**2, repeats=repeats)
     layer_overhead = measure_layer_overhead(repeats=repeats)
     link_bandwidth, link_latency = measure_all_reduce(num_bytes=(8 if quick else 64) * 1024**2, repeats=repeats)
@@ -203,8 +209,10 @@ def calibrate_cpu(*, quick: bool = False) -> HardwareProfile:
         intra_node_bandwidth=link_bandwidth, inter_node_bandwidth=link_bandwidth, link_bandwidth_fraction=1.0,
         intra_node_latency_s=link_latency, inter_node_latency_s=link_latency,
         compute_dtype="fp32", compute_units_per_node=cores, layer_overhead_s=layer_overhead,
+        cpu_bf16_peak_flops=bf16_flops, cpu_bf16_min_hidden=CPU_BF16_MIN_HIDDEN if bf16_flops else 0,
         source=(f"measured by `hybridflow calibrate` on {platform.node()} ({cores} cores, "
-                f"{platform.processor() or platform.machine()}) at {_stamp()}: one-thread fp32 matmul, one-thread "
+                f"{platform.processor() or platform.machine()}) at {_stamp()}: one-thread fp32 matmul"
+                f"{' (and bf16: the cores have bf16 instructions)' if bf16_flops else ''}, one-thread "
                 f"copy bandwidth, eager tiny-Llama layer overhead, gloo all-reduce between 2 "
                 f"local processes (inter-node taken equal: no second node); device memory = RAM / cores"),
     )
@@ -282,6 +290,9 @@ def calibrate_main(argv: list[str]) -> int:
         print(f"matmul (bf16): {profile.peak_flops / 1e12:.1f} TFLOP/s")
     else:
         print(f"matmul (fp32, 1 thread): {profile.peak_flops / 1e9:.1f} GFLOP/s")
+        if profile.cpu_bf16_peak_flops is not None:
+            print(f"matmul (bf16, 1 thread): {profile.cpu_bf16_peak_flops / 1e9:.1f} GFLOP/s (models at least "
+                  f"{profile.cpu_bf16_min_hidden} wide compute in bf16 here)")
     print(f"memory bandwidth: {profile.memory_bandwidth / 1e9:.2f} GB/s")
     print(f"all-reduce: {profile.intra_node_bandwidth / 1e9:.3f} GB/s bus bandwidth, "
           f"{profile.intra_node_latency_s * 1e6:.1f} us per ring step")
