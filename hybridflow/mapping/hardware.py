@@ -127,10 +127,14 @@ class HardwareProfile:
             raise ValueError(f"HardwareProfile.compute_units_per_node must be an integer >= 0, "
                              f"got {self.compute_units_per_node!r}")
 
+    def cpu_bf16_for(self, hidden_size: int) -> bool:
+        """Whether a model ``hidden_size`` wide computes in bf16 on this bf16-capable CPU (``cpu_bf16_peak_flops``)."""
+        return self.cpu_bf16_peak_flops is not None and hidden_size >= self.cpu_bf16_min_hidden
+
     def for_model(self, hidden_size: int) -> "HardwareProfile":
         """The profile as a model ``hidden_size`` wide runs on it: a bf16-capable CPU's bf16 rate and elements
-        for models that compute in bf16 there (``cpu_bf16_peak_flops``), else this profile unchanged."""
-        if self.cpu_bf16_peak_flops is None or hidden_size < self.cpu_bf16_min_hidden:
+        for models that compute in bf16 there (``cpu_bf16_for``), else this profile unchanged."""
+        if not self.cpu_bf16_for(hidden_size):
             return self
         return replace(self, peak_flops=self.cpu_bf16_peak_flops, compute_dtype="bf16")
 

@@ -123,6 +123,7 @@ class Simulator:
         # in the profile's compute dtype; a model's own (a bf16 CPU's bf16 for wide models): _element_bytes, _flops
         self.element_bytes = hardware.element_bytes
         self.flops = hardware.peak_flops * hardware.flops_fraction * compute_share
+        self.cpu_bf16_flops = (hardware.cpu_bf16_peak_flops or 0.0) * hardware.flops_fraction * compute_share
         self.memory_bandwidth = hardware.memory_bandwidth * hardware.memory_bandwidth_fraction * compute_share
         self.decode_memory_bandwidth = (hardware.memory_bandwidth * backend.decode_bandwidth_fraction(hardware)
                                         * compute_share)
@@ -132,13 +133,12 @@ class Simulator:
         self.decode_dispatch_s = hardware.decode_dispatch_seconds_per_layer / compute_share
 
     def _element_bytes(self, spec: ModelSpec) -> int:
-        """Bytes of one of ``spec``'s compute elements: bf16 on a bf16 CPU for wide models (``for_model``)."""
-        return self.cluster.hardware.for_model(spec.hidden_size).element_bytes
+        """Bytes of one of ``spec``'s compute elements: bf16 on a bf16 CPU for wide models (``cpu_bf16_for``)."""
+        return 2 if self.cluster.hardware.cpu_bf16_for(spec.hidden_size) else self.element_bytes
 
     def _flops(self, spec: ModelSpec) -> float:
-        """Achievable FLOP/s of one process computing ``spec`` (its dtype's rate, ``for_model``)."""
-        hardware = self.cluster.hardware
-        return hardware.for_model(spec.hidden_size).peak_flops * hardware.flops_fraction * self.compute_share
+        """Achievable FLOP/s of one process computing ``spec`` (its dtype's rate, ``cpu_bf16_for``)."""
+        return self.cpu_bf16_flops if self.cluster.hardware.cpu_bf16_for(spec.hidden_size) else self.flops
 
     # ---- links -------------------------------------------------------------------------------
     def crosses_nodes(self, group_span: int, num_devices: int | None = None) -> bool:
