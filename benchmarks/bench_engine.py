@@ -9,6 +9,7 @@ layout uses (one torch thread per rank on CPU, as the launcher gives every rank)
     python benchmarks/bench_engine.py                      # tiny model, every layout
     python benchmarks/bench_engine.py --model smollm2      # SmolLM2-135M (if converted)
     python benchmarks/bench_engine.py --layouts single,dp2,fsdp2 --core-share   # 1 process x 2 threads vs 2 x 1
+    python benchmarks/bench_engine.py --model both --optimizer   # AdamW step: PyTorch's CPU default vs fused
 """
 
 from __future__ import annotations
@@ -116,6 +117,27 @@ def matmul_params(model: str) -> int:
     return total - embedding + (embedding if tied else 0)
 
 
+def bench_optimizer(model: str, repeats: int = 5) -> None:
+    """Seconds of one AdamW step over the model's parameters (random gradients, all cores): PyTorch's CPU
+    default (one tensor at a time), the multi-tensor ``foreach`` form, and the fused kernel the engine uses."""
+    params = [p for p in build_model(model_config(model), device=current_device()).parameters()]
+    cells = []
+    for label, options in (("default", {}), ("foreach", dict(foreach=True)), ("fused", dict(fused=True))):
+        for param in params:
+            param.grad = torch.randn_like(param)
+        optimizer = torch.optim.AdamW(params, lr=1e-5, **options)
+        optimizer.step()  # creates the moments
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            optimizer.step()
+            best = min(best, time.perf_counter() - start)
+        cells.append(f"{label} {best * 1e3:.1f} ms")
+    total = sum(p.numel() for p in params)
+    print(f"{model}: AdamW step over {len(params)} tensors, {total / 1e6:.1f} M parameters, "
+          f"{torch.get_num_threads()} threads, best of {repeats}: " + ", ".join(cells))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=["tiny", "smollm2", "both"], default="tiny")
@@ -128,11 +150,17 @@ def main() -> None:
     parser.add_argument("--core-share", action="store_true",
                         help="each rank uses cores // ranks torch threads (the trainer's rule) instead of one; "
                              "'of peak' is then against the all-core matmul")
+    parser.add_argument("--optimizer", action="store_true",
+                        help="only time one AdamW step: PyTorch's CPU default, foreach and fused")
     args = parser.parse_args()
     models = ["tiny", "smollm2"] if args.model == "both" else [args.model]
     if "smollm2" in models and smollm2_path() is None:
         print("SmolLM2-135M not converted (python scripts/get_smollm2.py): skipping it")
         models.remove("smollm2")
+    if args.optimizer:
+        for model in models:
+            bench_optimizer(model)
+        return
     torch.set_num_threads(1)
     peak_per_device = matmul_flops()
     cores = os.cpu_count() or 1

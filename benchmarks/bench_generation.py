@@ -10,6 +10,7 @@ checks that both produce the same tokens. Single process, on the device hybridfl
     python benchmarks/bench_generation.py --projections    # F.linear vs the decoder's feature-major products
     python benchmarks/bench_generation.py --smollm2 --batch 32 --feature-major-ab   # whole decode, with vs without
     python benchmarks/bench_generation.py --smollm2 --batch 32 --new-tokens 64 --dtype bfloat16
+    python benchmarks/bench_generation.py --model narrow --batch 128 --prompt-len 7 --new-tokens 32 --decode-attention-ab
 
 Each line also gives hybridflow's matmul FLOP/s as a fraction of this machine's fp32 matmul peak
 (1024^3, measured in the same run at the same thread count), and in bf16 of the bf16 peak too.
@@ -28,14 +29,22 @@ from hybridflow.engine.decoder import DecoderStage, head_logits, project
 from hybridflow.engine.generation import GenerationConfig, GenerationEngine
 
 
+MODELS = {
+    "tiny": dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
+                 num_key_value_heads=4),
+    # the shape of benchmarks/vs_trl's tiny model (a character vocabulary)
+    "narrow": dict(vocab_size=32, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=4),
+}
+"""Random-init Llama models by name (seeded); ``smollm2`` loads the converted checkpoint."""
+
+
 def load(name: str, device):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    if name == "tiny":
+    if name in MODELS:
         torch.manual_seed(0)
-        config = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                             num_attention_heads=8, num_key_value_heads=4)
-        return AutoModelForCausalLM.from_config(config).to(device).eval()
+        return AutoModelForCausalLM.from_config(LlamaConfig(**MODELS[name])).to(device).eval()
     from hybridflow.models.smollm2 import smollm2_path
 
     return AutoModelForCausalLM.from_pretrained(smollm2_path(), dtype=torch.float32).to(device).eval()
@@ -61,7 +70,8 @@ def workload(name: str, *, batch: int, prompt_len: int, new_tokens: int, dtype: 
     model = load(name, device)
     model = model.to(EngineConfig(dtype=dtype).resolve_dtype(model.config.hidden_size))
     engine = GenerationEngine(DecoderStage.from_state_dict(model.config, model.state_dict()))
-    prompts = torch.randint(3, 1000, (batch, prompt_len), generator=torch.Generator().manual_seed(0)).to(device)
+    vocab = model.config.vocab_size
+    prompts = torch.randint(3, min(1000, vocab), (batch, prompt_len), generator=torch.Generator().manual_seed(0)).to(device)
     return model, engine, prompts, torch.ones_like(prompts), GenerationConfig(max_new_tokens=new_tokens, greedy=True)
 
 
@@ -133,30 +143,36 @@ def bench_projections(repeats: int) -> None:
         print(f"rows {rows:>5}: " + "; ".join(cells))
 
 
-def feature_major_ab(name: str, *, batch: int, prompt_len: int, new_tokens: int, repeats: int) -> None:
-    """The same greedy generate with the decoder's feature-major projections off and on, alternating
-    (``repeats`` rounds; best of each), so both see the same machine load."""
+def decoder_switch_ab(name: str, switch: str, off_value, labels: tuple[str, str], *, batch: int, prompt_len: int,
+                      new_tokens: int, repeats: int, dtype: str) -> None:
+    """The same greedy generate with the decoder's module constant ``switch`` at ``off_value`` and at its
+    default, alternating (``repeats`` rounds; best of each), so both see the same machine load."""
     from hybridflow.engine import decoder
 
-    model, engine, prompts, mask, config = workload(name, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens)
-    default = decoder.FEATURE_MAJOR_MAX_ROWS
-    seconds, tokens = {0: [], default: []}, {}
+    model, engine, prompts, mask, config = workload(name, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens,
+                                                    dtype=dtype)
+    default = getattr(decoder, switch)
+    seconds, tokens = {"off": [], "on": []}, {}
     try:
         for _ in range(repeats + 1):  # the first round warms up
-            for rows in seconds:
-                decoder.FEATURE_MAJOR_MAX_ROWS = rows
-                elapsed, tokens[rows] = timed(lambda: engine.generate(prompts, mask, config)["responses"], 1)
-                seconds[rows].append(elapsed)
+            for state in seconds:
+                setattr(decoder, switch, off_value if state == "off" else default)
+                elapsed, tokens[state] = timed(lambda: engine.generate(prompts, mask, config)["responses"], 1)
+                seconds[state].append(elapsed)
     finally:
-        decoder.FEATURE_MAJOR_MAX_ROWS = default
-    off, on = min(seconds[0][1:]), min(seconds[default][1:])
-    print(f"{name} batch={batch} prompt={prompt_len} new={new_tokens}: F.linear everywhere {off:.3f} s, "
-          f"feature-major decode {on:.3f} s ({off / on:.2f}x), same tokens: {torch.equal(tokens[0], tokens[default])}")
+        setattr(decoder, switch, default)
+    off, on = min(seconds["off"][1:]), min(seconds["on"][1:])
+    compute = str(next(model.parameters()).dtype)[6:]
+    print(f"{name} {compute} threads={torch.get_num_threads()} batch={batch} prompt={prompt_len} new={new_tokens}: "
+          f"{labels[0]} {off:.4f} s, {labels[1]} {on:.4f} s ({off / on:.2f}x), "
+          f"same tokens: {torch.equal(tokens['off'], tokens['on'])}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smollm2", action="store_true")
+    parser.add_argument("--model", choices=sorted(MODELS), default="tiny",
+                        help="the random-init model (tiny: 256 wide, 4 layers; narrow: vs_trl's tiny shape, 64 wide)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -165,21 +181,26 @@ def main() -> None:
                         help="only time F.linear against the decoder's projections on SmolLM2's shapes")
     parser.add_argument("--feature-major-ab", action="store_true",
                         help="time the decode with the feature-major projections off and on, alternating")
+    parser.add_argument("--decode-attention-ab", action="store_true",
+                        help="time the decode with SDPA and with the batched-matmul decode attention, alternating")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "auto"),
                         help="both engines' weights and compute ('auto': engine.dtype auto for the model)")
     args = parser.parse_args()
+    shape = dict(batch=args.batch, prompt_len=args.prompt_len, new_tokens=args.new_tokens, repeats=args.repeats)
     if args.feature_major_ab:
-        for name in ["smollm2"] if args.smollm2 else ["tiny"]:
-            feature_major_ab(name, batch=args.batch, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-                             repeats=args.repeats)
+        decoder_switch_ab("smollm2" if args.smollm2 else args.model, "FEATURE_MAJOR_MAX_ROWS", 0,
+                          ("F.linear everywhere", "feature-major decode"), dtype="float32", **shape)
+        return
+    if args.decode_attention_ab:
+        decoder_switch_ab("smollm2" if args.smollm2 else args.model, "CPU_DECODE_MATMUL_ATTENTION", False,
+                          ("SDPA decode attention", "batched-matmul decode attention"), dtype=args.dtype, **shape)
         return
     if args.projections:
         bench_projections(args.repeats)
         return
-    names = ["tiny"] + (["smollm2"] if args.smollm2 else [])
+    names = [args.model] + (["smollm2"] if args.smollm2 else [])
     for name in names:
-        bench(name, batch=args.batch, prompt_len=args.prompt_len, new_tokens=args.new_tokens, repeats=args.repeats,
-              dtype=args.dtype)
+        bench(name, dtype=args.dtype, **shape)
 
 
 if __name__ == "__main__":

@@ -249,3 +249,25 @@ def test_math_prompt_options_reach_the_dataset_so_the_smollm2_quick_check_draws_
         assert len(numbers) == 2 and all(len(n) == 1 for n in numbers), row["prompt"]
     with pytest.raises(ValueError, match="basic_arithmetic"):
         math_prompt_rows(4, seed=0, dataset="basic_arithmetic", options={"no_such_option": 1})
+
+
+def test_decoded_responses_keep_only_real_tokens_and_drop_special_ones(tokenizer):
+    from hybridflow.data import decode_responses
+
+    texts = ["12", "7", "305"]
+    ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+    width = max(map(len, ids)) + 2
+    responses = torch.full((len(ids), width), tokenizer.pad_token_id)
+    mask = torch.zeros_like(responses)
+    for row, row_ids in enumerate(ids):
+        responses[row, :len(row_ids)] = torch.tensor(row_ids)
+        responses[row, len(row_ids)] = tokenizer.eos_token_id  # a real token, but special: not in the text
+        mask[row, :len(row_ids) + 1] = 1
+    responses[1, -1] = ids[0][0]  # a token after the end (mask 0) is never decoded
+    data = {"responses": responses, "response_mask": mask}
+
+    class Rows(dict):
+        def __len__(self):
+            return len(texts)
+
+    assert decode_responses(tokenizer, Rows(data)) == texts

@@ -353,6 +353,28 @@ def test_gradients_are_freed_right_after_the_optimizer_step():
     assert engine.optimizer.state  # the step itself ran: Adam holds its moments
 
 
+def test_the_fused_adamw_makes_the_default_adamw_update_to_rounding():
+    from hybridflow.engine.optim import build_optimizer
+
+    config = OptimConfig(lr=1e-2, weight_decay=0.1)
+    models = [torch.nn.Linear(8, 4) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    initial = models[0].weight.detach().clone()
+    fused = build_optimizer(models[0], config)
+    default = torch.optim.AdamW(models[1].parameters(), lr=config.lr, betas=config.betas, eps=config.eps,
+                                weight_decay=config.weight_decay)
+    assert fused.param_groups[0]["fused"] and not default.param_groups[0]["fused"]
+    inputs = torch.randn(16, 8)
+    for _ in range(3):
+        for model, optimizer in zip(models, (fused, default)):
+            optimizer.zero_grad()
+            model(inputs).square().mean().backward()
+            optimizer.step()
+    for ours, reference in zip(models[0].parameters(), models[1].parameters()):
+        torch.testing.assert_close(ours, reference, rtol=1e-6, atol=1e-7)
+    assert not torch.equal(models[0].weight, initial)  # the steps moved the weights
+
+
 def test_a_decaying_schedule_without_total_steps_is_refused_when_the_optimizer_is_built():
     from hybridflow.engine.optim import build_optimizer
 

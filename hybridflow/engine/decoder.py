@@ -122,11 +122,15 @@ class KVCache:
     """Keys and values of one stage's layers for the active rows, preallocated to the final length."""
 
     def __init__(self, *, num_layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device,
+                 rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         shape = (batch, kv_heads, max_len, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.length = 0
+        self.rotary = rotary
+        """(cos, sin) [max_len, D] of every position the cache can hold (``DecoderStage.rotary_table``): a decode
+        step looks its rows up instead of recomputing them (None: computed per call)."""
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
@@ -185,9 +189,18 @@ def head_logits(hidden_BH: torch.Tensor, weight_VH: torch.Tensor) -> torch.Tenso
     return logits_BV
 
 
-def grouped_matmul_attention(x: torch.Tensor) -> bool:
-    """Whether ``attention`` computes in batched matmuls rather than SDPA: half precision on CPU."""
-    return x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16)
+CPU_DECODE_MATMUL_ATTENTION = True
+"""On CPU, decode steps (one query per row) attend with two batched matmuls in every precision, not only in half
+precision: in fp32 PyTorch's CPU SDPA kernel costs more than the products at one query (the 64-wide model of
+benchmarks/vs_trl at batch 128, 32 new tokens: ``python benchmarks/bench_generation.py --model narrow --batch 128
+--prompt-len 7 --new-tokens 32 --decode-attention-ab``)."""
+
+
+def grouped_matmul_attention(x: torch.Tensor, num_queries: int) -> bool:
+    """Whether ``attention`` computes in batched matmuls rather than SDPA: on CPU in half precision, and for
+    one query per row (a decode step) in any precision (``CPU_DECODE_MATMUL_ATTENTION``)."""
+    return x.device.type == "cpu" and (x.dtype in (torch.bfloat16, torch.float16)
+                                       or (num_queries == 1 and CPU_DECODE_MATMUL_ATTENTION))
 
 
 def attention(q_BNSD: torch.Tensor, keys_BKLD: torch.Tensor, values_BKLD: torch.Tensor, mask_B1SL: torch.Tensor,
@@ -201,7 +214,7 @@ def attention(q_BNSD: torch.Tensor, keys_BKLD: torch.Tensor, values_BKLD: torch.
     itself, so no row is fully masked.
     """
     num_heads, num_kv_heads = q_BNSD.shape[1], keys_BKLD.shape[1]
-    if not grouped_matmul_attention(q_BNSD):
+    if not grouped_matmul_attention(q_BNSD, q_BNSD.shape[2]):
         return F.scaled_dot_product_attention(q_BNSD, keys_BKLD, values_BKLD, attn_mask=mask_B1SL, scale=scale,
                                               enable_gqa=num_heads != num_kv_heads)
     B, _, S, D = q_BNSD.shape
@@ -264,30 +277,39 @@ class DecoderStage:
         """Column-parallel projection: the local output features, piece by piece."""
         biases = self.weights.get(f"{name}.bias")
         weights = self.weights[f"{name}.weight"]
+        if len(weights) == 1:
+            return project(x, weights[0]) if biases is None else project(x, weights[0]) + biases[0]
         outs = [project(x, w) if biases is None else project(x, w) + biases[i] for i, w in enumerate(weights)]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
     def _row(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """Row-parallel projection: partial sums over the local input features, all-reduced over tp."""
         weights = self.weights[f"{name}.weight"]
-        inputs = x.split([w.shape[1] for w in weights], dim=-1)
-        partial = project(inputs[0], weights[0])
-        for inp, w in zip(inputs[1:], weights[1:]):
-            partial = partial + project(inp, w)
+        if len(weights) == 1:
+            partial = project(x, weights[0])
+        else:
+            inputs = x.split([w.shape[1] for w in weights], dim=-1)
+            partial = project(inputs[0], weights[0])
+            for inp, w in zip(inputs[1:], weights[1:]):
+                partial = partial + project(inp, w)
         out = self.tp.all_reduce(partial)
         bias = self.weights.get(f"{name}.bias")
         return out + bias[0] if bias is not None else out
 
     def _rms_norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.spec.rms_norm_eps)
-        return self.weights[name][0] * x32.to(x.dtype)
+        """Hugging Face's RMSNorm: normalised in fp32, cast back, then scaled (``F.rms_norm`` without a weight is
+        the same fp32 arithmetic, bit for bit on CPU, in one kernel instead of five)."""
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.spec.rms_norm_eps)
+        return self.weights[name][0] * normed.to(x.dtype)
 
     def embed(self, ids_BS: torch.Tensor) -> torch.Tensor:
         """Vocab-parallel embedding: each piece looks up the ids in its vocabulary range; sum over tp."""
+        pieces = self.weights["model.embed_tokens.weight"]
+        if self.tp.size == 1 and len(pieces) == 1:  # the whole vocabulary in one piece: a plain lookup
+            return F.embedding(ids_BS, pieces[0])
         out = None
         start = self.vocab_start
-        for w in self.weights["model.embed_tokens.weight"]:
+        for w in pieces:
             inside = (ids_BS >= start) & (ids_BS < start + w.shape[0])
             rows = F.embedding((ids_BS - start).clamp(0, w.shape[0] - 1), w) * inside.unsqueeze(-1).to(w.dtype)
             out = rows if out is None else out + rows
@@ -297,18 +319,28 @@ class DecoderStage:
     def head(self, hidden_BH: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits [B, V] in fp32: local vocabulary slices, gathered over tp."""
         name = "model.embed_tokens.weight" if self.spec.tie_word_embeddings else "lm_head.weight"
-        local = torch.cat([head_logits(hidden_BH, w) for w in self.weights[name]], dim=-1)
+        pieces = self.weights[name]
+        local = (head_logits(hidden_BH, pieces[0]) if len(pieces) == 1
+                 else torch.cat([head_logits(hidden_BH, w) for w in pieces], dim=-1))
         return self.tp.gather_last_dim(local.float())
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._rms_norm(hidden, "model.norm.weight")
 
-    def _rope(self, positions_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs_BSd = positions_BS.float().unsqueeze(-1) * self.inv_freq
-        angles_BSD = torch.cat((freqs_BSd, freqs_BSd), dim=-1)
-        cos = (angles_BSD.cos() * self.rope_scaling).to(self.dtype).unsqueeze(1)
-        sin = (angles_BSD.sin() * self.rope_scaling).to(self.dtype).unsqueeze(1)
-        return cos, sin
+    def rotary_table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [*positions.shape, D] of the rotary embedding at ``positions``, in the stage's dtype."""
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq
+        angles = torch.cat((freqs, freqs), dim=-1)
+        return (angles.cos() * self.rope_scaling).to(self.dtype), (angles.sin() * self.rope_scaling).to(self.dtype)
+
+    def _rope(self, positions_BS: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [B, 1, S, D] at ``positions_BS``: rows of the cache's table (the same values: the table is
+        this computation at every position), or computed when the cache has none."""
+        if cache.rotary is None:
+            cos_BSD, sin_BSD = self.rotary_table(positions_BS)
+        else:
+            cos_BSD, sin_BSD = cache.rotary[0][positions_BS], cache.rotary[1][positions_BS]
+        return cos_BSD.unsqueeze(1), sin_BSD.unsqueeze(1)
 
     def _attention(self, x_BSH: torch.Tensor, layer: int, slot: int, cache: KVCache,
                    cos, sin, mask_B1SL: torch.Tensor) -> torch.Tensor:
@@ -359,7 +391,7 @@ class DecoderStage:
         finished keep computing (their outputs are ignored), so the batch never changes shape.
         """
         mask_B11L = key_valid_BL[:, None, None, :]
-        cos, sin = self._rope(positions_B1)
+        cos, sin = self._rope(positions_B1, cache)
         for slot, layer in enumerate(self.layers):
             prefix = f"model.layers.{layer}"
             normed = self._rms_norm(hidden_B1H, f"{prefix}.input_layernorm.weight")
@@ -396,8 +428,11 @@ class DecoderStage:
         return kv + prefill + logits
 
     def new_cache(self, *, batch: int, max_len: int) -> KVCache:
+        """An empty KV cache of ``batch`` rows for ``max_len`` positions, with the rotary table of those
+        positions (every position a row reaches is below ``max_len``: positions count its real tokens)."""
+        rotary = self.rotary_table(torch.arange(max_len, device=self.device))
         return KVCache(num_layers=len(self.layers), batch=batch, kv_heads=self.local_kv_heads, max_len=max_len,
-                       head_dim=self.spec.head_dim, dtype=self.dtype, device=self.device)
+                       head_dim=self.spec.head_dim, dtype=self.dtype, device=self.device, rotary=rotary)
 
     def forward_layers(self, hidden_BSH: torch.Tensor, positions_BS: torch.Tensor, cache: KVCache,
                        key_valid_BL: torch.Tensor) -> torch.Tensor:
@@ -409,17 +444,22 @@ class DecoderStage:
         """
         S = hidden_BSH.shape[1]
         L = cache.length + S
-        query_pos = torch.arange(cache.length, L, device=hidden_BSH.device)
-        key_pos = torch.arange(L, device=hidden_BSH.device)
-        causal_SL = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)
-        mask_B1SL = (key_valid_BL[:, None, None, :L] & causal_SL) | (key_pos == query_pos.unsqueeze(1))
-        if grouped_matmul_attention(hidden_BSH):
-            # bf16 matmuls on CPU copy a strided slice of the cache before multiplying it (3 ms per layer at
-            # batch 128 on the 256-wide model: more than the attention), so they take the whole contiguous
-            # cache and the positions not yet written are masked
+        if S == 1:  # a decode step: every cached position precedes the query, so the mask is the keys' validity
+            mask_B1SL = key_valid_BL[:, None, None, :L].clone()
+            mask_B1SL[..., -1] = True
+        else:
+            query_pos = torch.arange(cache.length, L, device=hidden_BSH.device)
+            key_pos = torch.arange(L, device=hidden_BSH.device)
+            causal_SL = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)
+            mask_B1SL = (key_valid_BL[:, None, None, :L] & causal_SL) | (key_pos == query_pos.unsqueeze(1))
+        if grouped_matmul_attention(hidden_BSH, S):
+            # matmuls on CPU copy a strided slice of the cache before multiplying it (bf16: 3 ms per layer at
+            # batch 128 on the 256-wide model, more than the attention), so they take the whole contiguous
+            # cache and the positions not yet written are masked (fp32 decode too: faster on the 64-wide model
+            # even at 135 positions, `benchmarks/bench_generation.py`)
             unwritten = cache.keys[0].shape[2] - L
             mask_B1SL = torch.cat([mask_B1SL, mask_B1SL.new_zeros(*mask_B1SL.shape[:-1], unwritten)], dim=-1)
-        cos, sin = self._rope(positions_BS)
+        cos, sin = self._rope(positions_BS, cache)
         for slot, layer in enumerate(self.layers):
             prefix = f"model.layers.{layer}"
             normed = self._rms_norm(hidden_BSH, f"{prefix}.input_layernorm.weight")

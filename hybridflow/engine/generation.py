@@ -35,9 +35,10 @@ def process_logits(logits_BV: torch.Tensor, config: GenerationConfig, *, history
         penalised_BL = torch.where(seen_BL > 0, seen_BL / config.repetition_penalty, seen_BL * config.repetition_penalty)
         logits_BV.scatter_(-1, history_BL, penalised_BL)
     if config.suppress_tokens:
-        logits_BV[:, list(config.suppress_tokens)] = float("-inf")
+        suppressed = torch.tensor(config.suppress_tokens, dtype=torch.long, device=logits_BV.device)
+        logits_BV.index_fill_(-1, suppressed, float("-inf"))
     if step < config.min_new_tokens and end_ids is not None and len(end_ids):
-        logits_BV[:, end_ids] = float("-inf")
+        logits_BV.index_fill_(-1, end_ids, float("-inf"))
     return logits_BV
 
 
@@ -87,9 +88,10 @@ def sample_tokens(logits_BV: torch.Tensor, config: GenerationConfig, generator: 
         logprobs_BV = torch.log_softmax(logits_BV, dim=-1)
         tokens_B = processed_BV.argmax(dim=-1)
         return tokens_B, logprobs_BV.gather(-1, tokens_B[:, None]).squeeze(-1)
-    scaled_BV = logits_BV / config.temperature
+    # dividing by 1 would only copy (x / 1 == x exactly)
+    scaled_BV = logits_BV / config.temperature if config.temperature != 1.0 else logits_BV
     logprobs_BV = torch.log_softmax(scaled_BV, dim=-1)
-    filtered_BV = processed_BV / config.temperature
+    filtered_BV = processed_BV / config.temperature if config.temperature != 1.0 else processed_BV
     if config.top_k and config.top_k < filtered_BV.shape[-1]:
         kth_B1 = filtered_BV.topk(config.top_k, dim=-1).values[:, -1:]
         filtered_BV[filtered_BV < kth_B1] = float("-inf")
@@ -214,25 +216,31 @@ class GenerationEngine:
         logits_BV = self._forward(prompts_BP, positions_BP, cache, key_valid_BS)
         stats.peak_kv_cache_bytes = max(stats.peak_kv_cache_bytes, cache.nbytes())
         needs_history = config.repetition_penalty != 1.0
+        alive = B  # rows of the batch still generating, counted on the host
         for step in range(T):
             history_BL = (torch.cat([prompts_BP[rows_B], responses_BT[rows_B, :step]], dim=1)
                           if needs_history else None)
             tokens_B, logprobs_B = self._sample_and_share(logits_BV, config, generator, len(rows_B),
                                                           history_BL=history_BL, step=step, end_ids=stops)
-            written_B = rows_B[alive_B]
-            responses_BT[written_B, step] = tokens_B[alive_B]
-            logprobs_BT[written_B, step] = logprobs_B[alive_B]
+            if alive == len(rows_B):  # no finished row waits in the batch: every row writes
+                written_B, new_tokens_B, new_logprobs_B = rows_B, tokens_B, logprobs_B
+            else:
+                written_B, new_tokens_B, new_logprobs_B = rows_B[alive_B], tokens_B[alive_B], logprobs_B[alive_B]
+            responses_BT[written_B, step] = new_tokens_B
+            logprobs_BT[written_B, step] = new_logprobs_B
             response_mask_BT[written_B, step] = 1
             finished_B = torch.isin(tokens_B, stops)
-            finished_B |= _ends_with_stop_sequence(responses_BT[rows_B], step, config)
+            if config.stop_sequences:
+                finished_B |= _ends_with_stop_sequence(responses_BT[rows_B], step, config)
             alive_B = alive_B & ~finished_B
-            if step == T - 1 or not bool(alive_B.any()):
+            alive = int(alive_B.sum())
+            if step == T - 1 or alive == 0:
                 break
             key_valid_BS[:, P + step] = True
             # Finished rows leave the batch and the KV cache once they are a COMPACT_FRACTION of it: cutting
             # them out copies every layer's cache, so it is done in batches, not at every step a row ends
             # (until then a finished row is decoded and ignored)
-            finished = len(alive_B) - int(alive_B.sum())
+            finished = len(alive_B) - alive
             if finished and finished >= COMPACT_FRACTION * len(alive_B):
                 rows_B, tokens_B, next_position_B = rows_B[alive_B], tokens_B[alive_B], next_position_B[alive_B]
                 key_valid_BS = key_valid_BS[alive_B]
