@@ -11,6 +11,7 @@ checks that both produce the same tokens. Single process, on the device hybridfl
     python benchmarks/bench_generation.py --smollm2 --batch 32 --feature-major-ab   # whole decode, with vs without
     python benchmarks/bench_generation.py --smollm2 --batch 32 --new-tokens 64 --dtype bfloat16
     python benchmarks/bench_generation.py --model narrow --batch 128 --prompt-len 7 --new-tokens 32 --decode-attention-ab
+    python benchmarks/bench_generation.py --model narrow --batch 128 --prompt-len 7 --new-tokens 32 --inference-mode-ab
 
 Each line also gives hybridflow's matmul FLOP/s as a fraction of this machine's fp32 matmul peak
 (1024^3, measured in the same run at the same thread count), and in bf16 of the bf16 peak too.
@@ -168,6 +169,31 @@ def decoder_switch_ab(name: str, switch: str, off_value, labels: tuple[str, str]
           f"same tokens: {torch.equal(tokens['off'], tokens['on'])}")
 
 
+def inference_mode_ab(name: str, *, batch: int, prompt_len: int, new_tokens: int, repeats: int, dtype: str) -> None:
+    """The same greedy generate under ``torch.no_grad`` (its decode only) and as ``generate`` runs it (under
+    ``torch.inference_mode``), alternating (``repeats`` rounds; best of each)."""
+    model, engine, prompts, mask, config = workload(name, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens,
+                                                    dtype=dtype)
+
+    def no_grad():
+        with torch.no_grad():
+            return engine._generate(prompts, mask, config)["responses"]
+
+    def inference_mode():
+        return engine.generate(prompts, mask, config)["responses"]
+
+    seconds, tokens = {"no_grad": [], "inference_mode": []}, {}
+    for _ in range(repeats + 1):  # the first round warms up
+        for label, fn in (("no_grad", no_grad), ("inference_mode", inference_mode)):
+            elapsed, tokens[label] = timed(fn, 1)
+            seconds[label].append(elapsed)
+    off, on = min(seconds["no_grad"][1:]), min(seconds["inference_mode"][1:])
+    compute = str(next(model.parameters()).dtype)[6:]
+    print(f"{name} {compute} threads={torch.get_num_threads()} batch={batch} prompt={prompt_len} new={new_tokens}: "
+          f"no_grad {off:.4f} s, inference_mode {on:.4f} s ({off / on:.2f}x), "
+          f"same tokens: {torch.equal(tokens['no_grad'], tokens['inference_mode'])}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smollm2", action="store_true")
@@ -183,6 +209,8 @@ def main() -> None:
                         help="time the decode with the feature-major projections off and on, alternating")
     parser.add_argument("--decode-attention-ab", action="store_true",
                         help="time the decode with SDPA and with the batched-matmul decode attention, alternating")
+    parser.add_argument("--inference-mode-ab", action="store_true",
+                        help="time the decode under torch.no_grad and under torch.inference_mode, alternating")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "auto"),
                         help="both engines' weights and compute ('auto': engine.dtype auto for the model)")
     args = parser.parse_args()
@@ -190,6 +218,9 @@ def main() -> None:
     if args.feature_major_ab:
         decoder_switch_ab("smollm2" if args.smollm2 else args.model, "FEATURE_MAJOR_MAX_ROWS", 0,
                           ("F.linear everywhere", "feature-major decode"), dtype="float32", **shape)
+        return
+    if args.inference_mode_ab:
+        inference_mode_ab("smollm2" if args.smollm2 else args.model, dtype=args.dtype, **shape)
         return
     if args.decode_attention_ab:
         decoder_switch_ab("smollm2" if args.smollm2 else args.model, "CPU_DECODE_MATMUL_ATTENTION", False,

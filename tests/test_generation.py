@@ -92,6 +92,17 @@ def test_output_follows_the_shared_batch_conventions():
     assert torch.equal(out["position_ids"], (out["attention_mask"].cumsum(1) - 1).clamp(min=0))
 
 
+def test_outputs_decoded_under_inference_mode_are_ordinary_tensors_training_can_use():
+    model = tiny_model()
+    prompts, mask = batch()
+    out = engine_for(model).generate(prompts, mask, GenerationConfig(max_new_tokens=4, seed=0))
+    assert not any(value.is_inference() for value in out.values())
+    weight = torch.ones((), requires_grad=True)
+    (weight * out["logprobs"]).sum().backward()  # saving an inference tensor for backward would raise here
+    assert weight.grad == out["logprobs"].sum()
+    out["response_mask"][:, -1] = 0  # so would an in-place update outside inference mode
+
+
 def test_same_seed_reproduces_samples_and_another_seed_changes_them():
     engine = engine_for(tiny_model())
     prompts, mask = batch()

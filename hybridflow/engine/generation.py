@@ -154,7 +154,6 @@ class GenerationEngine:
         self.head_stage = 0 if stage.spec.tie_word_embeddings else p.num_stages - 1
         assert stage.has_head == (p.stage == self.head_stage)
 
-    @torch.no_grad()
     def generate(self, prompts_BP: torch.Tensor, prompt_mask_BP: torch.Tensor,
                  config: GenerationConfig) -> dict[str, torch.Tensor]:
         """Responses for left-padded prompts, per the shared batch conventions.
@@ -162,7 +161,17 @@ class GenerationEngine:
         Returns ``prompts``, ``responses`` [B, T], ``response_mask``, ``input_ids`` [B, P+T],
         ``attention_mask``, ``position_ids``, ``logprobs`` [B, T] (0 after the end), with
         B = prompts x samples_per_prompt and T = max_new_tokens.
+
+        Decodes under ``torch.inference_mode`` (no view or version tracking: a decode step is hundreds of
+        small operations, each cheaper that way) and returns ordinary tensors (copies of the few outputs), which
+        training may use like any other.
         """
+        with torch.inference_mode():
+            outputs = self._generate(prompts_BP, prompt_mask_BP, config)
+        return {key: value.clone() for key, value in outputs.items()}
+
+    def _generate(self, prompts_BP: torch.Tensor, prompt_mask_BP: torch.Tensor,
+                  config: GenerationConfig) -> dict[str, torch.Tensor]:
         start = time.perf_counter()
         device = self.stage.device
         prompts_BP = prompts_BP.to(device).repeat_interleave(config.samples_per_prompt, dim=0)
