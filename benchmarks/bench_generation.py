@@ -144,34 +144,48 @@ def bench_projections(repeats: int) -> None:
         print(f"rows {rows:>5}: " + "; ".join(cells))
 
 
+def alternate(name: str, variants: dict, *, repeats: int, batch: int, prompt_len: int, new_tokens: int,
+              model) -> None:
+    """Time each variant (label -> zero-argument function returning the responses) in turn, ``repeats`` rounds
+    after one warm-up round, so all see the same machine load; print the best of each and their ratio."""
+    seconds, tokens = {label: [] for label in variants}, {}
+    for _ in range(repeats + 1):
+        for label, fn in variants.items():
+            elapsed, tokens[label] = timed(fn, 1)
+            seconds[label].append(elapsed)
+    (off, off_s), (on, on_s) = ((label, min(times[1:])) for label, times in seconds.items())
+    compute = str(next(model.parameters()).dtype)[6:]
+    print(f"{name} {compute} threads={torch.get_num_threads()} batch={batch} prompt={prompt_len} new={new_tokens}: "
+          f"{off} {off_s:.4f} s, {on} {on_s:.4f} s ({off_s / on_s:.2f}x), "
+          f"same tokens: {torch.equal(tokens[off], tokens[on])}")
+
+
 def decoder_switch_ab(name: str, switch: str, off_value, labels: tuple[str, str], *, batch: int, prompt_len: int,
                       new_tokens: int, repeats: int, dtype: str) -> None:
     """The same greedy generate with the decoder's module constant ``switch`` at ``off_value`` and at its
-    default, alternating (``repeats`` rounds; best of each), so both see the same machine load."""
+    default, alternating (``alternate``)."""
     from hybridflow.engine import decoder
 
     model, engine, prompts, mask, config = workload(name, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens,
                                                     dtype=dtype)
     default = getattr(decoder, switch)
-    seconds, tokens = {"off": [], "on": []}, {}
+
+    def with_switch(value):
+        def run():
+            setattr(decoder, switch, value)
+            return engine.generate(prompts, mask, config)["responses"]
+        return run
+
     try:
-        for _ in range(repeats + 1):  # the first round warms up
-            for state in seconds:
-                setattr(decoder, switch, off_value if state == "off" else default)
-                elapsed, tokens[state] = timed(lambda: engine.generate(prompts, mask, config)["responses"], 1)
-                seconds[state].append(elapsed)
+        alternate(name, {labels[0]: with_switch(off_value), labels[1]: with_switch(default)}, repeats=repeats,
+                  batch=batch, prompt_len=prompt_len, new_tokens=new_tokens, model=model)
     finally:
         setattr(decoder, switch, default)
-    off, on = min(seconds["off"][1:]), min(seconds["on"][1:])
-    compute = str(next(model.parameters()).dtype)[6:]
-    print(f"{name} {compute} threads={torch.get_num_threads()} batch={batch} prompt={prompt_len} new={new_tokens}: "
-          f"{labels[0]} {off:.4f} s, {labels[1]} {on:.4f} s ({off / on:.2f}x), "
-          f"same tokens: {torch.equal(tokens['off'], tokens['on'])}")
 
 
 def inference_mode_ab(name: str, *, batch: int, prompt_len: int, new_tokens: int, repeats: int, dtype: str) -> None:
     """The same greedy generate under ``torch.no_grad`` (its decode only) and as ``generate`` runs it (under
-    ``torch.inference_mode``), alternating (``repeats`` rounds; best of each)."""
+    ``torch.inference_mode``), alternating (``alternate``)."""
     model, engine, prompts, mask, config = workload(name, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens,
                                                     dtype=dtype)
 
@@ -179,19 +193,9 @@ def inference_mode_ab(name: str, *, batch: int, prompt_len: int, new_tokens: int
         with torch.no_grad():
             return engine._generate(prompts, mask, config)["responses"]
 
-    def inference_mode():
-        return engine.generate(prompts, mask, config)["responses"]
-
-    seconds, tokens = {"no_grad": [], "inference_mode": []}, {}
-    for _ in range(repeats + 1):  # the first round warms up
-        for label, fn in (("no_grad", no_grad), ("inference_mode", inference_mode)):
-            elapsed, tokens[label] = timed(fn, 1)
-            seconds[label].append(elapsed)
-    off, on = min(seconds["no_grad"][1:]), min(seconds["inference_mode"][1:])
-    compute = str(next(model.parameters()).dtype)[6:]
-    print(f"{name} {compute} threads={torch.get_num_threads()} batch={batch} prompt={prompt_len} new={new_tokens}: "
-          f"no_grad {off:.4f} s, inference_mode {on:.4f} s ({off / on:.2f}x), "
-          f"same tokens: {torch.equal(tokens['no_grad'], tokens['inference_mode'])}")
+    alternate(name, {"no_grad": no_grad,
+                     "inference_mode": lambda: engine.generate(prompts, mask, config)["responses"]},
+              repeats=repeats, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens, model=model)
 
 
 def main() -> None:

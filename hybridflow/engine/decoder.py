@@ -122,15 +122,14 @@ class KVCache:
     """Keys and values of one stage's layers for the active rows, preallocated to the final length."""
 
     def __init__(self, *, num_layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device,
-                 rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                 dtype: torch.dtype, device: torch.device, rotary: tuple[torch.Tensor, torch.Tensor]) -> None:
         shape = (batch, kv_heads, max_len, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.length = 0
         self.rotary = rotary
         """(cos, sin) [max_len, D] of every position the cache can hold (``DecoderStage.rotary_table``): a decode
-        step looks its rows up instead of recomputing them (None: computed per call)."""
+        step looks its rows up instead of recomputing them."""
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
@@ -191,9 +190,9 @@ def head_logits(hidden_BH: torch.Tensor, weight_VH: torch.Tensor) -> torch.Tenso
 
 CPU_DECODE_MATMUL_ATTENTION = True
 """On CPU, decode steps (one query per row) attend with two batched matmuls in every precision, not only in half
-precision: in fp32 PyTorch's CPU SDPA kernel costs more than the products at one query (the 64-wide model of
-benchmarks/vs_trl at batch 128, 32 new tokens: ``python benchmarks/bench_generation.py --model narrow --batch 128
---prompt-len 7 --new-tokens 32 --decode-attention-ab``)."""
+precision: in fp32 no slower than PyTorch's CPU SDPA kernel at one query, faster at longer caches (the 64-wide
+model of benchmarks/vs_trl at batch 128: 1.00-1.03x the SDPA decode at 32 new tokens, 1.10x at 128; ``python
+benchmarks/bench_generation.py --model narrow --batch 128 --prompt-len 7 --new-tokens 32 --decode-attention-ab``)."""
 
 
 def grouped_matmul_attention(x: torch.Tensor, num_queries: int) -> bool:
@@ -280,7 +279,7 @@ class DecoderStage:
         if len(weights) == 1:
             return project(x, weights[0]) if biases is None else project(x, weights[0]) + biases[0]
         outs = [project(x, w) if biases is None else project(x, w) + biases[i] for i, w in enumerate(weights)]
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        return torch.cat(outs, dim=-1)
 
     def _row(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """Row-parallel projection: partial sums over the local input features, all-reduced over tp."""
@@ -335,12 +334,9 @@ class DecoderStage:
 
     def _rope(self, positions_BS: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [B, 1, S, D] at ``positions_BS``: rows of the cache's table (the same values: the table is
-        this computation at every position), or computed when the cache has none."""
-        if cache.rotary is None:
-            cos_BSD, sin_BSD = self.rotary_table(positions_BS)
-        else:
-            cos_BSD, sin_BSD = cache.rotary[0][positions_BS], cache.rotary[1][positions_BS]
-        return cos_BSD.unsqueeze(1), sin_BSD.unsqueeze(1)
+        this computation at every position)."""
+        cos_LD, sin_LD = cache.rotary
+        return cos_LD[positions_BS].unsqueeze(1), sin_LD[positions_BS].unsqueeze(1)
 
     def _attention(self, x_BSH: torch.Tensor, layer: int, slot: int, cache: KVCache,
                    cos, sin, mask_B1SL: torch.Tensor) -> torch.Tensor:
@@ -455,8 +451,7 @@ class DecoderStage:
         if grouped_matmul_attention(hidden_BSH, S):
             # matmuls on CPU copy a strided slice of the cache before multiplying it (bf16: 3 ms per layer at
             # batch 128 on the 256-wide model, more than the attention), so they take the whole contiguous
-            # cache and the positions not yet written are masked (fp32 decode too: faster on the 64-wide model
-            # even at 135 positions, `benchmarks/bench_generation.py`)
+            # cache and the positions not yet written are masked (fp32 decode steps too)
             unwritten = cache.keys[0].shape[2] - L
             mask_B1SL = torch.cat([mask_B1SL, mask_B1SL.new_zeros(*mask_B1SL.shape[:-1], unwritten)], dim=-1)
         cos, sin = self._rope(positions_BS, cache)
