@@ -11,6 +11,7 @@ checks that both produce the same tokens. Single process, on the device hybridfl
     python benchmarks/bench_generation.py --smollm2 --batch 32 --feature-major-ab   # whole decode, with vs without
     python benchmarks/bench_generation.py --smollm2 --batch 32 --new-tokens 64 --dtype bfloat16
     python benchmarks/bench_generation.py --model narrow --batch 128 --prompt-len 7 --new-tokens 32 --decode-attention-ab
+    python benchmarks/bench_generation.py --model narrow --batch 128 --prompt-len 7 --new-tokens 32 --decode-bias-ab
     python benchmarks/bench_generation.py --model narrow --batch 128 --prompt-len 7 --new-tokens 32 --inference-mode-ab
 
 Each line also gives hybridflow's matmul FLOP/s as a fraction of this machine's fp32 matmul peak
@@ -213,6 +214,9 @@ def main() -> None:
                         help="time the decode with the feature-major projections off and on, alternating")
     parser.add_argument("--decode-attention-ab", action="store_true",
                         help="time the decode with SDPA and with the batched-matmul decode attention, alternating")
+    parser.add_argument("--decode-bias-ab", action="store_true",
+                        help="time the fp32 decode with the boolean key mask per layer and with one additive bias "
+                             "per step, alternating")
     parser.add_argument("--inference-mode-ab", action="store_true",
                         help="time the decode under torch.no_grad and under torch.inference_mode, alternating")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "auto"),
@@ -229,6 +233,10 @@ def main() -> None:
     if args.decode_attention_ab:
         decoder_switch_ab("smollm2" if args.smollm2 else args.model, "CPU_DECODE_MATMUL_ATTENTION", False,
                           ("SDPA decode attention", "batched-matmul decode attention"), dtype=args.dtype, **shape)
+        return
+    if args.decode_bias_ab:
+        decoder_switch_ab("smollm2" if args.smollm2 else args.model, "CPU_DECODE_BIAS", False,
+                          ("boolean mask per layer", "additive bias per step"), dtype="float32", **shape)
         return
     if args.projections:
         bench_projections(args.repeats)

@@ -325,7 +325,8 @@ def test_loading_a_checkpoint_of_another_head_is_a_value_error(tmp_path):
 @pytest.mark.parametrize("kwargs, message", [
     (dict(layout="megatron"), r"engine.layout must be one of \('fsdp', '3d'\), got 'megatron'"),
     (dict(layout="fsdp", tp_size=2), r"must be 1 with layout='fsdp'"),
-    (dict(micro_batch_tokens=0), r"engine.micro_batch_tokens must be a positive integer, got 0"),
+    (dict(micro_batch_tokens=0), r"engine.micro_batch_tokens must be a positive integer or 'auto', got 0"),
+    (dict(micro_batch_tokens="big"), r"engine.micro_batch_tokens must be a positive integer or 'auto', got 'big'"),
     (dict(dtype="fp8"), r"engine.dtype must be one of"),
     (dict(layout="3d", fsdp_cpu_offload=True), r"fsdp_cpu_offload=True needs layout='fsdp'"),
     (dict(pipeline_schedule="zb"), r"engine.pipeline_schedule must be one of \('1f1b', 'gpipe'\)"),

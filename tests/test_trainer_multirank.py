@@ -92,10 +92,12 @@ def _export(trainer: RLTrainer, role: str, directory) -> dict[str, torch.Tensor]
 
 
 def _layout_dependent(names: set[str]) -> set[str]:
-    """The weight transition's figures (bytes received, parameter memory, collectives): they describe the layout,
-    so they differ from one rank's by design; the rollout/training log-prob mismatch does not, and is compared."""
+    """The weight transition's figures (bytes received, parameter memory, collectives) and the token budgets an
+    auto budget resolves to (per rank memory): they describe the layout, so they differ from one rank's by design;
+    the rollout/training log-prob mismatch does not, and is compared."""
     mismatch = {"rollout/logprob_abs_diff_mean", "rollout/logprob_abs_diff_max", "rollout/sequence_kl"}
-    return {name for name in names if name.startswith("rollout/") and name not in mismatch}
+    return {name for name in names if (name.startswith("rollout/") and name not in mismatch)
+            or name.endswith("/token_budget")}
 
 
 def _assert_same_metrics(history: list[dict], expected: list[dict]) -> None:

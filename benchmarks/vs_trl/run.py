@@ -104,6 +104,10 @@ def main() -> None:
                         help="also run hybridflow with every role's engine.dtype=bfloat16 (what auto picks or not)")
     parser.add_argument("--trl-bf16", action="store_true",
                         help="also run TRL with bf16=True (autocast over its fp32 weights)")
+    parser.add_argument("--also-set", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="also run hybridflow with these config overrides (side 'hybridflow +set'), interleaved "
+                             "with the default one: an A/B of a setting inside one run, e.g. "
+                             "actor.engine.micro_batch_tokens=4096")
     args = parser.parse_args()
 
     sys.path.insert(0, str(HERE))
@@ -169,6 +173,8 @@ def run_algorithm(algorithm: str, args, work: Path, prompts: Path, total_steps: 
                                                                                  for role in roles]
         if args.trl_bf16:
             sides["trl bf16"] = sides["trl"] + ["--bf16"]
+        if args.also_set:
+            sides["hybridflow +set"] = sides["hybridflow"] + ["--set", *args.also_set]
         results, attempts = {}, {side: [] for side in sides}
         for _ in range(args.runs):  # the sides interleaved, so each sees the machine's drift alike
             for side, command in sides.items():

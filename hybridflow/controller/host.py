@@ -113,6 +113,7 @@ class WorkerHost:
         torch.set_num_threads(threads_per_worker(local_world_size, limit=thread_limit))
         self._context = WorkerContext(rank=rank, world_size=world_size, local_rank=local_rank,
                                       node_id=ray.get_runtime_context().get_node_id())
+        self._local_world_size = local_world_size
         self._roles: dict[str, Worker] = {}
 
     def node_id(self) -> str:
@@ -137,7 +138,8 @@ class WorkerHost:
         """Join the group's torch.distributed world, build the role objects; returns the process id."""
         context = self._context
         os.environ.update(RANK=str(context.rank), WORLD_SIZE=str(context.world_size),
-                          LOCAL_RANK=str(context.local_rank), MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+                          LOCAL_RANK=str(context.local_rank), LOCAL_WORLD_SIZE=str(self._local_world_size),
+                          MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
         try:
             init_process_group(rank=context.rank, world_size=context.world_size, master_addr=master_addr,
                                master_port=master_port, timeout_s=dist_timeout_s)

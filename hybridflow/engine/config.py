@@ -100,8 +100,11 @@ class EngineConfig:
     """Recompute each decoder layer's activations in backward instead of keeping them (torch's non-reentrant
     checkpoint per layer): activation memory of about one layer's inputs per layer, for about one extra
     forward of compute per step. Both layouts; inference-only roles never keep activations anyway."""
-    micro_batch_tokens: int = 4096
-    """Per-rank token budget of one forward/backward (real tokens; padding is removed)."""
+    micro_batch_tokens: int | Literal["auto"] = "auto"
+    """Per-rank token budget of one forward/backward (real tokens; padding is removed). 'auto': what half of this
+    rank's free memory holds at the first batch, from a per-token activation estimate, between 512 and 65536
+    tokens (4096 at most with pp_size > 1, whose micro-batches are padded to the budget); never less than the
+    longest sequence (``hybridflow.engine.token_budget``)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Compute dtype of forward/backward and generation (autocast): 'auto' is bf16 on GPUs that support it and on
     CPUs with bf16 instructions (AVX512-BF16 or AMX) for models at least 256 wide, fp32 elsewhere
@@ -131,7 +134,9 @@ class EngineConfig:
             raise ValueError("engine.fsdp_cpu_offload=True needs layout='fsdp', got layout='3d'")
         if not isinstance(self.activation_checkpointing, bool):
             raise ValueError(f"engine.activation_checkpointing must be a bool, got {self.activation_checkpointing!r}")
-        _check_positive_int("engine.micro_batch_tokens", self.micro_batch_tokens)
+        budget = self.micro_batch_tokens
+        if budget != "auto" and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 1):
+            raise ValueError(f"engine.micro_batch_tokens must be a positive integer or 'auto', got {budget!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"engine.dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
         if self.dtype == "float16":

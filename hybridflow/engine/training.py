@@ -35,6 +35,11 @@ LossFn = Callable[[dict[str, Tensor], dict[str, Tensor]], tuple[Tensor, dict[str
 OUTPUTS_OF_HEAD = {"lm": ("logprobs", "entropy"), "value": ("values",), "score": ("scores",)}
 
 
+def _local(tensor: Tensor) -> Tensor:
+    """This rank's part of a (possibly DTensor) parameter."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 class TrainingEngine:
     """A model laid out over this process group, trained and queried in token-budget micro-batches."""
 
@@ -81,6 +86,7 @@ class TrainingEngine:
         self._tied_group, self._tied_param = self._build_tied_embedding_sync()
         self.optimizer = build_optimizer(self.model, config.optim) if trainable else None
         self._pipeline_stage = None  # built on first use (3d layout with pp_size > 1)
+        self._token_budget = None if config.micro_batch_tokens == "auto" else config.micro_batch_tokens
         self.last_batch_stats: dict[str, int] = {}
         """This rank's last batch: micro_batches, real_tokens, computed_tokens (packed, with filler),
         padded_tokens (B*S of the padded input): padding ratio = 1 - real/computed."""
@@ -210,6 +216,34 @@ class TrainingEngine:
         return self.coords.pp_rank == self.layout.pp_size - 1
 
     # ----------------------------------------------------------------- batches
+    @property
+    def token_budget(self) -> int:
+        """Real tokens one micro-batch may hold on this rank: ``micro_batch_tokens``, or what ``auto`` resolved
+        to at the first batch (the same on every rank of the group: the smallest rank's)."""
+        if self._token_budget is None:
+            self._token_budget = self._resolve_auto_budget()
+        return self._token_budget
+
+    def _resolve_auto_budget(self) -> int:
+        from hybridflow.engine.token_budget import activation_bytes_per_token, auto_token_budget, free_memory_bytes
+
+        per_token = activation_bytes_per_token(
+            self.hf_config, compute_dtype=self.compute_dtype, trainable=self.trainable,
+            activation_checkpointing=self.config.activation_checkpointing, tp_size=self.layout.tp_size,
+            pp_size=self.layout.pp_size, lm_head=self.head == "lm")
+        pending = 0
+        if self.optimizer is not None and not self.optimizer.state:
+            # AdamW allocates its two fp32 moments at the first step, and backward the fp32 gradients
+            pending = 12 * sum(_local(p).numel() for p in self.params)
+        budget = auto_token_budget(per_token, free_memory_bytes(self.device), pending_bytes=pending,
+                                   pipeline=self.layout.pp_size > 1)
+        if dist.is_initialized() and world_size() > 1:
+            # ranks that share micro-batches (tp, pp) must plan alike: every rank takes the smallest budget
+            budget_t = torch.tensor(budget, device=self.device)
+            dist.all_reduce(budget_t, op=dist.ReduceOp.MIN)
+            budget = int(budget_t)
+        return budget
+
     def _prepare(self, batch: dict[str, Tensor],
                  group_size_rows: int) -> tuple[dict[str, Tensor], list[PackedMicroBatch], int]:
         """Move the batch to the device, plan and pack micro-batches; return (batch, packed, T)."""
@@ -231,7 +265,11 @@ class TrainingEngine:
                              f"at least one")
         num_columns = self._response_columns(batch)
         min_count = self.layout.pp_size
-        plans = plan_micro_batches(lengths_B, token_budget=self.config.micro_batch_tokens,
+        token_budget = self.token_budget
+        if self.config.micro_batch_tokens == "auto" and self.layout.pp_size == 1:
+            # auto never refuses a batch: a group longer than the memory-sized budget runs alone
+            token_budget = max(token_budget, int(lengths_B.view(-1, group_size_rows).sum(-1).max()))
+        plans = plan_micro_batches(lengths_B, token_budget=token_budget,
                                    group_size=group_size_rows, min_count=min_count)
         count = max(len(plans), min_count)
         if self.config.layout == "fsdp" and self.dp_group is not None:
@@ -240,9 +278,10 @@ class TrainingEngine:
             dist.all_reduce(count_t, op=dist.ReduceOp.MAX, group=self.dp_group)
             count = int(count_t)
         plans = plans + [[] for _ in range(count - len(plans))]
-        pad_to = self.config.micro_batch_tokens if self.layout.pp_size > 1 else None
+        pad_to = token_budget if self.layout.pp_size > 1 else None
         packed = [pack_rows(rows, input_ids_BS, mask_BS, position_ids_BS, pad_to=pad_to) for rows in plans]
         self.last_batch_stats = {
+            "token_budget": token_budget,
             "micro_batches": len(packed),
             "real_tokens": sum(m.num_real_tokens for m in packed),
             "computed_tokens": sum(m.packed_length for m in packed),
@@ -382,7 +421,7 @@ class TrainingEngine:
         self._all_reduce_dp_gradients()
         grad_norm = global_grad_norm(self._norm_params(), shard_group=self._shard_group(), stage_group=self.pp_group)
         metrics = self._reduce_metrics(records)  # identical on every rank: all ranks take the same branch below
-        metrics.update(grad_norm=float(grad_norm), lr=lr)
+        metrics.update(grad_norm=float(grad_norm), lr=lr, token_budget=float(self.token_budget))
         if not all(map(math.isfinite, (metrics.get("loss", 0.0), metrics["grad_norm"]))):
             return self._stop_non_finite(metrics, on_non_finite, context)
         if self.config.optim.grad_clip is not None:
@@ -466,7 +505,7 @@ class TrainingEngine:
         if self._pipeline_stage is None:
             self._pipeline_stage = build_pipeline_stage(
                 self.model, pp_rank=self.coords.pp_rank, pp_size=self.layout.pp_size, group=self.pp_group,
-                device=self.device, num_tokens=self.config.micro_batch_tokens,
+                device=self.device, num_tokens=self.token_budget,
                 hidden_size=self.hf_config.hidden_size, vocab_size=self.hf_config.vocab_size,
                 compute_dtype=self.compute_dtype)
         schedule = build_schedule(self._pipeline_stage, num_micro_batches=len(packed), loss_fn=schedule_loss,

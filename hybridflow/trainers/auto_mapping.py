@@ -35,7 +35,16 @@ def workload_of(config: RLConfig):
                     response_length=config.actor.generation.max_new_tokens,
                     samples_per_prompt=config.batch.samples_per_prompt,
                     mini_batch_size=config.batch.mini_batch_size, ppo_epochs=config.actor.loss.ppo_epochs,
-                    micro_batch_tokens=config.actor.engine.micro_batch_tokens)
+                    micro_batch_tokens=planning_token_budget(config.actor.engine.micro_batch_tokens))
+
+
+def planning_token_budget(micro_batch_tokens: int | str) -> int:
+    """The micro-batch budget the planner models: the configured one, or for 'auto' (resolved from free memory
+    only when the engine runs) 4096 tokens, what auto gives a pipeline with memory to spare (other layouts get
+    at least as many where memory allows)."""
+    from hybridflow.engine.token_budget import AUTO_PIPELINE_MAX_TOKENS
+
+    return AUTO_PIPELINE_MAX_TOKENS if micro_batch_tokens == "auto" else micro_batch_tokens
 
 
 def apply_plan(config: RLConfig, plan) -> RLConfig:
