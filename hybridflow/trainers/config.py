@@ -4,7 +4,8 @@ Batch vocabulary (docs/config.md is the user-facing copy):
 - ``batch.prompts_per_step``: prompts drawn from the dataset for one RL iteration;
 - ``batch.samples_per_prompt``: responses generated per prompt; a step holds their product;
 - ``batch.mini_batch_size``: samples per optimizer update (a step is split into several per epoch);
-- ``<role>.engine.micro_batch_tokens`` (per rank): tokens one forward/backward may hold.
+- ``<role>.engine.micro_batch_tokens`` (per rank): tokens one forward/backward may hold ('auto', the default:
+  what half the rank's free memory holds, ``hybridflow.engine.token_budget``).
 Everything else (samples per step, mini-batches per epoch, data-parallel sizes, generation replicas)
 is derived into :class:`DerivedSizes`; the config itself is never written to after it is built.
 """
