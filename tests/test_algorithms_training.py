@@ -121,8 +121,9 @@ def test_grpo_puts_a_k3_kl_into_the_loss_by_default_and_ppo_into_the_reward(data
     ppo = _config(data_dir, tmp_path, "algorithm.advantage_estimator=gae")
     assert ppo.algorithm.kl_in_reward and not ppo.algorithm.kl_in_loss
     history, _ = _train(_config(data_dir, tmp_path / "run", "batch.mini_batch_size=8"), tmp_path)
-    # one update per step: the first sees the reference's weights (up to packing's float rounding)
-    assert history[0]["actor/kl_loss"] == pytest.approx(0.0, abs=1e-6)
+    # one update per step: the first sees the reference's weights (up to packing's float rounding; on a GPU
+    # the actor's bf16 autocast against the reference's bf16 weights: 1.01e-6 on an H100)
+    assert history[0]["actor/kl_loss"] == pytest.approx(0.0, abs=1e-5)
     assert history[1]["actor/kl_loss"] > 1e-4  # k3 is >= 0, and > 0 once the actor moved
     assert history[1]["kl/coef"] == 0.05
 

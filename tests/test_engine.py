@@ -123,7 +123,7 @@ def test_forward_and_train_step_use_the_tempered_distribution_the_rollout_sample
 
     engine.train_step(batch, record, outputs=("logprobs",), temperature=0.7)
     # one micro-batch per row here (budget 12): the update's log-probs are the forward's, row by row
-    rows = torch.cat(seen["logprobs"])
+    rows = torch.cat(seen["logprobs"]).cpu()  # the loss sees them on the engine's device, forward returns CPU
     assert rows.shape == tempered.shape
     torch.testing.assert_close(rows.sort(0).values, tempered.sort(0).values, rtol=0, atol=2e-6)
     with pytest.raises(ValueError, match="temperature must be > 0, got 0"):
