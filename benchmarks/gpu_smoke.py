@@ -8,7 +8,8 @@ fails, then going on with the next), so one command on a GPU machine gives every
 - ``env``: torch / transformers versions, the GPU, the backend string ``hybridflow.device`` picks.
 - ``matmul``: measured bf16 matmul FLOP/s (the peak the engine's MFU is compared with).
 - ``train``: the training engine on a ~1.1B Llama (TinyLlama's shape, random weights), bf16 compute,
-  fp32 master weights, micro-batch token budgets 4k and 16k, without and with activation checkpointing
+  fp32 master weights, micro-batch token budgets 4k and 16k (``--budgets``, which takes ``auto`` too: the
+  budget it resolved to is ``resolved_budget``), without and with activation checkpointing
   (``--activation-checkpointing off,on``): tokens/s, MFU, peak allocated memory.
 - ``generate``: the native generation engine on the same model in bf16, batch 128, 256 new tokens
   (EOS suppressed, so every row decodes all 256): tokens/s and KV-cache bytes.
@@ -153,6 +154,7 @@ def part_train(args) -> None:
             times.append(time.perf_counter() - start)
         step_s = min(times)
         emit("train", model="llama-1.1B", params=params, dtype=config.dtype, budget=budget,
+             resolved_budget=engine.token_budget,
              activation_checkpointing=checkpointing,
              rows=rows, tokens_per_step=tokens,
              micro_batches=engine.last_batch_stats["micro_batches"], build_s=round(build_s, 1),
@@ -345,7 +347,8 @@ def ppo_step(args, variant: str, variant_overrides: list[str]) -> None:
         for record in history:
             emit("ppo", variant=variant, build_s=round(build_s, 1), after_build_gib=gib(built),
                  **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in record.items()
-                    if k.startswith(("time/", "memory/", "perf/", "hybrid/", "response/")) or k in ("step", "score/mean")})
+                    if k.startswith(("time/", "memory/", "perf/", "hybrid/", "response/")) or k in ("step", "score/mean")
+                    or k.endswith("token_budget")})
         emit("ppo_transition", variant=variant,
              **{k: (gib(v) if k.endswith("bytes") else round(v, 3)) for k, v in transition.items()})
         emit("ppo_phase_memory", variant=variant, **memory)
@@ -410,7 +413,8 @@ PARTS = {"profile": part_profile, "env": part_env, "matmul": part_matmul, "train
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--parts", default="env,matmul,train,generate,ppo,transition")
-    parser.add_argument("--budgets", type=lambda s: [int(x) for x in s.split(",")], default=[4096, 16384])
+    parser.add_argument("--budgets", type=lambda s: [x if x == "auto" else int(x) for x in s.split(",")],
+                        default=[4096, 16384], help="train part: micro_batch_tokens values (integers or auto)")
     parser.add_argument("--train-rows", type=int, default=32)
     parser.add_argument("--train-steps", type=int, default=3)
     parser.add_argument("--gen-rows", type=lambda s: [int(x) for x in s.split(",")], default=[128])
