@@ -119,6 +119,34 @@ ESTIMATORS: dict[str, Estimator] = {
 ``AlgorithmSection.advantage_estimator``'s Literal, which a test keeps equal to these keys)."""
 
 
+def shaped_rewards(
+    *,
+    algorithm: AlgorithmSection,
+    scores_B: Tensor,
+    response_mask_BT: Tensor,
+    old_logprobs_BT: Tensor,
+    ref_logprobs_BT: Tensor | None,
+    kl_coef: float,
+    dense_rewards_BT: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """The per-token rewards the estimator reads -> (rewards_BT, kl_BT): ``scores_B`` on each response's last
+    token, minus ``kl_coef`` x the per-token KL to the reference when ``algorithm.kl_in_reward``, plus
+    ``dense_rewards_BT`` token by token; in the old log-probs' dtype."""
+    mask_BT = response_mask_BT.to(old_logprobs_BT.dtype)
+    scores_B = scores_B.to(old_logprobs_BT.dtype)
+    if ref_logprobs_BT is not None:
+        shaping_coef = kl_coef if algorithm.kl_in_reward else 0.0
+        rewards_BT, kl_BT = kl_shaped_rewards(scores_B, old_logprobs_BT, ref_logprobs_BT, mask_BT, shaping_coef)
+    else:
+        rewards_BT, kl_BT = scores_on_last_token(scores_B, mask_BT), torch.zeros_like(mask_BT)
+    if dense_rewards_BT is not None:
+        if dense_rewards_BT.shape != mask_BT.shape:
+            raise ValueError(f"dense_rewards_BT must have the response shape {tuple(mask_BT.shape)}, "
+                             f"got {tuple(dense_rewards_BT.shape)}")
+        rewards_BT = rewards_BT + dense_rewards_BT.to(mask_BT.dtype) * mask_BT
+    return rewards_BT, kl_BT
+
+
 def compute_advantages(
     *,
     algorithm: AlgorithmSection,
@@ -145,17 +173,9 @@ def compute_advantages(
     advantages and returns come back too.
     """
     mask_BT = response_mask_BT.to(old_logprobs_BT.dtype)
-    scores_B = scores_B.to(old_logprobs_BT.dtype)
-    if ref_logprobs_BT is not None:
-        shaping_coef = kl_coef if algorithm.kl_in_reward else 0.0
-        rewards_BT, kl_BT = kl_shaped_rewards(scores_B, old_logprobs_BT, ref_logprobs_BT, mask_BT, shaping_coef)
-    else:
-        rewards_BT, kl_BT = scores_on_last_token(scores_B, mask_BT), torch.zeros_like(mask_BT)
-    if dense_rewards_BT is not None:
-        if dense_rewards_BT.shape != mask_BT.shape:
-            raise ValueError(f"dense_rewards_BT must have the response shape {tuple(mask_BT.shape)}, "
-                             f"got {tuple(dense_rewards_BT.shape)}")
-        rewards_BT = rewards_BT + dense_rewards_BT.to(mask_BT.dtype) * mask_BT
+    rewards_BT, kl_BT = shaped_rewards(algorithm=algorithm, scores_B=scores_B, response_mask_BT=response_mask_BT,
+                                       old_logprobs_BT=old_logprobs_BT, ref_logprobs_BT=ref_logprobs_BT,
+                                       kl_coef=kl_coef, dense_rewards_BT=dense_rewards_BT)
     estimator = ESTIMATORS[algorithm.advantage_estimator]
     inputs = EstimatorInputs(values_BT=values_BT, group_ids=group_ids, baseline_scores_B=baseline_scores_B,
                              gamma=algorithm.gamma, lam=algorithm.lam)

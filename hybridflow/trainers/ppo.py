@@ -26,7 +26,7 @@ from hybridflow.algorithms.lagrangian import LagrangeController
 from hybridflow.data import BatchLoader, PromptDataset, SFTDataset
 from hybridflow.protocol import DataProto
 from hybridflow.rewards import RuleReward
-from hybridflow.trainers.advantage import compute_advantages, sequence_kl, token_mean
+from hybridflow.trainers.advantage import compute_advantages, sequence_kl, shaped_rewards, token_mean
 from hybridflow.trainers.auto_mapping import resolve_auto_mapping
 from hybridflow.trainers.build import build_worker_groups, role_specs
 from hybridflow.trainers.checkpoint import RunCheckpointer, config_changes
@@ -35,9 +35,11 @@ from hybridflow.trainers.config_loader import dump_yaml, to_plain
 from hybridflow.trainers.export import export_roles
 from hybridflow.trainers.metrics import MetricsLogger, StepReporter
 from hybridflow.trainers.preflight import check_sequence_length, preflight
-from hybridflow.trainers.redundant_passes import old_log_prob_is_redundant
+from hybridflow.trainers.redundant_passes import critic_values_are_redundant, old_log_prob_is_redundant
 from hybridflow.trainers.scoring import RewardScorer
 from hybridflow.workers.actor import TRAINING_EXACT_LOGPROBS
+from hybridflow.workers.base import SEQUENCE_KEYS
+from hybridflow.workers.critic import TOKEN_REWARDS
 
 
 class RLTrainer:
@@ -94,6 +96,10 @@ class RLTrainer:
         self.skips_old_log_prob = old_log_prob_is_redundant(
             ppo_epochs=config.actor.loss.ppo_epochs, mini_batches_per_epoch=self.derived.mini_batches_per_epoch,
             has_reference=self.reference is not None)
+        self.folds_critic_values = self.critic is not None and critic_values_are_redundant(
+            ppo_epochs=config.critic.loss.ppo_epochs, mini_batches_per_epoch=self.derived.mini_batches_per_epoch,
+            colocated_with_actor=config.placement.pool_of("critic") == config.placement.pool_of("actor"),
+            has_cost_critic=self.cost_critic is not None)
         self.old_log_probs_from_rollout = False  # this step's choice, made in ``_score``
         self.step = 0
         self.best: dict | None = None  # trainer.keep_best: {"metric", "value", "step"} of the best validation
@@ -178,6 +184,10 @@ class RLTrainer:
         overlong_penalty_B = self._overlong_penalty(batch)  # DAPO's soft overlong punishment (0 when off)
         sequence_scores_B = sequence_scores_B + overlong_penalty_B
         baseline_B = self._greedy_baseline(prompts) if self.config.algorithm.advantage_estimator == "remax" else None
+        critic_metrics = {}
+        if self.folds_critic_values:  # the critic's update computes the values GAE needs: run it first
+            with _timer(timing, "update"):
+                critic_metrics = self._update_critic_from_own_values(batch, sequence_scores_B, dense_rewards_BT)
         result = compute_advantages(
             algorithm=self.config.algorithm, scores_B=sequence_scores_B, response_mask_BT=batch["response_mask"],
             old_logprobs_BT=batch.get("old_logprobs", torch.zeros(batch["response_mask"].shape)),
@@ -197,7 +207,8 @@ class RLTrainer:
         metrics = self._rollout_metrics(batch)
         with _timer(timing, "update"):
             critic_updates = [critic.update_critic.future(batch) for critic in (self.critic, self.cost_critic)
-                              if critic is not None]
+                              if critic is not None and not (critic is self.critic and self.folds_critic_values)]
+            metrics.update(critic_metrics)
             metrics.update(_first(self.actor.update_actor(batch)))
             if self.ptx_loader is not None:  # InstructGPT's PPO-ptx: a next-token step on pretraining rows
                 metrics.update(_first(self.actor.update_actor_ptx(self.ptx_loader.next_batch())))
@@ -222,6 +233,8 @@ class RLTrainer:
             "perf/old_log_prob_skipped": float(self.skips_old_log_prob),
             "perf/old_log_prob_from_rollout": float(self.old_log_probs_from_rollout),
         })
+        if self.critic is not None:
+            metrics["perf/critic_values_folded"] = float(self.folds_critic_values)
         if "values" in batch:
             metrics["critic/values_before_mean"] = token_mean(batch["values"], mask_BT)
         if self.lagrange is not None:
@@ -311,7 +324,7 @@ class RLTrainer:
             batch["old_logprobs"] = batch["logprobs"]
         if self.reference is not None:
             futures.append(self.reference.compute_ref_log_prob.future(batch))
-        if self.critic is not None:
+        if self.critic is not None and not self.folds_critic_values:
             futures.append(self.critic.compute_values.future(batch))
         if self.reward_model is not None:
             futures.append(self.reward_model.compute_reward.future(batch))
@@ -321,6 +334,24 @@ class RLTrainer:
         for future in futures:
             batch = batch.union(future.get())
         return batch
+
+    def _update_critic_from_own_values(self, batch: DataProto, scores_B: torch.Tensor,
+                                       dense_rewards_BT: torch.Tensor | None) -> dict[str, float]:
+        """The critic's one step per batch with its value pass folded in (``perf/critic_values_folded``): it
+        gets the per-token rewards, computes its values and GAE's returns in the update's own forward and
+        hands the values back into ``batch`` for the actor's advantages; returns the critic's metrics."""
+        algorithm = self.config.algorithm
+        rewards_BT, _ = shaped_rewards(
+            algorithm=algorithm, scores_B=scores_B, response_mask_BT=batch["response_mask"],
+            old_logprobs_BT=batch.get("old_logprobs", torch.zeros(batch["response_mask"].shape)),
+            ref_logprobs_BT=batch.get("ref_logprobs"), kl_coef=self.kl_controller.value,
+            dense_rewards_BT=dense_rewards_BT)
+        request = DataProto.from_dict(
+            tensors={**{key: batch[key] for key in SEQUENCE_KEYS}, TOKEN_REWARDS: rewards_BT},
+            meta_info={**batch.meta_info, "gamma": algorithm.gamma, "lam": algorithm.lam})
+        output = self.critic.update_critic_from_own_values(request)
+        batch["values"] = output["values"]
+        return dict(output.meta_info["metrics"])
 
     def _old_log_probs_from_rollout(self, batch: DataProto) -> bool:
         """Whether this step's old log-probs are the rollout's sampled ones (``actor.loss.old_log_probs``)."""
