@@ -17,6 +17,8 @@ from hybridflow.trainers.config import load_rl_config
 from hybridflow.trainers.ppo import RLTrainer, run_rl
 
 TASK = ArithmeticTaskConfig(max_digits=1)
+# the CPU's default for this narrow model, pinned where a test compares passes to float rounding (a GPU's auto is bf16)
+FP32 = ("actor.engine.dtype=float32", "reference.engine.dtype=float32", "critic.engine.dtype=float32")
 
 
 def length_reward(prompt: str, response: str, **extra_fields) -> float:
@@ -62,7 +64,7 @@ def _export(trainer: RLTrainer, role: str, directory) -> dict[str, torch.Tensor]
 
 def test_ppo_steps_change_every_actor_and_critic_parameter(data_dir, tmp_path):
     config = _config(data_dir, tmp_path / "run", "actor.loss.entropy_coef=0.01", "reward.model.builtin=arithmetic",
-                     "trainer.val_every=2")
+                     "trainer.val_every=2", *FP32)
     with local_mode():
         trainer = RLTrainer(config, tensorboard=False)
         try:
@@ -80,7 +82,8 @@ def test_ppo_steps_change_every_actor_and_critic_parameter(data_dir, tmp_path):
     # the reference is the initial actor; the old log-probs are the native rollout's (fp32, temperature 1),
     # which equal the reference forward's up to rounding
     assert history[1]["perf/old_log_prob_from_rollout"] == 1.0
-    assert abs(history[1]["kl/sequence_kl"]) < 1e-5
+    # (rounding: 1e-5 on a CPU; a GPU's decode and packed forward reduce in other orders, 3.5e-5 on an H100)
+    assert abs(history[1]["kl/sequence_kl"]) < (1e-4 if torch.cuda.is_available() else 1e-5)
     assert abs(history[2]["kl/sequence_kl"]) > 1e-4
     assert 1.0 <= history[1]["response/length_mean"] <= 4.0
     assert "val/score_mean" in history[2] and "val/function_mean" in history[2]
@@ -90,20 +93,20 @@ def test_ppo_steps_change_every_actor_and_critic_parameter(data_dir, tmp_path):
 
 def test_old_log_probs_come_from_the_native_fp32_rollout_only_where_they_equal_the_training_forwards(data_dir, tmp_path):
     recomputed = _run(_config(data_dir, tmp_path / "recompute", "actor.loss.old_log_probs=recompute",
-                              "trainer.total_steps=1"))[0]
+                              "trainer.total_steps=1", *FP32))[0]
     assert recomputed["perf/old_log_prob_from_rollout"] == 0.0 and recomputed["perf/old_log_prob_skipped"] == 0.0
     assert recomputed["kl/sequence_kl"] == 0.0  # the reference forward is the old-log-prob forward's twin
     # what `auto` relies on: the native rollout's sampled log-probs are the training forward's up to rounding
     assert recomputed["rollout/logprob_abs_diff_max"] < 1e-5
-    default = _run(_config(data_dir, tmp_path / "auto", "trainer.total_steps=1"))[0]
+    default = _run(_config(data_dir, tmp_path / "auto", "trainer.total_steps=1", *FP32))[0]
     assert default["perf/old_log_prob_from_rollout"] == 1.0 and "rollout/logprob_abs_diff_max" not in default
     # at another temperature the training forward divides the logits by it too: the same distribution
     tempered = _run(_config(data_dir, tmp_path / "tempered", "actor.generation.temperature=0.7",
-                            "actor.loss.old_log_probs=recompute", "trainer.total_steps=1"))[0]
+                            "actor.loss.old_log_probs=recompute", "trainer.total_steps=1", *FP32))[0]
     assert tempered["rollout/logprob_abs_diff_max"] < 1e-5
     assert tempered["kl/sequence_kl"] == 0.0  # the reference scores at the rollout's temperature as well
     tempered_auto = _run(_config(data_dir, tmp_path / "tempered_auto", "actor.generation.temperature=0.7",
-                                 "trainer.total_steps=1"))[0]
+                                 "trainer.total_steps=1", *FP32))[0]
     assert tempered_auto["perf/old_log_prob_from_rollout"] == 1.0
     # bf16 rollouts (the GPU default) are another precision: recomputed
     bf16 = _run(_config(data_dir, tmp_path / "bf16", "actor.engine.dtype=bfloat16", "trainer.total_steps=1"))[0]
@@ -116,11 +119,11 @@ def test_old_log_probs_come_from_the_native_fp32_rollout_only_where_they_equal_t
 def test_the_critic_value_pass_folded_into_its_update_gives_the_steps_of_the_separate_pass(data_dir, tmp_path,
                                                                                          monkeypatch):
     # one mini-batch per step: the critic's one optimizer step follows the forward that gives the old values
-    folded = _run(_config(data_dir, tmp_path / "folded", "batch.mini_batch_size=8"))
+    folded = _run(_config(data_dir, tmp_path / "folded", "batch.mini_batch_size=8", *FP32))
     assert [record["perf/critic_values_folded"] for record in folded] == [1.0, 1.0]
     assert all(record["critic/value_clip_fraction"] == 0.0 for record in folded)
     monkeypatch.setattr("hybridflow.trainers.ppo.critic_values_are_redundant", lambda **_: False)
-    separate = _run(_config(data_dir, tmp_path / "separate", "batch.mini_batch_size=8"))
+    separate = _run(_config(data_dir, tmp_path / "separate", "batch.mini_batch_size=8", *FP32))
     assert [record["perf/critic_values_folded"] for record in separate] == [0.0, 0.0]
     for one, other in zip(folded, separate):
         assert sorted(one) == sorted(other)
@@ -173,7 +176,8 @@ def test_resume_from_checkpoint_continues_identically(data_dir, tmp_path):
     resumed = _run(_config(data_dir, tmp_path / "resumed", "trainer.total_steps=3"))
     assert [record["step"] for record in resumed] == [1, 2, 3]
     for name, value in straight[2].items():
-        if not name.startswith("time/"):
+        # the CUDA allocator's byte counts depend on what the process ran before (a resumed process ran less)
+        if not name.startswith("time/") and not name.endswith("allocated_bytes"):
             assert resumed[2][name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
 
 

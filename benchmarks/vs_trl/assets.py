@@ -81,3 +81,15 @@ def build_prompts(path: Path, count: int, *, seed: int = 0) -> Path:
         write_jsonl(path, [{"prompt": row["prompt"]} for row in
                            prompt_rows(count, split="train", seed=seed, config=ArithmeticTaskConfig())])
     return path
+
+
+def policy_dir(name: str, directory: Path) -> Path:
+    """The policy of a benchmark model name: a random-init ``MODELS`` entry built under ``directory``, or the
+    converted SmolLM2-135M-Instruct for ``smollm2`` (exits naming scripts/get_smollm2.py when it is missing)."""
+    if name != "smollm2":
+        return build_model_dir(name, directory)
+    from hybridflow.models import smollm2_path
+
+    if smollm2_path() is None:
+        raise SystemExit("SmolLM2-135M-Instruct is not converted: run python scripts/get_smollm2.py")
+    return Path(smollm2_path())
