@@ -54,10 +54,11 @@ def test_old_log_probs_are_redundant_only_for_one_epoch_of_one_mini_batch_withou
 
 
 def test_critic_values_fold_into_the_update_only_for_one_step_per_batch_of_a_colocated_reward_critic():
-    folds = dict(ppo_epochs=1, mini_batches_per_epoch=1, colocated_with_actor=True, has_cost_critic=False)
+    folds = dict(ppo_epochs=1, mini_batches_per_epoch=1, colocated_with_actor=True, has_cost_critic=False,
+                 masks_rows_after_advantages=False)
     assert critic_values_are_redundant(**folds)
     for key, value in (("ppo_epochs", 2), ("mini_batches_per_epoch", 2), ("colocated_with_actor", False),
-                       ("has_cost_critic", True)):
+                       ("has_cost_critic", True), ("masks_rows_after_advantages", True)):
         assert not critic_values_are_redundant(**{**folds, key: value}), key
 
 

@@ -99,7 +99,7 @@ class RLTrainer:
         self.folds_critic_values = self.critic is not None and critic_values_are_redundant(
             ppo_epochs=config.critic.loss.ppo_epochs, mini_batches_per_epoch=self.derived.mini_batches_per_epoch,
             colocated_with_actor=config.placement.pool_of("critic") == config.placement.pool_of("actor"),
-            has_cost_critic=self.cost_critic is not None)
+            has_cost_critic=self.cost_critic is not None, masks_rows_after_advantages=config.algorithm.overlong_filter)
         self.old_log_probs_from_rollout = False  # this step's choice, made in ``_score``
         self.step = 0
         self.best: dict | None = None  # trainer.keep_best: {"metric", "value", "step"} of the best validation
