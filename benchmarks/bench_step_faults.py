@@ -5,7 +5,10 @@
 resource counters (getrusage) cover the engines, and prints for each step's rollout (``generate``) and update
 (``train``): seconds, minor page faults, user and system CPU seconds, and resident memory after it. A step
 whose update takes much longer than the later ones while its system time is high is growing the process's
-heap: memory it touches for the first time, which the kernel faults in page by page.
+heap: memory it touches for the first time, which the kernel faults in page by page. The heap is already
+kept between steps (``hybridflow.device.configure_host_allocator``, measured per training step against glibc's
+defaults by ``bench_host_allocator.py``); this script shows what is left with it: the first steps' growth,
+in the RL loop with the rollout between updates.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ OUTPUTS_OF_HEAD = {"lm": ("logprobs", "entropy"), "value": ("values",), "score":
 
 
 def _local(tensor: Tensor) -> Tensor:
-    """This rank's part of a (possibly DTensor) parameter."""
+    """This rank's part of a (possibly DTensor) parameter or gradient."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
@@ -196,7 +196,7 @@ class TrainingEngine:
         param = self._tied_param
         if param.grad is None:
             param.grad = torch.zeros_like(param)
-        grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+        grad = _local(param.grad)
         dist.all_reduce(grad, group=self._tied_group)
 
     @property
@@ -464,7 +464,7 @@ class TrainingEngine:
         for param in self.params:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-            grads.append(param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad)
+            grads.append(_local(param.grad))
         # one flat all-reduce instead of one per parameter (collective latency dominates small tensors)
         flat = torch.cat([grad.reshape(-1) for grad in grads])
         dist.all_reduce(flat, group=self.dp_group)
@@ -561,7 +561,7 @@ class TrainingEngine:
         if self.config.layout != "3d":
             raise ValueError(f"local_shards() needs layout='3d' (parameters sharded only over tp and pp); "
                              f"this engine has layout={self.config.layout!r}")
-        return {name: (p.to_local() if isinstance(p, DTensor) else p).data
+        return {name: _local(p).data
                 for name, p in self.model.named_parameters()}
 
     def full_state_dict(self) -> dict[str, Tensor]:

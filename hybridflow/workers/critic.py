@@ -49,7 +49,7 @@ def own_values_loss_fn(spec: ValueLossConfig, *, gamma: float, lam: float, value
     ``token_rewards``). Appends (rows, values_BT) to ``values_out`` so the caller can hand the values back."""
     loss_fn = value_loss_fn(spec, prefix=prefix)
 
-    def fused_loss_fn(outputs: dict[str, Tensor], batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+    def loss_with_own_values(outputs: dict[str, Tensor], batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
         values_BT = outputs["values"].detach().float()
         mask_BT = batch["response_mask"].to(values_BT.dtype)
         _, returns_BT = gae_advantages(batch[TOKEN_REWARDS].to(values_BT.dtype), values_BT, mask_BT,
@@ -57,7 +57,7 @@ def own_values_loss_fn(spec: ValueLossConfig, *, gamma: float, lam: float, value
         values_out.append((batch[ROW_INDEX], values_BT))
         return loss_fn(outputs, {**batch, f"{prefix}values": values_BT, f"{prefix}returns": returns_BT})
 
-    return fused_loss_fn
+    return loss_with_own_values
 
 
 class CriticWorker(ModelWorker):
@@ -89,9 +89,9 @@ class CriticWorker(ModelWorker):
     def update_critic_from_own_values(self, data: DataProto) -> DataProto:
         """One optimizer step whose forward also computes the values (``compute_values`` folded into
         ``update_critic`` when the critic makes one step per batch: trainers/redundant_passes.py). Reads
-        ``token_rewards`` [B, T] and ``meta_info`` ``gamma``/``lam``/``seed``; returns ``{prefix}values`` [B, T]
-        (the weights before the step, as ``compute_values`` would give them up to float rounding) with the
-        update's metrics in ``meta_info['metrics']``."""
+        ``token_rewards`` [B, T] and ``meta_info`` ``gamma``/``lam`` (one mini-batch: no shuffling, no seed);
+        returns ``{prefix}values`` [B, T] (the weights before the step, as ``compute_values`` would give them up
+        to float rounding) with the update's metrics in ``meta_info['metrics']``."""
         values_out: list[tuple[Tensor, Tensor]] = []
         loss_fn = own_values_loss_fn(self.loss, gamma=float(data.meta_info["gamma"]), lam=float(data.meta_info["lam"]),
                                      values_out=values_out, prefix=self.prefix)
