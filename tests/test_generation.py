@@ -269,7 +269,7 @@ def test_kv_cache_is_released_when_generation_returns():
     gc.collect()
     assert len(caches) == 1 and caches[0]() is None
     # keys and values of 2 layers, 4 rows, 2 kv heads, P+T positions, head dim 16, fp32
-    assert engine.last_stats.peak_kv_cache_bytes == 2 * 2 * 4 * 2 * (P + T) * 16 * 4
+    assert engine.last_stats.kv_cache_bytes == 2 * 2 * 4 * 2 * (P + T) * 16 * 4
 
 
 @pytest.mark.parametrize("field, value", [("max_new_tokens", 0), ("temperature", 0.0), ("top_k", -1),

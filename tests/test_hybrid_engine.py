@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 from hybridflow.engine.generation import GenerationConfig
 from hybridflow.engine.hybrid_engine import (HybridEngine, HybridEngineConfig, cut_training_shards,
                                              parameter_shapes, storage_bytes, training_stage_of)
+from hybridflow.engine.native_rollout import NativeRollout
 from hybridflow.parallel.launch import run_distributed
 from hybridflow.parallel.layout import GenerationLayout, ParallelLayout
 from hybridflow.parallel.sharding import tp_shard_dim
@@ -42,6 +43,16 @@ def tensors(value):
         return [tensors(v) for v in value]
     return value
 GREEDY = GenerationConfig(max_new_tokens=6, greedy=True)
+
+
+def generate_on(hybrid: HybridEngine, prompts_BP, mask_BP, config: GenerationConfig) -> dict:
+    """The native rollout backend on the hybrid engine's generation shard (between its two transitions)."""
+    rollout = NativeRollout(hybrid.hf_config, dtype=hybrid.dtype, config=config)
+    rollout.load(hybrid.shard, version=0)
+    try:
+        return rollout.generate(prompts_BP, mask_BP, config)
+    finally:
+        rollout.release()
 
 
 def tiny_hf_config(family: str):
@@ -90,10 +101,10 @@ def _generate_under_cases(rank: int, world_size: int, cases) -> list[dict]:
         engine = HybridEngine(config, layout, HybridEngineConfig(pp_size=pg, tp_size=tg, strategy=strategy))
         going = engine.to_generation(shards)
         in_place = all(any(piece.data_ptr() == shards[name].data_ptr() for piece in pieces)
-                       for name, pieces in engine.engine.stage.weights.items() if name in shards)
+                       for name, pieces in engine.shard.weights.items() if name in shards)
         rows = slice(engine.replica * len(prompts) // engine.num_replicas,
                      (engine.replica + 1) * len(prompts) // engine.num_replicas)
-        out = engine.generate(prompts[rows], mask[rows], GREEDY)
+        out = generate_on(engine, prompts[rows], mask[rows], GREEDY)
         back = engine.to_training()
         results.append(dict(replica=engine.replica, rows=(rows.start, rows.stop), responses=out["responses"],
                             logprobs=out["logprobs"], to_generation=going, to_training=back, in_place=in_place,
@@ -237,7 +248,7 @@ def _round_trips(rank: int, world_size: int) -> dict:
     memory_after_each, peaks = [], []
     for step in range(ROUND_TRIPS):
         peaks.append(engine.to_generation(shards).param_bytes)
-        engine.generate(prompts, mask, GenerationConfig(max_new_tokens=2, greedy=True))
+        generate_on(engine, prompts, mask, GenerationConfig(max_new_tokens=2, greedy=True))
         memory_after_each.append(engine.to_training().param_bytes)
         assert all(s.data_ptr() == pointers[n] for n, s in shards.items())
         tp_rank = layout.coords(rank).tp_rank
@@ -246,7 +257,7 @@ def _round_trips(rank: int, world_size: int) -> dict:
     engine.to_generation(shards)
     rows = slice(engine.replica * 2, engine.replica * 2 + 2)
     prompts4, mask4 = prompts_and_mask(4)
-    final = engine.generate(prompts4[rows], mask4[rows], GREEDY)["responses"]
+    final = generate_on(engine, prompts4[rows], mask4[rows], GREEDY)["responses"]
     engine.to_training()
     return portable(dict(training_bytes=training_bytes, memory_after_each=memory_after_each, peaks=peaks,
                 identical=all(torch.equal(shards[n], untouched[n]) for n in shards), shards=shards,
@@ -292,7 +303,7 @@ def _through_the_training_engine(rank: int, world_size: int) -> dict:
     hybrid.to_generation(trainer.local_shards())
     # every replica generates the whole batch (same weights and seed: same samples) so that the one
     # training replica can recompute all of it
-    sampled = hybrid.generate(prompts, mask, GenerationConfig(max_new_tokens=6, seed=3))
+    sampled = generate_on(hybrid, prompts, mask, GenerationConfig(max_new_tokens=6, seed=3))
     hybrid.to_training()
     recomputed = trainer.forward(sampled, outputs=("logprobs",))["logprobs"]
 
@@ -301,7 +312,7 @@ def _through_the_training_engine(rank: int, world_size: int) -> dict:
 
     trainer.train_step(sampled, loss_fn, outputs=("logprobs",))
     hybrid.to_generation(trainer.local_shards())
-    greedy = hybrid.generate(prompts, mask, GREEDY)["responses"]
+    greedy = generate_on(hybrid, prompts, mask, GREEDY)["responses"]
     hybrid.to_training()
     return portable(dict(sampled=sampled, recomputed=recomputed, greedy=greedy, full=trainer.full_state_dict(),
                          unmoved=all(s.data_ptr() == pointers[n] for n, s in trainer.local_shards().items())))
@@ -337,8 +348,8 @@ def _bf16_generation(rank: int, world_size: int) -> dict:
         hybrid = HybridEngine(trainer.hf_config, trainer.layout, HybridEngineConfig(tp_size=1), dtype=dtype)
         pointers = {n: s.data_ptr() for n, s in trainer.local_shards().items()}
         stats = hybrid.to_generation(trainer.local_shards())
-        out = hybrid.generate(prompts, mask, GREEDY)
-        report[str(dtype)] = dict(received=stats.bytes_received, stage_dtype=str(hybrid.engine.stage.dtype),
+        out = generate_on(hybrid, prompts, mask, GREEDY)
+        report[str(dtype)] = dict(received=stats.bytes_received, stage_dtype=str(next(iter(hybrid.shard.weights.values()))[0].dtype),
                                   finite=bool(torch.isfinite(out["logprobs"]).all()),
                                   responses=out["responses"].shape)
         hybrid.to_training()

@@ -26,7 +26,7 @@ def test_backend_defaults_to_native_and_an_unknown_backend_names_the_field():
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
 def test_backend_vllm_without_vllm_installed_says_how_to_install_it():
-    with pytest.raises(ValueError, match=r"backend='vllm' needs vLLM, which is not installed here: pip install"):
+    with pytest.raises(ValueError, match=r"backend='vllm' needs vllm, which is not installed here: pip install"):
         GenerationConfig(backend="vllm")
 
 

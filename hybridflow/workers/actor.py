@@ -16,6 +16,7 @@ from hybridflow.algorithms import (POLICY_LOSSES, aggregate_loss, kl_estimate, m
 from hybridflow.controller import register
 from hybridflow.engine.hybrid_engine import HybridEngine, training_shards
 from hybridflow.engine.optim import OptimizerOffload
+from hybridflow.engine.rollout import Rollout, rollout_class
 from hybridflow.protocol import DataProto
 from hybridflow.workers.base import ROLLOUT_TEMPERATURE, SEQUENCE_KEYS, ModelWorker, step_context, tensors_of
 from hybridflow.workers.spec import ActorSpec, PolicyLossConfig
@@ -23,7 +24,10 @@ from hybridflow.workers.spec import ActorSpec, PolicyLossConfig
 UPDATE_KEYS = SEQUENCE_KEYS + ("old_logprobs", "advantages", "ref_logprobs")
 BEHAVIOUR_KEY = "logprobs"  # the rollout's sampled log-probs (TIS)
 TRAINING_EXACT_LOGPROBS = "logprobs_are_training_logprobs"
-"""meta_info flag of a rollout: its log-probs are the training engine's up to rounding (see ``generate_sequences``)."""
+"""meta_info flag of a rollout: its log-probs are the training engine's up to rounding (the backend's
+``Rollout.logprobs_match_training``)."""
+WEIGHT_VERSION = "weight_version"
+"""meta_info of a rollout: the version of the weights that generated it (the actor's optimizer steps so far)."""
 GENERATION_OVERRIDES = ("greedy", "samples_per_prompt", "seed", "max_new_tokens")
 
 
@@ -99,26 +103,15 @@ class ActorWorker(ModelWorker):
         # the AdamW moments leave the accelerator for the rollout (actor.hybrid_engine.offload_optimizer)
         offload = spec.hybrid_engine.offload_optimizer
         self.optimizer_offload = OptimizerOffload(self.engine.optimizer) if offload else None
-        self.rollout = None  # the vLLM engine (backend=vllm), built on the first rollout and kept
+        self.rollout: Rollout | None = None
+        """The generation backend (``actor.generation.backend``), built on the first rollout and kept."""
 
-    def _vllm_rollout(self, config):
-        """This rank's vLLM engine, built once (tens of seconds) and reused by every later rollout."""
+    def _rollout_for(self, shard) -> Rollout:
+        """This rank's rollout backend, built once (every rank at once) for shards laid out like ``shard``."""
         if self.rollout is None:
-            layout = self.hybrid.generation_layout
-            whole = self.hybrid.strategy.whole_model
-            if not whole and layout.pp_size != 1:
-                raise ValueError(f"actor.hybrid_engine.pp_size={layout.pp_size}: backend='vllm' runs pg = 1 "
-                                 "(tensor-parallel generation only); use backend='native' for pg > 1 "
-                                 "(see docs/generation.md)")
-            from hybridflow.engine.vllm_rollout import VllmRollout
-
-            # one vLLM engine per generation replica, tensor-parallel over the hybrid engine's own
-            # generation TP groups (each ordered by generation TP rank)
-            tp_groups = None if whole else [layout.replica_ranks(r) for r in range(layout.num_replicas)]
-            # the spec's sampling defaults (not this call's overrides: a greedy validation may come first)
-            # fix which log-probs vLLM records for the whole run
-            self.rollout = VllmRollout(self.engine.hf_config, dtype=self.hybrid.dtype,
-                                       config=self.actor_spec.generation, seed=config.seed, tp_groups=tp_groups)
+            generation = self.actor_spec.generation
+            self.rollout = rollout_class(generation.backend).for_shard(self.engine.hf_config, shard,
+                                                                       dtype=self.hybrid.dtype, config=generation)
         return self.rollout
 
     @register("3D_ALL_MICRO_DP")
@@ -134,49 +127,52 @@ class ActorWorker(ModelWorker):
         config = dataclasses.replace(config, seed=config.seed * 1_000_003 + self.hybrid.replica)
         offloaded_bytes = self.optimizer_offload.offload() if self.optimizer_offload is not None else 0
         try:
-            to_generation = self.hybrid.to_generation(training_shards(self.engine))
-            rollout = self._vllm_rollout(config) if config.backend == "vllm" else None
-            load = None
-            try:
-                if rollout is None:
-                    output = self.hybrid.generate(prompts["input_ids"], prompts["attention_mask"], config)
-                else:  # copy the generation shard into vLLM, then drop the gathered pieces before generating
-                    load = rollout.load_weights(self.hybrid.engine.stage.weights)
-            finally:
-                to_training = self.hybrid.to_training()
-            if rollout is not None:
-                try:
-                    output = rollout.generate(prompts["input_ids"], prompts["attention_mask"], config)
-                finally:
-                    rollout.release()  # KV cache and weight copy back to training
-        finally:  # the optimizer state comes back once generation (either backend) is over
+            output, to_generation, to_training, load = self._rollout(prompts, config)
+        finally:  # the optimizer state comes back once generation is over
             if self.optimizer_offload is not None:
                 self.optimizer_offload.reload()
         self.last_transition = {
             "to_generation_s": to_generation.seconds, "to_training_s": to_training.seconds,
-            "bytes_received": to_generation.bytes_received, "generation_param_bytes": to_generation.param_bytes,
-            "peak_param_bytes": to_generation.peak_param_bytes,
+            "bytes_received": to_generation.bytes_received,
+            # during generation: the training shards and the shard's pieces (kept by a backend that reads them in
+            # place, else dropped) plus the backend's own copy; while loading, all of them
+            "generation_param_bytes": ((to_generation if self.rollout.reads_shard_in_place else to_training).param_bytes
+                                       + load.param_bytes),
+            "peak_param_bytes": max(to_generation.peak_param_bytes, to_generation.param_bytes + load.param_bytes),
             "generation_allocated_bytes": to_generation.allocated_bytes,
             "generation_peak_allocated_bytes": to_training.peak_allocated_bytes,
             "training_allocated_bytes": to_training.allocated_bytes, "collectives": to_generation.collectives,
             # 0 when the option is off or the state already lives on the CPU (a CPU run, FSDP CPU offload)
-            "optimizer_offloaded": float(offloaded_bytes > 0), "optimizer_offloaded_bytes": offloaded_bytes}
-        if load is not None:
-            # during generation: the training shards and vLLM's copy; while loading, the gathered pieces too
-            self.last_transition.update({
-                "generation_param_bytes": to_training.param_bytes + load.param_bytes,
-                "peak_param_bytes": max(to_generation.peak_param_bytes, to_generation.param_bytes + load.param_bytes),
-                "vllm_bytes_loaded": load.bytes_loaded, "vllm_load_s": load.seconds,
-                "vllm_kv_cache_bytes": load.kv_cache_bytes})
+            "optimizer_offloaded": float(offloaded_bytes > 0), "optimizer_offloaded_bytes": offloaded_bytes,
+            **self.rollout.transition_metrics()}
         samples = config.samples_per_prompt
         non_tensors = {key: np.repeat(values, samples) for key, values in prompts.non_tensor_batch.items()}
-        # the native engine decodes with the training weights at the training compute dtype; in fp32 its
-        # log-probs (of softmax(logits / temperature)) are what the training forward computes, up to rounding
-        exact = config.backend == "native" and self.hybrid.dtype == torch.float32
         temperature = 1.0 if config.greedy else float(config.temperature)
         return DataProto.from_dict(tensors={k: v.cpu() for k, v in output.items()}, non_tensors=non_tensors,
-                                   meta_info={**prompts.meta_info, TRAINING_EXACT_LOGPROBS: exact,
-                                              ROLLOUT_TEMPERATURE: temperature})
+                                   meta_info={**prompts.meta_info, ROLLOUT_TEMPERATURE: temperature,
+                                              TRAINING_EXACT_LOGPROBS: self.rollout.logprobs_match_training,
+                                              WEIGHT_VERSION: self.rollout.version})
+
+    def _rollout(self, prompts: DataProto, config):
+        """One rollout's lifecycle, whatever the backend: to generation, load the shard (a backend that copied it
+        lets training have the gathered pieces back at once), generate, release, back to training.
+        Returns (output, to_generation stats, to_training stats, the load's stats)."""
+        to_generation = self.hybrid.to_generation(training_shards(self.engine))
+        to_training = None
+        try:
+            rollout = self._rollout_for(self.hybrid.shard)
+            try:
+                rollout.resume()
+                load = rollout.load(self.hybrid.shard, version=self.engine.step)
+                if not rollout.reads_shard_in_place:
+                    to_training = self.hybrid.to_training()
+                output = rollout.generate(prompts["input_ids"], prompts["attention_mask"], config)
+            finally:
+                rollout.release()  # KV cache, weight copies and references to the pieces back to training
+        finally:
+            if to_training is None:
+                to_training = self.hybrid.to_training()
+        return output, to_generation, to_training, load
 
     @register("ONE_TO_ALL")
     def transition_stats(self) -> dict[str, float]:
