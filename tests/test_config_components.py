@@ -144,13 +144,13 @@ def test_overrides_are_accepted_after_flags(capsys):
 def test_suppressed_tokens_are_never_sampled_and_logprobs_stay_those_of_the_model():
     logits_BV = torch.tensor([[5.0, 0.0, 0.0, 0.0]]).repeat(64, 1)
     generator = torch.Generator().manual_seed(0)
-    tokens_B, logprobs_B = sample_tokens(logits_BV, GenerationConfig(suppress_tokens=(0,)), generator)
+    tokens_B, logprobs_B = sample_tokens(logits_BV, GenerationConfig(suppress_tokens=(0,)).resolved(), generator)
     assert not (tokens_B == 0).any()
     torch.testing.assert_close(logprobs_B, torch.log_softmax(logits_BV, -1)[0, 1].expand(64))
 
 
 def test_min_new_tokens_masks_end_tokens_only_before_the_minimum():
-    config = GenerationConfig(min_new_tokens=2)
+    config = GenerationConfig(min_new_tokens=2).resolved()
     logits_BV = torch.zeros(1, 4)
     end_ids = torch.tensor([3])
     assert process_logits(logits_BV, config, history_BL=None, step=1, end_ids=end_ids)[0, 3] == float("-inf")
@@ -158,7 +158,7 @@ def test_min_new_tokens_masks_end_tokens_only_before_the_minimum():
 
 
 def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens():
-    config = GenerationConfig(repetition_penalty=2.0)
+    config = GenerationConfig(repetition_penalty=2.0).resolved()
     logits_BV = torch.tensor([[4.0, -4.0, 4.0]])
     processed = process_logits(logits_BV, config, history_BL=torch.tensor([[0, 1, 1]]), step=0, end_ids=None)
     assert processed.tolist() == [[2.0, -8.0, 4.0]]
@@ -171,7 +171,30 @@ def test_model_generation_config_fills_the_defaults_but_not_the_values_set_by_th
     assert (resolved.eos_token_ids, resolved.temperature, resolved.top_k, resolved.top_p) == ((2, 9), 0.6, 7, 0.9)
     assert resolved.suppress_tokens == (1,) and resolved.stop_sequences == ((5, 5),)
     off = GenerationConfig(use_model_defaults=False).with_model_defaults(model)
-    assert (off.temperature, off.eos_token_ids) == (1.0, ())
+    assert (off.temperature, off.top_k, off.top_p, off.repetition_penalty, off.eos_token_ids) == (1.0, 0, 1.0, 1.0, ())
+
+
+def test_a_sampling_value_the_user_wrote_is_kept_even_when_it_equals_the_default():
+    model = {"temperature": 0.6, "top_k": 50, "top_p": 0.9, "repetition_penalty": 1.3}
+    written = GenerationConfig(temperature=1.0, top_k=0, top_p=1.0, repetition_penalty=1.0)
+    resolved = written.with_model_defaults(model)
+    assert (resolved.temperature, resolved.top_k, resolved.top_p, resolved.repetition_penalty) == (1.0, 0, 1.0, 1.0)
+    unset = GenerationConfig().with_model_defaults(model)
+    assert (unset.temperature, unset.top_k, unset.top_p, unset.repetition_penalty) == (0.6, 50, 0.9, 1.3)
+    assert GenerationConfig().temperature is None and GenerationConfig().resolved().temperature == 1.0
+
+
+def test_resuming_a_checkpoint_whose_config_was_saved_with_the_old_sampling_defaults_reports_no_change():
+    from hybridflow.trainers.checkpoint import config_changes
+
+    old = {"actor": {"generation": {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0}}}
+    unset = {"actor": {"generation": {"temperature": None, "top_k": None, "top_p": None, "repetition_penalty": None}}}
+    assert config_changes(old, unset) == ([], [])
+    assert config_changes(unset, unset) == ([], [])
+    changed = {"actor": {"generation": {"temperature": 0.7, "top_k": None, "top_p": None, "repetition_penalty": None}}}
+    assert config_changes(old, changed)[1] == ["actor.generation.temperature: 1.0 -> 0.7"]
+    assert config_changes(unset, {"actor": {"generation": {**unset["actor"]["generation"], "top_k": 0}}})[1] == [
+        "actor.generation.top_k: None -> 0"]
 
 
 def test_stop_strings_end_a_response_and_min_new_tokens_delays_the_end():

@@ -226,6 +226,7 @@ def _smollm2_under_tg3(rank: int, world_size: int) -> dict:
 
     from hybridflow.engine.generation import GenerationConfig
     from hybridflow.engine.hybrid_engine import HybridEngine, HybridEngineConfig, cut_training_shards
+    from hybridflow.engine.native_rollout import NativeRollout
     from hybridflow.engine.vllm_rollout import VllmRollout
     from hybridflow.models import load_tokenizer
     from hybridflow.models.smollm2 import smollm2_path
@@ -244,10 +245,12 @@ def _smollm2_under_tg3(rank: int, world_size: int) -> dict:
     config = GenerationConfig(backend="vllm", max_new_tokens=8, greedy=True, vllm_kv_cache_gib=0.125)
     hybrid = HybridEngine(hf_config, layout, HybridEngineConfig(tp_size=world_size))
     hybrid.to_generation(shards)
-    native = hybrid.generate(prompts_BP, mask_BP, config)
-    rollout = VllmRollout(hf_config, dtype=torch.float32, config=config,
-                          tp_groups=[hybrid.generation_layout.replica_ranks(0)])
-    load = rollout.load_weights(hybrid.engine.stage.weights)
+    native_rollout = NativeRollout(hf_config, dtype=torch.float32, config=config)
+    native_rollout.load(hybrid.shard, version=0)
+    native = native_rollout.generate(prompts_BP, mask_BP, config)
+    native_rollout.release()
+    rollout = VllmRollout.for_shard(hf_config, hybrid.shard, dtype=torch.float32, config=config)
+    load = rollout.load(hybrid.shard, version=0)
     hybrid.to_training()
     got = rollout.generate(prompts_BP, mask_BP, config)
     rollout.release()

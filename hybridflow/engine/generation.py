@@ -152,6 +152,7 @@ class GenerationEngine:
         small operations, each cheaper that way) and returns ordinary tensors (copies of the few outputs), which
         training may use like any other.
         """
+        config = config.resolved()
         with torch.inference_mode():
             outputs = self._generate(prompts_BP, prompt_mask_BP, config)
         return {key: value.clone() for key, value in outputs.items()}

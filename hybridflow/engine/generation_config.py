@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 
 from hybridflow.engine.rollout import ROLLOUT_BACKENDS, rollout_backend
 
 BACKENDS = tuple(ROLLOUT_BACKENDS)
 """The built-in rollout backends (``engine/rollout.py``'s registry takes more)."""
+
+SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0}
+"""What the sampling fields a model's ``generation_config.json`` may fill mean when neither the user nor the model
+sets them (None in ``GenerationConfig`` = unset). Also the values configs saved before they became optional hold
+where the user set nothing (``unset_before_it_was_optional``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,15 +41,17 @@ class GenerationConfig:
     """T: the most tokens generated per response; responses are right-padded to exactly T."""
     min_new_tokens: int = 0
     """End tokens (EOS, stop tokens) cannot be sampled before this many response tokens."""
-    temperature: float = 1.0
-    """Logits are divided by it before top-k/top-p and sampling (ignored when greedy)."""
-    top_k: int = 0
-    """Sample among the k most likely tokens only; 0 turns it off."""
-    top_p: float = 1.0
-    """Nucleus sampling: the smallest set of tokens whose probability reaches top_p; 1.0 turns it off."""
-    repetition_penalty: float = 1.0
+    temperature: float | None = None
+    """Logits are divided by it before top-k/top-p and sampling (ignored when greedy). null: the model's
+    ``generation_config.json`` value (``use_model_defaults``), else 1.0."""
+    top_k: int | None = None
+    """Sample among the k most likely tokens only; 0 turns it off. null: the model's value, else 0."""
+    top_p: float | None = None
+    """Nucleus sampling: the smallest set of tokens whose probability reaches top_p; 1.0 turns it off. null: the
+    model's value, else 1.0."""
+    repetition_penalty: float | None = None
     """CTRL-style penalty on tokens already in the prompt or response: positive logits are divided by it,
-    negative ones multiplied; 1.0 turns it off."""
+    negative ones multiplied; 1.0 turns it off. null: the model's value, else 1.0."""
     greedy: bool = False
     """Take the most likely token at every step (temperature, top_k, top_p and seed are ignored)."""
     suppress_tokens: tuple[int, ...] = ()
@@ -55,7 +62,7 @@ class GenerationConfig:
     """Further tokens that end a response, e.g. an end-of-turn token; kept like EOS."""
     use_model_defaults: bool = True
     """Read the model directory's ``generation_config.json``: its EOS ids and ``suppress_tokens`` are added,
-    and its temperature, top_k, top_p and repetition_penalty replace the ones left at their defaults here."""
+    and its temperature, top_k, top_p and repetition_penalty fill the ones left unset (null) here."""
     memory_budget_gib: float | None = None
     """Memory one wave of rows may take (KV cache plus prefill activations, estimated per row); rows
     beyond it wait for the next wave. None: 80% of the device's free memory on CUDA, unbounded on CPU.
@@ -85,14 +92,14 @@ class GenerationConfig:
         if not isinstance(self.min_new_tokens, int) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
             raise ValueError(f"min_new_tokens must be an integer in [0, max_new_tokens={self.max_new_tokens}], "
                              f"got {self.min_new_tokens!r}")
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature!r}; use greedy=True for argmax")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not self.repetition_penalty > 0:
-            raise ValueError(f"repetition_penalty must be > 0 (1.0 = off), got {self.repetition_penalty!r}")
+        if self.temperature is not None and not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature!r}; use greedy=True for argmax (null: unset)")
+        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 0):
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r} (null: unset)")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r} (null: unset)")
+        if self.repetition_penalty is not None and not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1.0 = off), got {self.repetition_penalty!r} (null: unset)")
         if self.memory_budget_gib is not None and (isinstance(self.memory_budget_gib, bool)
                                                    or not isinstance(self.memory_budget_gib, (int, float))
                                                    or not self.memory_budget_gib > 0):
@@ -111,8 +118,10 @@ class GenerationConfig:
             raise ValueError(f"stop_sequences must hold non-empty token-id sequences, got {self.stop_sequences!r}")
 
     def with_model_defaults(self, model_defaults: dict, *, encode=None) -> "GenerationConfig":
-        """This config with a model's ``generation_config.json`` (a dict) applied per ``use_model_defaults``,
-        and ``stop`` encoded into ``stop_sequences`` by ``encode`` (text -> token ids)."""
+        """This config resolved once: a model's ``generation_config.json`` (a dict) applied per
+        ``use_model_defaults`` (its EOS ids and suppressed tokens added, its sampling values filling the fields left
+        unset), the remaining unset fields at ``SAMPLING_DEFAULTS``, and ``stop`` encoded into ``stop_sequences``
+        by ``encode`` (text -> token ids)."""
         changes: dict = {}
         if encode is not None and self.stop:
             changes["stop_sequences"] = tuple(tuple(encode(text)) for text in self.stop)
@@ -122,8 +131,21 @@ class GenerationConfig:
             changes["eos_token_ids"] = tuple(dict.fromkeys([*self.eos_token_ids, *eos]))
             suppress = list(model_defaults.get("suppress_tokens") or [])
             changes["suppress_tokens"] = tuple(dict.fromkeys([*self.suppress_tokens, *suppress]))
-            defaults = {f.name: f.default for f in fields(self)}
-            for name in ("temperature", "top_k", "top_p", "repetition_penalty"):
-                if model_defaults.get(name) is not None and getattr(self, name) == defaults[name]:
-                    changes[name] = type(defaults[name])(model_defaults[name])
-        return replace(self, **changes)
+            for name, default in SAMPLING_DEFAULTS.items():
+                if getattr(self, name) is None and model_defaults.get(name) is not None:
+                    changes[name] = type(default)(model_defaults[name])
+        return replace(self, **changes).resolved()
+
+    def resolved(self) -> "GenerationConfig":
+        """This config with every unset sampling field at its ``SAMPLING_DEFAULTS`` value (itself if none is)."""
+        unset = {name: default for name, default in SAMPLING_DEFAULTS.items() if getattr(self, name) is None}
+        return replace(self, **unset) if unset else self
+
+
+def unset_before_it_was_optional(key: str, saved, current) -> bool:
+    """Whether a resumed run's ``key`` (dotted) is unset now (None) where a config saved before the sampling fields
+    became optional held their old default: that default meant "unset" (the model's value applied), so it is
+    the same setting, not a change."""
+    name = key.rsplit(".", 1)[-1]
+    return (key.startswith("actor.generation.") and name in SAMPLING_DEFAULTS and current is None
+            and saved == SAMPLING_DEFAULTS[name])

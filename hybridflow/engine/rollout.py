@@ -98,6 +98,7 @@ class SamplingOptions:
 
 def sampling_options(config: "GenerationConfig", **changes) -> SamplingOptions:
     """The ``SamplingOptions`` of a (resolved) ``GenerationConfig``, with ``changes`` applied."""
+    config = config.resolved()
     names = [name for name in SamplingOptions.__dataclass_fields__ if name not in changes]
     return SamplingOptions(**{name: getattr(config, name) for name in names}, **changes)
 

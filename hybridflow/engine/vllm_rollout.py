@@ -115,6 +115,7 @@ def vllm_sampling_params(config: GenerationConfig, *, vocab_size: int, seed: int
     """
     from vllm import SamplingParams
 
+    config = config.resolved()
     allowed = None
     if config.suppress_tokens:
         banned = set(config.suppress_tokens)
@@ -175,7 +176,7 @@ class VllmRollout(Rollout):
         write_model_config(hf_config, self._model_dir.name)
         # the temperature-1 distribution, as the native engine and the training engine record; with another
         # temperature, the tempered one (vLLM's processed log-probs, also shaped by top-k/top-p)
-        tempered = not config.greedy and config.temperature != 1.0
+        tempered = not config.greedy and config.resolved().temperature != 1.0
         parallel, shm_ident = {}, None
         if self.tp_size > 1:
             import torch.distributed as dist

@@ -14,6 +14,8 @@ import os
 import shutil
 from pathlib import Path
 
+from hybridflow.engine.generation_config import unset_before_it_was_optional
+
 
 class CheckpointSaveError(RuntimeError):
     """A checkpoint could not be written (disk full, unwritable directory, ...); the previous one is untouched."""
@@ -126,7 +128,8 @@ def config_changes(saved: dict, current: dict) -> tuple[list[str], list[str]]:
     old, new = flatten(saved), flatten(current)
     reported, refused = [], []
     for key in sorted(set(old) | set(new)):
-        if old.get(key, "<unset>") != new.get(key, "<unset>"):
+        if old.get(key, "<unset>") != new.get(key, "<unset>") and not unset_before_it_was_optional(
+                key, old.get(key), new.get(key, "<unset>")):
             line = f"{key}: {old.get(key, '<unset>')!r} -> {new.get(key, '<unset>')!r}"
             (reported if _reported_only(key) else refused).append(line)
     return reported, refused

@@ -122,7 +122,7 @@ class ActorWorker(ModelWorker):
         ``max_new_tokens`` of the spec's sampling defaults.
         """
         overrides = {key: prompts.meta_info[key] for key in GENERATION_OVERRIDES if key in prompts.meta_info}
-        config = dataclasses.replace(self.actor_spec.generation, **overrides)
+        config = dataclasses.replace(self.actor_spec.generation.resolved(), **overrides)
         # replicas draw different noise for their different prompts; ranks of one replica the same
         config = dataclasses.replace(config, seed=config.seed * 1_000_003 + self.hybrid.replica)
         offloaded_bytes = self.optimizer_offload.offload() if self.optimizer_offload is not None else 0
