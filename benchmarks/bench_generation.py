@@ -28,7 +28,7 @@ import torch
 from hybridflow.device import current_device
 from hybridflow.engine.config import EngineConfig
 from hybridflow.engine.decoder import DecoderStage, head_logits, project
-from hybridflow.engine.generation import GenerationConfig, GenerationEngine
+from hybridflow.engine.generation import GenerationEngine, SamplingConfig
 
 
 MODELS = {
@@ -74,7 +74,7 @@ def workload(name: str, *, batch: int, prompt_len: int, new_tokens: int, dtype: 
     engine = GenerationEngine(DecoderStage.from_state_dict(model.config, model.state_dict()))
     vocab = model.config.vocab_size
     prompts = torch.randint(3, min(1000, vocab), (batch, prompt_len), generator=torch.Generator().manual_seed(0)).to(device)
-    return model, engine, prompts, torch.ones_like(prompts), GenerationConfig(max_new_tokens=new_tokens, greedy=True)
+    return model, engine, prompts, torch.ones_like(prompts), SamplingConfig(max_new_tokens=new_tokens, greedy=True)
 
 
 def bench(name: str, *, batch: int, prompt_len: int, new_tokens: int, repeats: int, dtype: str) -> None:

@@ -19,8 +19,9 @@ import sys
 
 import torch
 
-from hybridflow.engine.generation import GenerationConfig
+from hybridflow.engine.generation import SamplingConfig
 from hybridflow.engine.hybrid_engine import HybridEngine, HybridEngineConfig, cut_training_shards, storage_bytes
+from hybridflow.engine.native_rollout import NativeRollout
 from hybridflow.parallel.launch import run_distributed
 from hybridflow.parallel.layout import ParallelLayout
 
@@ -65,7 +66,11 @@ def _measure(rank: int, world_size: int, model_name: str, cases, repeats: int, b
         engine.to_generation(shards)
         share = len(prompts) // engine.num_replicas
         rows = slice(engine.replica * share, (engine.replica + 1) * share)
-        out = engine.generate(prompts[rows], mask[rows], GenerationConfig(max_new_tokens=4, greedy=True))
+        greedy = SamplingConfig(max_new_tokens=4, greedy=True)
+        rollout = NativeRollout(config, dtype=engine.dtype, config=greedy)
+        rollout.load(engine.shard, version=0)
+        out = rollout.generate(prompts[rows], mask[rows], greedy)
+        rollout.release()
         engine.to_training()
         results.append(dict(
             case=(p, t, pg, tg, strategy), replica=engine.replica, responses=out["responses"].tolist(),

@@ -93,13 +93,13 @@ def logprob_error(model_name: str, rows: int, length: int) -> None:
     from bench_generation import load
 
     from hybridflow.engine.decoder import DecoderStage
-    from hybridflow.engine.generation import GenerationConfig, GenerationEngine
+    from hybridflow.engine.generation import GenerationEngine, SamplingConfig
 
     model = load("tiny" if model_name == "small" else model_name, current_device())
     prompts = torch.randint(3, 1000, (rows, 8), generator=torch.Generator().manual_seed(0))
     bf16_state = {name: tensor.bfloat16() for name, tensor in model.state_dict().items()}
     rollout = GenerationEngine(DecoderStage.from_state_dict(model.config, bf16_state)).generate(
-        prompts, torch.ones_like(prompts), GenerationConfig(max_new_tokens=length, seed=0))
+        prompts, torch.ones_like(prompts), SamplingConfig(max_new_tokens=length, seed=0))
     ids, valid = rollout["input_ids"], rollout["response_mask"].bool()
     targets = ids[:, 8:]
 

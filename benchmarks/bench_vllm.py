@@ -48,10 +48,10 @@ def best_of(fn, repeats: int) -> tuple[float, object]:
 def bench_dtype(model, dtype: torch.dtype, *, batches: list[int], prompt_len: int, new_tokens: int,
                 repeats: int, engines: list[str]) -> None:
     from hybridflow.engine.decoder import DecoderStage
-    from hybridflow.engine.generation import GenerationConfig, GenerationEngine
+    from hybridflow.engine.generation import GenerationEngine, SamplingConfig
     from hybridflow.engine.vllm_rollout import VllmRollout
 
-    config = GenerationConfig(backend="vllm", max_new_tokens=new_tokens, greedy=True, use_model_defaults=False,
+    config = SamplingConfig(backend="vllm", max_new_tokens=new_tokens, greedy=True, use_model_defaults=False,
                               vllm_kv_cache_gib=2.0)
     state = {name: tensor.detach().to(dtype) for name, tensor in model.state_dict().items()}
     weights = {name: [tensor] for name, tensor in state.items() if name.startswith(("model.", "lm_head."))}

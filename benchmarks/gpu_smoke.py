@@ -167,7 +167,7 @@ def part_train(args) -> None:
 
 def part_generate(args) -> None:
     from hybridflow.engine.decoder import DecoderStage
-    from hybridflow.engine.generation import GenerationConfig, GenerationEngine
+    from hybridflow.engine.generation import GenerationEngine, SamplingConfig
     from hybridflow.models import build_model
 
     model = build_model(one_b_model_config())
@@ -178,7 +178,7 @@ def part_generate(args) -> None:
     stage = DecoderStage.from_state_dict(hf_config, state)
     engine = GenerationEngine(stage)  # the default: static decode replayed as CUDA graphs on a GPU
     check = torch.randint(3, ONE_B["vocab_size"], (16, args.prompt_len))
-    greedy = GenerationConfig(max_new_tokens=32, greedy=True)
+    greedy = SamplingConfig(max_new_tokens=32, greedy=True)
     for dtype in (torch.float32, torch.bfloat16):
         weights = {name: tensor.to(dtype) for name, tensor in state.items()}
         check_stage = DecoderStage.from_state_dict(hf_config, weights)
@@ -195,8 +195,8 @@ def part_generate(args) -> None:
     for (variant, engine), rows in [(v, r) for r in args.gen_rows for v in variants]:
         prompts = torch.randint(3, ONE_B["vocab_size"], (rows, args.prompt_len))
         mask = torch.ones_like(prompts)
-        config = GenerationConfig(max_new_tokens=args.new_tokens, eos_token_ids=(), seed=0)
-        engine.generate(prompts[:8], mask[:8], GenerationConfig(max_new_tokens=8, seed=0))  # warm-up
+        config = SamplingConfig(max_new_tokens=args.new_tokens, eos_token_ids=(), seed=0)
+        engine.generate(prompts[:8], mask[:8], SamplingConfig(max_new_tokens=8, seed=0))  # warm-up
         sync()
         reset_peak()
         start = time.perf_counter()
@@ -219,7 +219,7 @@ def part_profile(args) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from hybridflow.engine.decoder import DecoderStage
-    from hybridflow.engine.generation import GenerationConfig, GenerationEngine
+    from hybridflow.engine.generation import GenerationEngine, SamplingConfig
     from hybridflow.models import build_model
 
     model = build_model(one_b_model_config())
@@ -228,7 +228,7 @@ def part_profile(args) -> None:
     engine = GenerationEngine(DecoderStage.from_state_dict(model.config, state))
     del model
     prompts = torch.randint(3, ONE_B["vocab_size"], (128, args.prompt_len))
-    config = GenerationConfig(max_new_tokens=16, seed=0)
+    config = SamplingConfig(max_new_tokens=16, seed=0)
     engine.generate(prompts, torch.ones_like(prompts), config)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=activities) as prof:

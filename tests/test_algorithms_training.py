@@ -224,7 +224,7 @@ def test_overlong_filter_drops_only_responses_truncated_at_the_limit(data_dir, t
     with local_mode():
         trainer = RLTrainer(config, tensorboard=False)
         try:
-            eos = trainer.specs.actor.generation.eos_token_ids[0]
+            eos = trainer.specs.actor.tokens.eos_token_ids[0]
             batch = DataProto.from_dict(tensors={
                 "responses": torch.tensor([[5, 5, 5, 5], [5, 5, 5, eos], [5, eos, 0, 0]]),
                 "response_mask": torch.tensor([[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 0, 0]])})

@@ -13,7 +13,8 @@ from hybridflow.cli import main
 from hybridflow.data import write_jsonl
 from hybridflow.data.builtin import ArithmeticTaskConfig, prompt_rows
 from hybridflow.engine.config import EngineConfig
-from hybridflow.engine.generation import GenerationConfig, process_logits, sample_tokens
+from hybridflow.engine.generation import GenerationConfig, SamplingConfig, process_logits, sample_tokens
+from hybridflow.engine.generation_config import GenerationTokens
 from hybridflow.trainers.config import RLConfig, load_rl_config
 from hybridflow.trainers.config_loader import build_dataclass
 
@@ -96,8 +97,9 @@ def test_the_generated_reference_lists_every_knob_with_its_role_default():
 def test_derived_fields_are_refused_in_yaml_with_the_key_they_come_from():
     with pytest.raises(ValueError, match=r"config key actor\.engine\.seed is set by the trainer \(from trainer\.seed\)"):
         load_rl_config(None, [*BASE, "actor.engine.seed=3"])
-    with pytest.raises(ValueError, match=r"actor\.generation\.samples_per_prompt is set by the trainer \(from "
-                                         r"batch\.samples_per_prompt\)"):
+    # runtime values of the rollout (samples per prompt, seed, token ids) are no config keys at all
+    with pytest.raises(ValueError, match=r"unknown config key actor\.generation\.samples_per_prompt; allowed keys "
+                                         r"here: backend, greedy, max_new_tokens"):
         load_rl_config(None, [*BASE, "actor.generation.samples_per_prompt=3"])
 
 
@@ -165,13 +167,18 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_s
 
 
 def test_model_generation_config_fills_the_defaults_but_not_the_values_set_by_the_user():
-    config = GenerationConfig(top_k=7, eos_token_ids=(2,), stop=("##",))
+    config = GenerationConfig(top_k=7, stop=("##",))
     model = {"eos_token_id": [2, 9], "temperature": 0.6, "top_k": 50, "top_p": 0.9, "suppress_tokens": [1]}
-    resolved = config.with_model_defaults(model, encode=lambda text: [5, 5])
-    assert (resolved.eos_token_ids, resolved.temperature, resolved.top_k, resolved.top_p) == ((2, 9), 0.6, 7, 0.9)
-    assert resolved.suppress_tokens == (1,) and resolved.stop_sequences == ((5, 5),)
+    resolved = config.with_model_defaults(model)
+    assert (resolved.temperature, resolved.top_k, resolved.top_p) == (0.6, 7, 0.9)
+    tokens = GenerationTokens.build(config, eos_token_id=2, pad_token_id=None, model_defaults=model,
+                                    encode=lambda text: [5, 5])
+    assert (tokens.eos_token_ids, tokens.pad_token_id, tokens.stop_sequences) == ((2, 9), 2, ((5, 5),))
+    assert resolved.suppress_tokens == (1,)
     off = GenerationConfig(use_model_defaults=False).with_model_defaults(model)
-    assert (off.temperature, off.top_k, off.top_p, off.repetition_penalty, off.eos_token_ids) == (1.0, 0, 1.0, 1.0, ())
+    assert (off.temperature, off.top_k, off.top_p, off.repetition_penalty) == (1.0, 0, 1.0, 1.0)
+    off_tokens = GenerationTokens.build(off, eos_token_id=3, pad_token_id=0, model_defaults=model)
+    assert (off_tokens.eos_token_ids, off_tokens.pad_token_id) == ((3,), 0)
 
 
 def test_a_sampling_value_the_user_wrote_is_kept_even_when_it_equals_the_default():
@@ -206,13 +213,13 @@ def test_stop_strings_end_a_response_and_min_new_tokens_delays_the_end():
     engine = GenerationEngine(DecoderStage.from_state_dict(model.config, model.state_dict()))
     prompts = torch.tensor([[1, 2, 3]])
     mask = torch.ones_like(prompts)
-    free = engine.generate(prompts, mask, GenerationConfig(max_new_tokens=6, greedy=True))["responses"][0].tolist()
+    free = engine.generate(prompts, mask, SamplingConfig(max_new_tokens=6, greedy=True))["responses"][0].tolist()
     stop = tuple(free[1:3])
-    stopped = engine.generate(prompts, mask, GenerationConfig(max_new_tokens=6, greedy=True,
+    stopped = engine.generate(prompts, mask, SamplingConfig(max_new_tokens=6, greedy=True,
                                                               stop_sequences=(stop,)))
     assert stopped["response_mask"][0].tolist() == [1, 1, 1, 0, 0, 0]
     assert stopped["responses"][0, :3].tolist() == free[:3]
-    late = engine.generate(prompts, mask, GenerationConfig(max_new_tokens=6, greedy=True,
+    late = engine.generate(prompts, mask, SamplingConfig(max_new_tokens=6, greedy=True,
                                                            eos_token_ids=(free[0],), min_new_tokens=3))
     assert late["response_mask"][0, :3].tolist() == [1, 1, 1] and late["responses"][0, 0].item() != free[0]
 

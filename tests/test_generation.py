@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
 from hybridflow.engine.decoder import DecoderStage
-from hybridflow.engine.generation import GenerationConfig, GenerationEngine, draw_tokens
+from hybridflow.engine.generation import GenerationEngine, SamplingConfig, draw_tokens
 
 P, T = 6, 8
 
@@ -58,7 +58,7 @@ def test_greedy_responses_equal_hf_generate_and_logprobs_equal_an_hf_forward(fam
 def assert_greedy_equals_hf(model) -> None:
     """Greedy responses equal HF generate's and their log-probs an HF forward's."""
     prompts, mask = batch()
-    out = engine_for(model).generate(prompts, mask, GenerationConfig(max_new_tokens=T, greedy=True))
+    out = engine_for(model).generate(prompts, mask, SamplingConfig(max_new_tokens=T, greedy=True))
     with torch.no_grad():
         expected = model.generate(prompts, attention_mask=mask, max_new_tokens=T, do_sample=False,
                                   pad_token_id=0, eos_token_id=None)[:, P:]
@@ -69,14 +69,14 @@ def assert_greedy_equals_hf(model) -> None:
 def test_sampled_logprobs_at_temperature_one_equal_an_hf_forward_of_the_same_sequences():
     model = tiny_model()
     prompts, mask = batch()
-    out = engine_for(model).generate(prompts, mask, GenerationConfig(max_new_tokens=T, seed=7))
+    out = engine_for(model).generate(prompts, mask, SamplingConfig(max_new_tokens=T, seed=7))
     torch.testing.assert_close(out["logprobs"], hf_logprobs(model, out), atol=1e-5, rtol=0)
 
 
 def test_logprobs_at_other_temperatures_come_from_the_tempered_untruncated_distribution():
     model = tiny_model()
     prompts, mask = batch()
-    config = GenerationConfig(max_new_tokens=T, temperature=0.7, top_k=20, seed=7)
+    config = SamplingConfig(max_new_tokens=T, temperature=0.7, top_k=20, seed=7)
     out = engine_for(model).generate(prompts, mask, config)
     torch.testing.assert_close(out["logprobs"], hf_logprobs(model, out, temperature=0.7), atol=1e-5, rtol=0)
 
@@ -84,7 +84,7 @@ def test_logprobs_at_other_temperatures_come_from_the_tempered_untruncated_distr
 def test_output_follows_the_shared_batch_conventions():
     model = tiny_model()
     prompts, mask = batch()
-    out = engine_for(model).generate(prompts, mask, GenerationConfig(max_new_tokens=T, greedy=True))
+    out = engine_for(model).generate(prompts, mask, SamplingConfig(max_new_tokens=T, greedy=True))
     assert out["responses"].shape == (4, T) and out["input_ids"].shape == (4, P + T)
     assert torch.equal(out["input_ids"][:, -T:], out["responses"])
     assert torch.equal(out["prompts"], prompts)
@@ -95,7 +95,7 @@ def test_output_follows_the_shared_batch_conventions():
 def test_outputs_decoded_under_inference_mode_are_ordinary_tensors_training_can_use():
     model = tiny_model()
     prompts, mask = batch()
-    out = engine_for(model).generate(prompts, mask, GenerationConfig(max_new_tokens=4, seed=0))
+    out = engine_for(model).generate(prompts, mask, SamplingConfig(max_new_tokens=4, seed=0))
     assert not any(value.is_inference() for value in out.values())
     weight = torch.ones((), requires_grad=True)
     (weight * out["logprobs"]).sum().backward()  # saving an inference tensor for backward would raise here
@@ -106,9 +106,9 @@ def test_outputs_decoded_under_inference_mode_are_ordinary_tensors_training_can_
 def test_same_seed_reproduces_samples_and_another_seed_changes_them():
     engine = engine_for(tiny_model())
     prompts, mask = batch()
-    first = engine.generate(prompts, mask, GenerationConfig(max_new_tokens=T, seed=11))["responses"]
-    again = engine.generate(prompts, mask, GenerationConfig(max_new_tokens=T, seed=11))["responses"]
-    other = engine.generate(prompts, mask, GenerationConfig(max_new_tokens=T, seed=12))["responses"]
+    first = engine.generate(prompts, mask, SamplingConfig(max_new_tokens=T, seed=11))["responses"]
+    again = engine.generate(prompts, mask, SamplingConfig(max_new_tokens=T, seed=11))["responses"]
+    other = engine.generate(prompts, mask, SamplingConfig(max_new_tokens=T, seed=12))["responses"]
     assert torch.equal(first, again)
     assert not torch.equal(first, other)
 
@@ -116,16 +116,16 @@ def test_same_seed_reproduces_samples_and_another_seed_changes_them():
 def test_top_k_one_and_a_tiny_top_p_both_reduce_to_greedy():
     engine = engine_for(tiny_model())
     prompts, mask = batch()
-    greedy = engine.generate(prompts, mask, GenerationConfig(max_new_tokens=T, greedy=True))["responses"]
-    top_k = engine.generate(prompts, mask, GenerationConfig(max_new_tokens=T, top_k=1, seed=5))["responses"]
-    top_p = engine.generate(prompts, mask, GenerationConfig(max_new_tokens=T, top_p=1e-6, seed=5))["responses"]
+    greedy = engine.generate(prompts, mask, SamplingConfig(max_new_tokens=T, greedy=True))["responses"]
+    top_k = engine.generate(prompts, mask, SamplingConfig(max_new_tokens=T, top_k=1, seed=5))["responses"]
+    top_p = engine.generate(prompts, mask, SamplingConfig(max_new_tokens=T, top_p=1e-6, seed=5))["responses"]
     assert torch.equal(top_k, greedy) and torch.equal(top_p, greedy)
 
 
 def test_top_k_samples_only_among_the_k_most_likely_tokens():
     model = tiny_model()
     prompts, mask = batch()
-    out = engine_for(model).generate(prompts, mask, GenerationConfig(max_new_tokens=T, top_k=3, seed=2))
+    out = engine_for(model).generate(prompts, mask, SamplingConfig(max_new_tokens=T, top_k=3, seed=2))
     with torch.no_grad():
         logits = model(input_ids=out["input_ids"], attention_mask=out["attention_mask"],
                        position_ids=out["position_ids"]).logits[:, P - 1:-1]
@@ -137,7 +137,7 @@ def test_top_k_samples_only_among_the_k_most_likely_tokens():
 def test_top_p_samples_only_inside_the_nucleus():
     model = tiny_model()
     prompts, mask = batch()
-    out = engine_for(model).generate(prompts, mask, GenerationConfig(max_new_tokens=T, top_p=0.5, seed=2))
+    out = engine_for(model).generate(prompts, mask, SamplingConfig(max_new_tokens=T, top_p=0.5, seed=2))
     with torch.no_grad():
         logits = model(input_ids=out["input_ids"], attention_mask=out["attention_mask"],
                        position_ids=out["position_ids"]).logits[:, P - 1:-1]
@@ -191,9 +191,9 @@ def test_drawing_is_reproducible_from_the_generator():
 def test_eos_and_stop_tokens_end_responses_and_finished_rows_stop_costing_compute():
     engine = engine_for(tiny_model())
     prompts, mask = batch()
-    greedy = engine.generate(prompts, mask, GenerationConfig(max_new_tokens=T, greedy=True))["responses"]
+    greedy = engine.generate(prompts, mask, SamplingConfig(max_new_tokens=T, greedy=True))["responses"]
     eos, stop = int(greedy[0, 2]), int(greedy[1, 4])
-    config = GenerationConfig(max_new_tokens=T, greedy=True, eos_token_ids=(eos,), stop_token_ids=(stop,),
+    config = SamplingConfig(max_new_tokens=T, greedy=True, eos_token_ids=(eos,), stop_token_ids=(stop,),
                               pad_token_id=0)
     out = engine.generate(prompts, mask, config)
     lengths = []
@@ -219,8 +219,8 @@ def test_finished_rows_leave_the_batch_once_they_are_the_compact_fraction_and_ou
 
     engine = engine_for(tiny_model())
     prompts, mask = batch(rows=8)
-    greedy = engine.generate(prompts, mask, GenerationConfig(max_new_tokens=T, greedy=True))["responses"]
-    config = GenerationConfig(max_new_tokens=T, greedy=True, eos_token_ids=(int(greedy[0, 1]),), pad_token_id=0)
+    greedy = engine.generate(prompts, mask, SamplingConfig(max_new_tokens=T, greedy=True))["responses"]
+    config = SamplingConfig(max_new_tokens=T, greedy=True, eos_token_ids=(int(greedy[0, 1]),), pad_token_id=0)
     monkeypatch.setattr(generation, "COMPACT_FRACTION", 0.0)
     every_end = engine.generate(prompts, mask, config)
     lengths = every_end["response_mask"].sum(-1).tolist()
@@ -247,7 +247,7 @@ def test_finished_rows_leave_the_batch_once_they_are_the_compact_fraction_and_ou
 def test_samples_per_prompt_are_prompt_major_and_differ_between_samples():
     engine = engine_for(tiny_model())
     prompts, mask = batch(2)
-    out = engine.generate(prompts, mask, GenerationConfig(max_new_tokens=T, samples_per_prompt=3, seed=1))
+    out = engine.generate(prompts, mask, SamplingConfig(max_new_tokens=T, samples_per_prompt=3, seed=1))
     assert out["responses"].shape == (6, T)
     assert torch.equal(out["prompts"], prompts.repeat_interleave(3, dim=0))
     assert len({tuple(r) for r in out["responses"][:3].tolist()}) > 1
@@ -265,7 +265,7 @@ def test_kv_cache_is_released_when_generation_returns():
 
     engine.stage.new_cache = tracking_new_cache
     prompts, mask = batch()
-    engine.generate(prompts, mask, GenerationConfig(max_new_tokens=T, greedy=True))
+    engine.generate(prompts, mask, SamplingConfig(max_new_tokens=T, greedy=True))
     gc.collect()
     assert len(caches) == 1 and caches[0]() is None
     # keys and values of 2 layers, 4 rows, 2 kv heads, P+T positions, head dim 16, fp32
@@ -277,7 +277,7 @@ def test_kv_cache_is_released_when_generation_returns():
                                           ("eos_token_ids", [2]), ("stop_token_ids", (-1,))])
 def test_invalid_generation_configs_are_rejected_with_the_field_named(field, value):
     with pytest.raises(ValueError, match=field):
-        GenerationConfig(**{field: value})
+        SamplingConfig(**{field: value})
 
 
 def test_sliding_window_attention_is_refused_rather_than_silently_ignored():
@@ -291,13 +291,13 @@ def test_a_memory_budget_admits_rows_in_waves_with_the_same_greedy_output():
     model = tiny_model()
     engine = engine_for(model)
     prompts, mask = batch(rows=5)
-    config = GenerationConfig(max_new_tokens=T, greedy=True, samples_per_prompt=2)
+    config = SamplingConfig(max_new_tokens=T, greedy=True, samples_per_prompt=2)
     whole = engine.generate(prompts, mask, config)
     assert engine.last_stats.waves == 1  # on CPU an unset budget admits every row at once
     per_row = engine.stage.bytes_per_row(P, T)
     budget_gib = 3.5 * per_row / 2**30  # three rows per wave: 10 rows in 4 waves
-    assert engine.rows_per_wave(10, P, GenerationConfig(max_new_tokens=T, memory_budget_gib=budget_gib)) == 3
-    waved = engine.generate(prompts, mask, GenerationConfig(max_new_tokens=T, greedy=True, samples_per_prompt=2,
+    assert engine.rows_per_wave(10, P, SamplingConfig(max_new_tokens=T, memory_budget_gib=budget_gib)) == 3
+    waved = engine.generate(prompts, mask, SamplingConfig(max_new_tokens=T, greedy=True, samples_per_prompt=2,
                                                             memory_budget_gib=budget_gib))
     assert engine.last_stats.waves == 4
     assert set(waved) == set(whole)
@@ -311,12 +311,12 @@ def test_a_memory_budget_admits_rows_in_waves_with_the_same_greedy_output():
 def test_sampling_in_waves_is_reproducible_for_a_given_budget_and_a_bad_budget_is_refused():
     engine = engine_for(tiny_model())
     prompts, mask = batch(rows=4)
-    config = GenerationConfig(max_new_tokens=T, seed=5, memory_budget_gib=2 * engine.stage.bytes_per_row(P, T) / 2**30)
+    config = SamplingConfig(max_new_tokens=T, seed=5, memory_budget_gib=2 * engine.stage.bytes_per_row(P, T) / 2**30)
     first, second = engine.generate(prompts, mask, config), engine.generate(prompts, mask, config)
     assert engine.last_stats.waves == 2
     assert torch.equal(first["responses"], second["responses"])
     with pytest.raises(ValueError, match="memory_budget_gib must be a number > 0 or null"):
-        GenerationConfig(memory_budget_gib=0)
+        SamplingConfig(memory_budget_gib=0)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -328,9 +328,9 @@ def test_static_decode_without_compaction_equals_the_compacting_decode(family):
     static = GenerationEngine(DecoderStage.from_state_dict(model.config, model.state_dict()), static_decode=True)
     assert not compacting.static_decode and not static.cuda_graphs  # CPU defaults: compaction, no graphs
     prompts, mask = batch()
-    greedy = compacting.generate(prompts, mask, GenerationConfig(max_new_tokens=T, greedy=True))["responses"]
+    greedy = compacting.generate(prompts, mask, SamplingConfig(max_new_tokens=T, greedy=True))["responses"]
     eos, stop = int(greedy[0, 2]), int(greedy[1, 4])
-    config = GenerationConfig(max_new_tokens=T, greedy=True, eos_token_ids=(eos,), stop_token_ids=(stop,),
+    config = SamplingConfig(max_new_tokens=T, greedy=True, eos_token_ids=(eos,), stop_token_ids=(stop,),
                               samples_per_prompt=2)
     want, got = compacting.generate(prompts, mask, config), static.generate(prompts, mask, config)
     for key in want:
@@ -405,7 +405,7 @@ def test_cpu_half_precision_attention_as_grouped_matmuls_equals_fp32_sdpa(kv_hea
 def test_bf16_greedy_decode_mostly_agrees_with_fp32_and_its_logprobs_are_close():
     model = tiny_model()
     prompts = torch.randint(3, model.config.vocab_size, (6, 5), generator=torch.Generator().manual_seed(3))
-    config = GenerationConfig(max_new_tokens=8, greedy=True)
+    config = SamplingConfig(max_new_tokens=8, greedy=True)
     out = {}
     for dtype in (torch.float32, torch.bfloat16):
         state = {name: tensor.to(dtype) for name, tensor in model.state_dict().items()}

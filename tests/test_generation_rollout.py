@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from hybridflow.engine.decoder import DecoderStage
-from hybridflow.engine.generation import GenerationConfig, GenerationEngine
+from hybridflow.engine.generation import GenerationEngine, SamplingConfig
 from hybridflow.engine.native_rollout import NativeRollout
 from hybridflow.engine.rollout import (ROLLOUT_BACKENDS, BackendEntry, GenerationShard, Rollout, RolloutRequest,
                                        SamplingOptions, continue_request, register_rollout, rollout_class,
@@ -35,7 +35,7 @@ def whole_shard(model) -> GenerationShard:
 
 
 def loaded(model, version: int = 1) -> NativeRollout:
-    rollout = NativeRollout(model.config, dtype=torch.float32, config=GenerationConfig())
+    rollout = NativeRollout(model.config, dtype=torch.float32, config=SamplingConfig())
     rollout.load(whole_shard(model), version=version)
     return rollout
 
@@ -43,7 +43,7 @@ def loaded(model, version: int = 1) -> NativeRollout:
 def alone(model, prompt, options: SamplingOptions) -> tuple[list[int], list[float]]:
     """The batched engine's response to one prompt under ``options`` (tokens and log-probs up to its end)."""
     fields = {name: getattr(options, name) for name in SamplingOptions.__dataclass_fields__}
-    config = GenerationConfig(**fields)
+    config = SamplingConfig(**fields)
     engine = GenerationEngine(DecoderStage.from_state_dict(model.config, model.state_dict()))
     out = engine.generate(torch.tensor([prompt]), torch.ones(1, len(prompt), dtype=torch.long), config)
     mask = out["response_mask"][0].bool()
@@ -66,13 +66,13 @@ def test_the_registry_names_the_backends_and_refuses_an_unknown_one():
 
 def test_a_registered_backend_is_accepted_by_the_config_and_built_without_editing_the_worker(monkeypatch):
     monkeypatch.setitem(ROLLOUT_BACKENDS, "copy_of_native", BackendEntry("hybridflow.engine.native_rollout:NativeRollout"))
-    assert GenerationConfig(backend="copy_of_native").backend == "copy_of_native"
+    assert SamplingConfig(backend="copy_of_native").backend == "copy_of_native"
     assert rollout_class("copy_of_native") is NativeRollout
     register_rollout("needs_missing", BackendEntry("x:Y", requires="no_such_module_here", install="pip install y"))
     try:
         with pytest.raises(ValueError, match="backend='needs_missing' needs no_such_module_here, which is not "
                                              "installed here: pip install y"):
-            GenerationConfig(backend="needs_missing")
+            SamplingConfig(backend="needs_missing")
     finally:
         del ROLLOUT_BACKENDS["needs_missing"]
 
@@ -82,7 +82,7 @@ def test_the_batched_call_equals_the_generation_engine_and_reports_its_stats():
     rollout = loaded(model)
     prompts = torch.tensor([[0, 0, 5, 9], [1, 2, 3, 4]])
     mask = (prompts > 0).long()
-    config = GenerationConfig(max_new_tokens=5, samples_per_prompt=2, seed=4)
+    config = SamplingConfig(max_new_tokens=5, samples_per_prompt=2, seed=4)
     got = rollout.generate(prompts, mask, config)
     expected = GenerationEngine(DecoderStage.from_state_dict(model.config, model.state_dict())).generate(
         prompts, mask, config)
@@ -175,7 +175,7 @@ def test_an_asynchronous_caller_aborts_one_request_while_the_others_run_on():
 
 
 def test_sampling_options_come_from_the_actors_config_and_a_backend_without_requests_says_so():
-    config = GenerationConfig(max_new_tokens=9, temperature=0.5, eos_token_ids=(2,), pad_token_id=1, seed=4)
+    config = SamplingConfig(max_new_tokens=9, temperature=0.5, eos_token_ids=(2,), pad_token_id=1, seed=4)
     options = sampling_options(config, seed=7)
     assert (options.max_new_tokens, options.temperature, options.eos_token_ids, options.pad_token_id,
             options.seed) == (9, 0.5, (2,), 1, 7)

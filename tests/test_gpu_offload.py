@@ -9,6 +9,7 @@ import torch
 from hybridflow.controller import ResourcePool, WorkerGroup, local_mode
 from hybridflow.engine import EngineConfig, OptimConfig, TrainingEngine
 from hybridflow.engine.generation import GenerationConfig
+from hybridflow.engine.generation_config import GenerationTokens
 from hybridflow.engine.hybrid_engine_config import HybridEngineConfig
 from hybridflow.engine.optim import OptimizerOffload
 from hybridflow.models import build_tiny_model
@@ -101,8 +102,8 @@ def test_the_actor_reports_in_its_transition_stats_that_a_cpu_run_offloads_nothi
 
     tokenizer = builtin_tokenizer()
     spec = ActorSpec(engine=_spec("lm"), hybrid_engine=HybridEngineConfig(offload_optimizer=True),
-                     generation=GenerationConfig(max_new_tokens=3, eos_token_ids=(tokenizer.eos_token_id,),
-                                                 pad_token_id=tokenizer.pad_token_id))
+                     generation=GenerationConfig(max_new_tokens=3),
+                     tokens=GenerationTokens(eos_token_ids=(tokenizer.eos_token_id,), pad_token_id=tokenizer.pad_token_id))
     with local_mode():
         actor = WorkerGroup(ResourcePool([1]), ActorWorker, spec)
         actor.generate_sequences(_prompts(2))

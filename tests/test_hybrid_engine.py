@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from hybridflow.engine.generation import GenerationConfig
+from hybridflow.engine.generation import SamplingConfig
 from hybridflow.engine.hybrid_engine import (HybridEngine, HybridEngineConfig, cut_training_shards,
                                              parameter_shapes, storage_bytes, training_stage_of)
 from hybridflow.engine.native_rollout import NativeRollout
@@ -42,10 +42,10 @@ def tensors(value):
     if isinstance(value, list):
         return [tensors(v) for v in value]
     return value
-GREEDY = GenerationConfig(max_new_tokens=6, greedy=True)
+GREEDY = SamplingConfig(max_new_tokens=6, greedy=True)
 
 
-def generate_on(hybrid: HybridEngine, prompts_BP, mask_BP, config: GenerationConfig) -> dict:
+def generate_on(hybrid: HybridEngine, prompts_BP, mask_BP, config: SamplingConfig) -> dict:
     """The native rollout backend on the hybrid engine's generation shard (between its two transitions)."""
     rollout = NativeRollout(hybrid.hf_config, dtype=hybrid.dtype, config=config)
     rollout.load(hybrid.shard, version=0)
@@ -248,7 +248,7 @@ def _round_trips(rank: int, world_size: int) -> dict:
     memory_after_each, peaks = [], []
     for step in range(ROUND_TRIPS):
         peaks.append(engine.to_generation(shards).param_bytes)
-        generate_on(engine, prompts, mask, GenerationConfig(max_new_tokens=2, greedy=True))
+        generate_on(engine, prompts, mask, SamplingConfig(max_new_tokens=2, greedy=True))
         memory_after_each.append(engine.to_training().param_bytes)
         assert all(s.data_ptr() == pointers[n] for n, s in shards.items())
         tp_rank = layout.coords(rank).tp_rank
@@ -303,7 +303,7 @@ def _through_the_training_engine(rank: int, world_size: int) -> dict:
     hybrid.to_generation(trainer.local_shards())
     # every replica generates the whole batch (same weights and seed: same samples) so that the one
     # training replica can recompute all of it
-    sampled = generate_on(hybrid, prompts, mask, GenerationConfig(max_new_tokens=6, seed=3))
+    sampled = generate_on(hybrid, prompts, mask, SamplingConfig(max_new_tokens=6, seed=3))
     hybrid.to_training()
     recomputed = trainer.forward(sampled, outputs=("logprobs",))["logprobs"]
 

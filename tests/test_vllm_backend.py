@@ -19,6 +19,7 @@ from hybridflow.data import PromptDataset  # noqa: E402
 from hybridflow.data.builtin import ArithmeticTaskConfig, builtin_tokenizer, prompt_rows  # noqa: E402
 from hybridflow.engine import EngineConfig, OptimConfig  # noqa: E402
 from hybridflow.engine.generation import GenerationConfig  # noqa: E402
+from hybridflow.engine.generation_config import GenerationTokens  # noqa: E402
 from hybridflow.engine.hybrid_engine import training_shards  # noqa: E402
 from hybridflow.models.config import ModelConfig  # noqa: E402
 from hybridflow.trainers.build import model_config_of  # noqa: E402
@@ -32,9 +33,9 @@ TOKENIZER = builtin_tokenizer()
 def _actor(backend: str) -> ActorWorker:
     engine = EngineSpec(model=model_config_of(ModelConfig(builtin="arithmetic"), head="lm", seed=0),
                         engine=EngineConfig(dtype="float32", optim=OptimConfig(lr=1e-2)))
-    generation = GenerationConfig(backend=backend, max_new_tokens=6, greedy=True, vllm_kv_cache_gib=0.0625,
-                                  eos_token_ids=(TOKENIZER.eos_token_id,), pad_token_id=TOKENIZER.pad_token_id)
-    return ActorWorker(ActorSpec(engine=engine, generation=generation))
+    generation = GenerationConfig(backend=backend, max_new_tokens=6, greedy=True, vllm_kv_cache_gib=0.0625)
+    tokens = GenerationTokens(eos_token_ids=(TOKENIZER.eos_token_id,), pad_token_id=TOKENIZER.pad_token_id)
+    return ActorWorker(ActorSpec(engine=engine, generation=generation, tokens=tokens))
 
 
 @pytest.fixture(scope="session")
@@ -104,8 +105,9 @@ def test_sampling_options_hold_in_vllm(actors):
     ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
     rollout.load_weights(_full_weights(vllm))
     try:
-        base = dataclasses.replace(vllm.actor_spec.generation, greedy=False, temperature=1.0, max_new_tokens=6,
-                                   samples_per_prompt=3, seed=5)
+        base = dataclasses.replace(vllm.actor_spec.generation.for_call(vllm.actor_spec.tokens, seed=5,
+                                                                       samples_per_prompt=3),
+                                   greedy=False, temperature=1.0, max_new_tokens=6)
         sampled = rollout.generate(ids, mask, base)
         again = rollout.generate(ids, mask, base)
         assert sampled["responses"].shape == (12, 6)
@@ -197,7 +199,7 @@ def test_greedy_tokens_from_vllm_equal_the_native_engines_on_smollm2_in_fp32():
     init_local_process_group()
     model = AutoModelForCausalLM.from_pretrained(smollm2_path(), dtype=torch.float32).eval()
     state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
-    config = GenerationConfig(backend="vllm", max_new_tokens=8, greedy=True, vllm_kv_cache_gib=0.125)
+    config = GenerationConfig(backend="vllm", max_new_tokens=8, greedy=True, vllm_kv_cache_gib=0.125).for_call()
     from hybridflow.models import load_tokenizer
 
     tokenizer = load_tokenizer(smollm2_path())  # left padding

@@ -25,6 +25,7 @@ def _actor(backend: str, tp_size: int, gen_tp_size: int):
     from hybridflow.data.builtin import builtin_tokenizer
     from hybridflow.engine import EngineConfig, OptimConfig
     from hybridflow.engine.generation import GenerationConfig
+    from hybridflow.engine.generation_config import GenerationTokens
     from hybridflow.engine.hybrid_engine_config import HybridEngineConfig
     from hybridflow.models.config import ModelConfig
     from hybridflow.trainers.build import model_config_of
@@ -33,10 +34,10 @@ def _actor(backend: str, tp_size: int, gen_tp_size: int):
     tokenizer = builtin_tokenizer()
     engine = EngineSpec(model=model_config_of(ModelConfig(builtin="arithmetic"), head="lm", seed=0),
                         engine=EngineConfig(dtype="float32", layout="3d", tp_size=tp_size, optim=OptimConfig(lr=1e-2)))
-    generation = GenerationConfig(backend=backend, max_new_tokens=NEW_TOKENS, greedy=True, vllm_kv_cache_gib=0.0625,
-                                  eos_token_ids=(tokenizer.eos_token_id,), pad_token_id=tokenizer.pad_token_id)
+    generation = GenerationConfig(backend=backend, max_new_tokens=NEW_TOKENS, greedy=True, vllm_kv_cache_gib=0.0625)
+    tokens = GenerationTokens(eos_token_ids=(tokenizer.eos_token_id,), pad_token_id=tokenizer.pad_token_id)
     return ActorWorker(ActorSpec(engine=engine, hybrid_engine=HybridEngineConfig(tp_size=gen_tp_size),
-                                 generation=generation))
+                                 generation=generation, tokens=tokens))
 
 
 def _prompts(count: int, seed: int):
@@ -225,6 +226,7 @@ def _smollm2_under_tg3(rank: int, world_size: int) -> dict:
     from transformers import AutoModelForCausalLM
 
     from hybridflow.engine.generation import GenerationConfig
+    from hybridflow.engine.generation_config import GenerationTokens
     from hybridflow.engine.hybrid_engine import HybridEngine, HybridEngineConfig, cut_training_shards
     from hybridflow.engine.native_rollout import NativeRollout
     from hybridflow.engine.vllm_rollout import VllmRollout
@@ -242,7 +244,7 @@ def _smollm2_under_tg3(rank: int, world_size: int) -> dict:
              "def fibonacci(n):", "Once upon a time, in a small village,"]
     encoded = tokenizer(texts, return_tensors="pt", padding=True)
     prompts_BP, mask_BP = encoded["input_ids"], encoded["attention_mask"]
-    config = GenerationConfig(backend="vllm", max_new_tokens=8, greedy=True, vllm_kv_cache_gib=0.125)
+    config = GenerationConfig(backend="vllm", max_new_tokens=8, greedy=True, vllm_kv_cache_gib=0.125).for_call()
     hybrid = HybridEngine(hf_config, layout, HybridEngineConfig(tp_size=world_size))
     hybrid.to_generation(shards)
     native_rollout = NativeRollout(hf_config, dtype=torch.float32, config=config)

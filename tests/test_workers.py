@@ -12,6 +12,7 @@ from hybridflow.data import PromptDataset, prompt_response_tensors
 from hybridflow.data.builtin import ArithmeticTaskConfig, builtin_tokenizer, prompt_rows
 from hybridflow.engine import EngineConfig, OptimConfig
 from hybridflow.engine.generation import GenerationConfig
+from hybridflow.engine.generation_config import GenerationTokens
 from hybridflow.protocol import DataProto
 from hybridflow.trainers.build import model_config_of
 from hybridflow.models.config import ModelConfig
@@ -19,6 +20,7 @@ from hybridflow.workers import ActorSpec, ActorWorker, EngineSpec, RewardSpec, R
 from hybridflow.workers.supervised import SFTWorker, bradley_terry_loss_fn, interleave_pairs
 
 BUILTIN = ModelConfig(builtin="arithmetic")
+TOKENS = GenerationTokens(eos_token_ids=(builtin_tokenizer().eos_token_id,), pad_token_id=builtin_tokenizer().pad_token_id)
 
 
 def _spec(head: str, lr: float = 1e-3) -> EngineSpec:
@@ -31,13 +33,11 @@ def _prompts(count: int) -> DataProto:
 
 
 def test_generation_is_prompt_major_and_old_logprobs_match_the_sampler():
-    tokenizer = builtin_tokenizer()
-    spec = ActorSpec(engine=_spec("lm"), generation=GenerationConfig(
-        max_new_tokens=5, eos_token_ids=(tokenizer.eos_token_id,), pad_token_id=tokenizer.pad_token_id, seed=3))
+    spec = ActorSpec(engine=_spec("lm"), generation=GenerationConfig(max_new_tokens=5), tokens=TOKENS)
     with local_mode():
         actor = WorkerGroup(ResourcePool([1]), ActorWorker, spec)
         prompts = _prompts(3)
-        prompts.meta_info["samples_per_prompt"] = 2
+        prompts.meta_info.update(samples_per_prompt=2, seed=3)
         batch = actor.generate_sequences(prompts)
         old = actor.compute_log_prob(batch)
         actor.shutdown()
@@ -52,13 +52,12 @@ def test_generation_is_prompt_major_and_old_logprobs_match_the_sampler():
 
 
 def test_a_tempered_rollout_is_rescored_at_its_temperature_and_its_nll_at_temperature_one():
-    tokenizer = builtin_tokenizer()
-    spec = ActorSpec(engine=_spec("lm"), generation=GenerationConfig(
-        max_new_tokens=5, eos_token_ids=(tokenizer.eos_token_id,), pad_token_id=tokenizer.pad_token_id, seed=3,
-        temperature=0.6))
+    spec = ActorSpec(engine=_spec("lm"), generation=GenerationConfig(max_new_tokens=5, temperature=0.6), tokens=TOKENS)
+    prompts = _prompts(4)
+    prompts.meta_info["seed"] = 3
     with local_mode():
         actor = WorkerGroup(ResourcePool([1]), ActorWorker, spec)
-        batch = actor.generate_sequences(_prompts(4))
+        batch = actor.generate_sequences(prompts)
         old = actor.compute_log_prob(batch)
         nll = actor.compute_loss(batch)
         actor.shutdown()

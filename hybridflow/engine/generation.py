@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.engine.decoder import DecoderStage
-from hybridflow.engine.generation_config import GenerationConfig
+from hybridflow.engine.generation_config import GenerationConfig, SamplingConfig  # noqa: F401 (re-exported)
 from hybridflow.engine.rollout import RolloutStats, batch_output
 
 
@@ -141,7 +141,7 @@ class GenerationEngine:
         assert stage.has_head == (p.stage == self.head_stage)
 
     def generate(self, prompts_BP: torch.Tensor, prompt_mask_BP: torch.Tensor,
-                 config: GenerationConfig) -> dict[str, torch.Tensor]:
+                 config: SamplingConfig) -> dict[str, torch.Tensor]:
         """Responses for left-padded prompts, per the shared batch conventions.
 
         Returns ``prompts``, ``responses`` [B, T], ``response_mask``, ``input_ids`` [B, P+T],

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, fields, replace
 
 from hybridflow.engine.rollout import ROLLOUT_BACKENDS, rollout_backend
 
@@ -67,16 +67,6 @@ class GenerationConfig:
     """Memory one wave of rows may take (KV cache plus prefill activations, estimated per row); rows
     beyond it wait for the next wave. None: 80% of the device's free memory on CUDA, unbounded on CPU.
     Greedy outputs do not depend on the waves; sampled ones are reproducible for a given budget."""
-    samples_per_prompt: int = field(default=1, metadata={"derived": "batch.samples_per_prompt"})
-    """Responses generated per prompt; output rows are prompt-major (prompt 0's samples first)."""
-    eos_token_ids: tuple[int, ...] = field(default=(), metadata={"derived": "the tokenizer (and generation_config.json)"})
-    """Tokens that end a response (kept in it, response_mask 1)."""
-    stop_sequences: tuple[tuple[int, ...], ...] = field(default=(), metadata={"derived": "stop, encoded"})
-    """Token sequences that end a response when the response ends with one of them."""
-    pad_token_id: int = field(default=0, metadata={"derived": "the tokenizer"})
-    """Fills responses after their end."""
-    seed: int = field(default=0, metadata={"derived": "trainer.seed"})
-    """Seed of the sampling generator: same prompts, weights and config give the same responses."""
 
     def __post_init__(self) -> None:
         entry = rollout_backend(self.backend)
@@ -105,30 +95,19 @@ class GenerationConfig:
                                                    or not self.memory_budget_gib > 0):
             raise ValueError(f"memory_budget_gib must be a number > 0 or null (automatic), got "
                              f"{self.memory_budget_gib!r}")
-        if not isinstance(self.samples_per_prompt, int) or self.samples_per_prompt < 1:
-            raise ValueError(f"samples_per_prompt must be a positive integer, got {self.samples_per_prompt!r}")
-        for name in ("eos_token_ids", "stop_token_ids", "suppress_tokens"):
+        for name in ("stop_token_ids", "suppress_tokens"):
             ids = getattr(self, name)
             if not isinstance(ids, tuple) or not all(isinstance(i, int) and i >= 0 for i in ids):
                 raise ValueError(f"{name} must be a tuple of non-negative token ids, got {ids!r}")
         if not isinstance(self.stop, tuple) or not all(isinstance(text, str) and text for text in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
-        if not all(isinstance(seq, tuple) and seq and all(isinstance(i, int) and i >= 0 for i in seq)
-                   for seq in self.stop_sequences):
-            raise ValueError(f"stop_sequences must hold non-empty token-id sequences, got {self.stop_sequences!r}")
 
-    def with_model_defaults(self, model_defaults: dict, *, encode=None) -> "GenerationConfig":
+    def with_model_defaults(self, model_defaults: dict) -> "GenerationConfig":
         """This config resolved once: a model's ``generation_config.json`` (a dict) applied per
-        ``use_model_defaults`` (its EOS ids and suppressed tokens added, its sampling values filling the fields left
-        unset), the remaining unset fields at ``SAMPLING_DEFAULTS``, and ``stop`` encoded into ``stop_sequences``
-        by ``encode`` (text -> token ids)."""
+        ``use_model_defaults`` (its suppressed tokens added, its sampling values filling the fields left unset),
+        then the fields still unset at ``SAMPLING_DEFAULTS``. (Its EOS ids go to ``GenerationTokens.build``.)"""
         changes: dict = {}
-        if encode is not None and self.stop:
-            changes["stop_sequences"] = tuple(tuple(encode(text)) for text in self.stop)
         if self.use_model_defaults and model_defaults:
-            eos = model_defaults.get("eos_token_id")
-            eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-            changes["eos_token_ids"] = tuple(dict.fromkeys([*self.eos_token_ids, *eos]))
             suppress = list(model_defaults.get("suppress_tokens") or [])
             changes["suppress_tokens"] = tuple(dict.fromkeys([*self.suppress_tokens, *suppress]))
             for name, default in SAMPLING_DEFAULTS.items():
@@ -140,6 +119,74 @@ class GenerationConfig:
         """This config with every unset sampling field at its ``SAMPLING_DEFAULTS`` value (itself if none is)."""
         unset = {name: default for name, default in SAMPLING_DEFAULTS.items() if getattr(self, name) is None}
         return replace(self, **unset) if unset else self
+
+    def for_call(self, tokens: "GenerationTokens | None" = None, *, seed: int = 0,
+                 samples_per_prompt: int = 1) -> "SamplingConfig":
+        """The ``SamplingConfig`` one generate call runs with: this config, the tokenizer's ids, a seed, n."""
+        tokens = tokens or GenerationTokens()
+        return SamplingConfig(**{f.name: getattr(self, f.name) for f in fields(GenerationConfig)},
+                              eos_token_ids=tokens.eos_token_ids, pad_token_id=tokens.pad_token_id,
+                              stop_sequences=tokens.stop_sequences, seed=seed, samples_per_prompt=samples_per_prompt)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerationTokens:
+    """The token ids a rollout samples with, from the actor's tokenizer (runtime values: never in a user's YAML)."""
+
+    eos_token_ids: tuple[int, ...] = ()
+    """Tokens that end a response (kept in it, response_mask 1)."""
+    pad_token_id: int = 0
+    """Fills responses after their end."""
+    stop_sequences: tuple[tuple[int, ...], ...] = ()
+    """``GenerationConfig.stop`` encoded: a response ends when it ends with one of them."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.eos_token_ids, tuple) or not all(isinstance(i, int) and i >= 0
+                                                                for i in self.eos_token_ids):
+            raise ValueError(f"eos_token_ids must be a tuple of non-negative token ids, got {self.eos_token_ids!r}")
+        if not all(isinstance(seq, tuple) and seq and all(isinstance(i, int) and i >= 0 for i in seq)
+                   for seq in self.stop_sequences):
+            raise ValueError(f"stop_sequences must hold non-empty token-id sequences, got {self.stop_sequences!r}")
+
+    @classmethod
+    def build(cls, config: GenerationConfig, *, eos_token_id: int | None, pad_token_id: int | None,
+              model_defaults: dict | None = None, encode=None) -> "GenerationTokens":
+        """The tokenizer's EOS (plus the model's ``generation_config.json`` EOS ids when ``use_model_defaults``),
+        its pad id (EOS when it has none) and ``config.stop`` encoded by ``encode`` (text -> token ids)."""
+        eos = [] if eos_token_id is None else [eos_token_id]
+        model_eos = (model_defaults or {}).get("eos_token_id") if config.use_model_defaults else None
+        eos += [] if model_eos is None else ([model_eos] if isinstance(model_eos, int) else list(model_eos))
+        stops = tuple(tuple(encode(text)) for text in config.stop) if encode is not None else ()
+        pad = pad_token_id if pad_token_id is not None else (eos_token_id or 0)
+        return cls(eos_token_ids=tuple(dict.fromkeys(eos)), pad_token_id=pad, stop_sequences=stops)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingConfig(GenerationConfig):
+    """What one generate call samples with: a ``GenerationConfig`` (unset sampling fields resolved to
+    ``SAMPLING_DEFAULTS``) plus the runtime values of the call. Built by ``GenerationConfig.for_call``; never
+    read from a user's config."""
+
+    eos_token_ids: tuple[int, ...] = ()
+    """Tokens that end a response (kept in it, response_mask 1)."""
+    stop_sequences: tuple[tuple[int, ...], ...] = ()
+    """Token sequences that end a response when the response ends with one of them."""
+    pad_token_id: int = 0
+    """Fills responses after their end."""
+    seed: int = 0
+    """Seed of the sampling generator: same prompts, weights and config give the same responses."""
+    samples_per_prompt: int = 1
+    """Responses generated per prompt; output rows are prompt-major (prompt 0's samples first)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name, default in SAMPLING_DEFAULTS.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, default)  # resolved at construction: engines read plain values
+        GenerationTokens(eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id,
+                         stop_sequences=self.stop_sequences)  # validates them
+        if not isinstance(self.samples_per_prompt, int) or self.samples_per_prompt < 1:
+            raise ValueError(f"samples_per_prompt must be a positive integer, got {self.samples_per_prompt!r}")
 
 
 def unset_before_it_was_optional(key: str, saved, current) -> bool:

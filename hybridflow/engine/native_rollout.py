@@ -25,7 +25,7 @@ import torch
 from hybridflow.data.collate import left_pad
 from hybridflow.engine.decoder import DecoderSpec, DecoderStage, TensorParallelGroup
 from hybridflow.engine.generation import GenerationEngine, PipelinePeers
-from hybridflow.engine.generation_config import GenerationConfig
+from hybridflow.engine.generation_config import GenerationConfig, SamplingConfig
 from hybridflow.engine.rollout import (GenerationShard, RequestHandle, Rollout, RolloutOutput, RolloutRequest,
                                        RolloutStats, SamplingOptions, cut_at_stop_sequence)
 
@@ -90,7 +90,7 @@ class NativeRollout(Rollout):
 
     # ----- the batched call ------------------------------------------------------------------------
     def generate(self, prompts_BP: torch.Tensor, prompt_mask_BP: torch.Tensor,
-                 config: GenerationConfig) -> dict[str, torch.Tensor]:
+                 config: SamplingConfig) -> dict[str, torch.Tensor]:
         engine = self._engine()
         output = engine.generate(prompts_BP, prompt_mask_BP, config)
         self.stats = dataclasses.replace(engine.last_stats, load_seconds=self.stats.load_seconds)
@@ -137,7 +137,7 @@ class NativeRollout(Rollout):
         context_BP, mask_BP = left_pad(contexts, pad_token_id=options.pad_token_id)
         fields = {name: getattr(options, name) for name in SamplingOptions.__dataclass_fields__
                   if name not in ("max_new_tokens", "min_new_tokens", "seed")}
-        config = dataclasses.replace(self.config, **fields, max_new_tokens=tokens,
+        config = dataclasses.replace(self.config.for_call(), **fields, max_new_tokens=tokens,
                                      min_new_tokens=min(max(options.min_new_tokens - progress, 0), tokens),
                                      seed=options.seed + ROUND_SEED_STRIDE * progress, samples_per_prompt=1)
         output = self.generate(context_BP, mask_BP, config)

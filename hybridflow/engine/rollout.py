@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Literal
 if TYPE_CHECKING:
     import torch
 
-    from hybridflow.engine.generation_config import GenerationConfig
+    from hybridflow.engine.generation_config import GenerationConfig, SamplingConfig
 
 FinishReason = Literal["stop", "length", "abort"]
 """Why a sequence ended: "stop" (EOS, a stop token or a stop sequence, kept in the response), "length"
@@ -74,8 +74,8 @@ class GenerationShard:
 
 @dataclass(frozen=True, kw_only=True)
 class SamplingOptions:
-    """How one request is sampled (every field resolved: no None). Built from the actor's ``GenerationConfig``
-    by ``sampling_options`` and changed per request with ``dataclasses.replace``."""
+    """How one request is sampled (every field resolved: no None). Built from a call's ``SamplingConfig`` by
+    ``sampling_options`` and changed per request with ``dataclasses.replace``."""
 
     max_new_tokens: int = 64
     min_new_tokens: int = 0
@@ -96,8 +96,8 @@ class SamplingOptions:
             raise ValueError(f"SamplingOptions.max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
 
 
-def sampling_options(config: "GenerationConfig", **changes) -> SamplingOptions:
-    """The ``SamplingOptions`` of a (resolved) ``GenerationConfig``, with ``changes`` applied."""
+def sampling_options(config: "SamplingConfig", **changes) -> SamplingOptions:
+    """The ``SamplingOptions`` of one call's ``SamplingConfig`` (``GenerationConfig.for_call``), with ``changes``."""
     config = config.resolved()
     names = [name for name in SamplingOptions.__dataclass_fields__ if name not in changes]
     return SamplingOptions(**{name: getattr(config, name) for name in names}, **changes)
@@ -236,7 +236,7 @@ class Rollout(abc.ABC):
     # ----- generation ------------------------------------------------------------------------------
     @abc.abstractmethod
     def generate(self, prompts_BP: "torch.Tensor", prompt_mask_BP: "torch.Tensor",
-                 config: "GenerationConfig") -> dict[str, "torch.Tensor"]:
+                 config: "SamplingConfig") -> dict[str, "torch.Tensor"]:
         """Responses for left-padded prompts (every rank of a replica passes the same ones): ``batch_output``'s
         tensors, rows prompt-major (prompt 0's ``config.samples_per_prompt`` samples first), T =
         ``config.max_new_tokens``, sampled with ``config.seed``."""

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridflow.device import device_type
-from hybridflow.engine.generation_config import GenerationConfig
+from hybridflow.engine.generation_config import GenerationConfig, SamplingConfig
 from hybridflow.engine.hybrid_engine import parameter_shapes, storage_bytes
 from hybridflow.engine.rollout import (GenerationShard, Rollout, RolloutStats, batch_output,
                                        cut_at_stop_sequence)
@@ -105,7 +105,7 @@ def copy_pieces(target: torch.Tensor, hf_name: str, pieces: list[torch.Tensor]) 
     return sum(p.numel() for p in pieces) * target.element_size()
 
 
-def vllm_sampling_params(config: GenerationConfig, *, vocab_size: int, seed: int):
+def vllm_sampling_params(config: SamplingConfig, *, vocab_size: int, seed: int):
     """``vllm.SamplingParams`` with the same meaning as ``config`` has for the native engine.
 
     End tokens (EOS and stop ids) are stop ids, kept in the response; suppressed tokens are left out of
@@ -150,7 +150,7 @@ class VllmRollout(Rollout):
             raise ValueError(f"actor.hybrid_engine.pp_size={shard.pp_size}: backend='vllm' runs pg = 1 "
                              "(tensor-parallel generation only); use backend='native' for pg > 1 "
                              "(see docs/generation.md)")
-        return cls(hf_config, dtype=dtype, config=config, seed=config.seed, tp_groups=shard.tp_groups)
+        return cls(hf_config, dtype=dtype, config=config, tp_groups=shard.tp_groups)
 
     def __init__(self, hf_config, *, dtype: torch.dtype, config: GenerationConfig, seed: int = 0,
                  tp_groups: list[list[int]] | None = None) -> None:
@@ -272,7 +272,7 @@ class VllmRollout(Rollout):
     # ----- generation --------------------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, prompts_BP: torch.Tensor, prompt_mask_BP: torch.Tensor,
-                 config: GenerationConfig) -> dict[str, torch.Tensor]:
+                 config: SamplingConfig) -> dict[str, torch.Tensor]:
         """Responses for left-padded prompts: the native engine's output keys, shapes and conventions."""
         from vllm.inputs import TokensPrompt
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from hybridflow.controller import ResourcePool, WorkerGroup, runtime_mode
 from hybridflow.engine.config import EngineConfig
-from hybridflow.engine.generation import GenerationConfig
+from hybridflow.engine.generation_config import GenerationConfig, GenerationTokens
 from hybridflow.models.config import ModelConfig
 from hybridflow.trainers.config import CriticSection, RLConfig
 from hybridflow.workers import (ActorSpec, ActorWorker, CostWorker, CriticWorker, EngineSpec, ReferenceWorker,
@@ -62,14 +62,14 @@ def model_generation_defaults(source: ModelConfig) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def generation_config_of(config: RLConfig, tokenizer) -> GenerationConfig:
-    """The actor's sampling config with its derived fields: tokenizer ids, seed, samples per prompt, the model's
-    generation defaults (``use_model_defaults``) and ``stop`` strings encoded."""
-    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    generation = replace(config.actor.generation, eos_token_ids=(tokenizer.eos_token_id,), pad_token_id=pad_token_id,
-                         seed=config.trainer.seed, samples_per_prompt=config.batch.samples_per_prompt)
-    return generation.with_model_defaults(model_generation_defaults(config.actor.model),
-                                          encode=lambda text: tokenizer.encode(text, add_special_tokens=False))
+def generation_config_of(config: RLConfig, tokenizer) -> tuple[GenerationConfig, GenerationTokens]:
+    """The actor's sampling config resolved once with the model's generation defaults (``use_model_defaults``),
+    and the token ids it samples with: the tokenizer's EOS (and the model's) and pad ids, ``stop`` encoded."""
+    model_defaults = model_generation_defaults(config.actor.model)
+    tokens = GenerationTokens.build(config.actor.generation, eos_token_id=tokenizer.eos_token_id,
+                                    pad_token_id=tokenizer.pad_token_id, model_defaults=model_defaults,
+                                    encode=lambda text: tokenizer.encode(text, add_special_tokens=False))
+    return config.actor.generation.with_model_defaults(model_defaults), tokens
 
 
 @dataclass(frozen=True)
@@ -91,12 +91,13 @@ def role_specs(config: RLConfig) -> RoleSpecs:
     actor_tokenizer = tokenizer_of(config.actor.model)
     steps = config.trainer.total_steps * derived.mini_batches_per_epoch
     actor_loss = config.actor.loss
+    generation, tokens = generation_config_of(config, actor_tokenizer.load())
     actor = ActorSpec(
         engine=EngineSpec(model=model_config_of(config.actor.model, head="lm", seed=seed),
                           engine=engine_config_of(config.actor.engine, seed=seed,
                                                   optimizer_steps=steps * actor_loss.ppo_epochs)),
         hybrid_engine=config.actor.hybrid_engine,
-        generation=generation_config_of(config, actor_tokenizer.load()),
+        generation=generation, tokens=tokens,
         loss=replace(actor_loss, mini_batch_size=config.batch.mini_batch_size,
                      kl_loss_coef=config.algorithm.kl_coef if config.algorithm.kl_in_loss else 0.0,
                      max_response_length=config.actor.generation.max_new_tokens))

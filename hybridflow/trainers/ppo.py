@@ -272,7 +272,7 @@ class RLTrainer:
             rows_R, groups_kept = first_kept_groups(keep_B, ids, num_groups=need)
             if groups_kept >= need:
                 break
-        batch = _concat_rounds(rounds, pad_token_id=self.specs.actor.generation.pad_token_id)
+        batch = _concat_rounds(rounds, pad_token_id=self.specs.actor.tokens.pad_token_id)
         rows = rows_R.tolist()
         if groups_kept < need:  # round limit reached: fill up with tied groups (zero advantage) to a full batch
             tied_ids = list(dict.fromkeys(ids[row] for row in np.flatnonzero(~keep_B.numpy())))[:need - groups_kept]
@@ -311,7 +311,7 @@ class RLTrainer:
         generation = self.specs.actor.generation
         lengths_B = batch["response_mask"].sum(-1)
         last_token_B = batch["responses"].gather(1, (lengths_B - 1).clamp(min=0)[:, None].long())[:, 0]
-        end_ids = torch.tensor(sorted(set(generation.eos_token_ids) | set(generation.stop_token_ids)))
+        end_ids = torch.tensor(sorted(set(self.specs.actor.tokens.eos_token_ids) | set(generation.stop_token_ids)))
         return overlong_filter_mask(lengths_B, max_response_length=generation.max_new_tokens,
                                     ended_B=torch.isin(last_token_B.cpu(), end_ids))
 

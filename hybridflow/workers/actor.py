@@ -28,7 +28,7 @@ TRAINING_EXACT_LOGPROBS = "logprobs_are_training_logprobs"
 ``Rollout.logprobs_match_training``)."""
 WEIGHT_VERSION = "weight_version"
 """meta_info of a rollout: the version of the weights that generated it (the actor's optimizer steps so far)."""
-GENERATION_OVERRIDES = ("greedy", "samples_per_prompt", "seed", "max_new_tokens")
+GENERATION_OVERRIDES = ("greedy", "max_new_tokens")
 
 
 def policy_loss_fn(spec: PolicyLossConfig):
@@ -118,13 +118,16 @@ class ActorWorker(ModelWorker):
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Responses for this replica's prompts: rows become prompts x samples per prompt (prompt-major).
 
-        ``prompts.meta_info`` may override ``greedy``, ``samples_per_prompt``, ``seed`` and
-        ``max_new_tokens`` of the spec's sampling defaults.
+        ``prompts.meta_info`` may override ``greedy`` and ``max_new_tokens`` of the spec's sampling defaults and
+        sets ``samples_per_prompt`` (default 1) and ``seed`` (default 0).
         """
-        overrides = {key: prompts.meta_info[key] for key in GENERATION_OVERRIDES if key in prompts.meta_info}
-        config = dataclasses.replace(self.actor_spec.generation.resolved(), **overrides)
+        meta = prompts.meta_info
+        overrides = {key: meta[key] for key in GENERATION_OVERRIDES if key in meta}
         # replicas draw different noise for their different prompts; ranks of one replica the same
-        config = dataclasses.replace(config, seed=config.seed * 1_000_003 + self.hybrid.replica)
+        config = self.actor_spec.generation.for_call(
+            self.actor_spec.tokens, seed=int(meta.get("seed", 0)) * 1_000_003 + self.hybrid.replica,
+            samples_per_prompt=int(meta.get("samples_per_prompt", 1)))
+        config = dataclasses.replace(config, **overrides)
         offloaded_bytes = self.optimizer_offload.offload() if self.optimizer_offload is not None else 0
         try:
             output, to_generation, to_training, load = self._rollout(prompts, config)

@@ -8,7 +8,7 @@ from typing import Literal
 from hybridflow.algorithms.names import (KL_ESTIMATOR_NAMES, LOSS_AGGREGATION_NAMES, NON_FINITE_ACTIONS,
                                          POLICY_LOSS_NAMES)
 from hybridflow.engine.config import EngineConfig
-from hybridflow.engine.generation_config import GenerationConfig
+from hybridflow.engine.generation_config import GenerationConfig, GenerationTokens
 from hybridflow.engine.hybrid_engine_config import HybridEngineConfig
 from hybridflow.models.config import ModelConfig
 
@@ -197,7 +197,10 @@ class ActorSpec:
     hybrid_engine: HybridEngineConfig = field(default_factory=HybridEngineConfig)
     """Generation layout (pg, tg) and resharding strategy."""
     generation: GenerationConfig = field(default_factory=GenerationConfig)
-    """Sampling defaults; a call may override ``greedy``, ``samples_per_prompt``, ``seed`` and ``max_new_tokens``."""
+    """Sampling defaults; a call may override ``greedy`` and ``max_new_tokens`` and sets ``samples_per_prompt`` and
+    ``seed`` (default 1 and 0)."""
+    tokens: GenerationTokens = field(default_factory=GenerationTokens)
+    """The actor tokenizer's EOS and pad ids and the encoded stop strings (built from the tokenizer)."""
     loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     """PPO update knobs."""
 
