@@ -65,7 +65,8 @@ def test_the_registry_names_the_backends_and_refuses_an_unknown_one():
 
 
 def test_a_registered_backend_is_accepted_by_the_config_and_built_without_editing_the_worker(monkeypatch):
-    monkeypatch.setitem(ROLLOUT_BACKENDS, "copy_of_native", BackendEntry("hybridflow.engine.native_rollout:NativeRollout"))
+    native = BackendEntry("hybridflow.engine.native_rollout:NativeRollout")
+    monkeypatch.setitem(ROLLOUT_BACKENDS, "copy_of_native", native)
     assert SamplingConfig(backend="copy_of_native").backend == "copy_of_native"
     assert rollout_class("copy_of_native") is NativeRollout
     register_rollout("needs_missing", BackendEntry("x:Y", requires="no_such_module_here", install="pip install y"))

@@ -103,7 +103,8 @@ def test_the_actor_reports_in_its_transition_stats_that_a_cpu_run_offloads_nothi
     tokenizer = builtin_tokenizer()
     spec = ActorSpec(engine=_spec("lm"), hybrid_engine=HybridEngineConfig(offload_optimizer=True),
                      generation=GenerationConfig(max_new_tokens=3),
-                     tokens=GenerationTokens(eos_token_ids=(tokenizer.eos_token_id,), pad_token_id=tokenizer.pad_token_id))
+                     tokens=GenerationTokens(eos_token_ids=(tokenizer.eos_token_id,),
+                                             pad_token_id=tokenizer.pad_token_id))
     with local_mode():
         actor = WorkerGroup(ResourcePool([1]), ActorWorker, spec)
         actor.generate_sequences(_prompts(2))

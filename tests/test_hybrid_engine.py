@@ -349,7 +349,8 @@ def _bf16_generation(rank: int, world_size: int) -> dict:
         pointers = {n: s.data_ptr() for n, s in trainer.local_shards().items()}
         stats = hybrid.to_generation(trainer.local_shards())
         out = generate_on(hybrid, prompts, mask, GREEDY)
-        report[str(dtype)] = dict(received=stats.bytes_received, stage_dtype=str(next(iter(hybrid.shard.weights.values()))[0].dtype),
+        stage_dtype = next(iter(hybrid.shard.weights.values()))[0].dtype
+        report[str(dtype)] = dict(received=stats.bytes_received, stage_dtype=str(stage_dtype),
                                   finite=bool(torch.isfinite(out["logprobs"]).all()),
                                   responses=out["responses"].shape)
         hybrid.to_training()

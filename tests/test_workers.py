@@ -20,7 +20,8 @@ from hybridflow.workers import ActorSpec, ActorWorker, EngineSpec, RewardSpec, R
 from hybridflow.workers.supervised import SFTWorker, bradley_terry_loss_fn, interleave_pairs
 
 BUILTIN = ModelConfig(builtin="arithmetic")
-TOKENS = GenerationTokens(eos_token_ids=(builtin_tokenizer().eos_token_id,), pad_token_id=builtin_tokenizer().pad_token_id)
+TOKENS = GenerationTokens(eos_token_ids=(builtin_tokenizer().eos_token_id,),
+                          pad_token_id=builtin_tokenizer().pad_token_id)
 
 
 def _spec(head: str, lr: float = 1e-3) -> EngineSpec:

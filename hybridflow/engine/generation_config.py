@@ -83,13 +83,15 @@ class GenerationConfig:
             raise ValueError(f"min_new_tokens must be an integer in [0, max_new_tokens={self.max_new_tokens}], "
                              f"got {self.min_new_tokens!r}")
         if self.temperature is not None and not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature!r}; use greedy=True for argmax (null: unset)")
+            raise ValueError(f"temperature must be > 0, got {self.temperature!r}; use greedy=True for argmax "
+                             "(null: unset)")
         if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 0):
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r} (null: unset)")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r} (null: unset)")
         if self.repetition_penalty is not None and not self.repetition_penalty > 0:
-            raise ValueError(f"repetition_penalty must be > 0 (1.0 = off), got {self.repetition_penalty!r} (null: unset)")
+            raise ValueError(f"repetition_penalty must be > 0 (1.0 = off), got {self.repetition_penalty!r} "
+                             "(null: unset)")
         if self.memory_budget_gib is not None and (isinstance(self.memory_budget_gib, bool)
                                                    or not isinstance(self.memory_budget_gib, (int, float))
                                                    or not self.memory_budget_gib > 0):

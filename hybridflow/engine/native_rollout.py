@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hybridflow.data.collate import left_pad
 from hybridflow.engine.decoder import DecoderSpec, DecoderStage, TensorParallelGroup
 from hybridflow.engine.generation import GenerationEngine, PipelinePeers
 from hybridflow.engine.generation_config import GenerationConfig, SamplingConfig
@@ -134,7 +133,12 @@ class NativeRollout(Rollout):
     def _round(self, members: list[_Queued], options: SamplingOptions, progress: int, tokens: int) -> None:
         """Decode up to ``tokens`` more tokens for ``members`` (same options and progress) as one batch."""
         contexts = [list(queued.request.prompt_ids) + queued.tokens for queued in members]
-        context_BP, mask_BP = left_pad(contexts, pad_token_id=options.pad_token_id)
+        P = max(len(context) for context in contexts)
+        context_BP = torch.full((len(contexts), P), options.pad_token_id, dtype=torch.long)
+        mask_BP = torch.zeros((len(contexts), P), dtype=torch.long)
+        for row, context in enumerate(contexts):  # left padding, as prompts come to the batched call
+            context_BP[row, P - len(context):] = torch.tensor(context, dtype=torch.long)
+            mask_BP[row, P - len(context):] = 1
         fields = {name: getattr(options, name) for name in SamplingOptions.__dataclass_fields__
                   if name not in ("max_new_tokens", "min_new_tokens", "seed")}
         config = dataclasses.replace(self.config.for_call(), **fields, max_new_tokens=tokens,
@@ -163,7 +167,8 @@ def _finish_reason(queued: _Queued, options: SamplingOptions) -> str | None:
     if end < len(tokens):  # a stop sequence completed across two rounds: the decoder went on past it
         del queued.tokens[end:], queued.logprobs[end:], queued.versions[end:]
         return "stop"
-    if tokens and (tokens[-1] in (*options.eos_token_ids, *options.stop_token_ids)
-                   or any(tuple(tokens[-len(s):]) == tuple(s) for s in options.stop_sequences if len(s) <= len(tokens))):
+    ends_with_sequence = any(len(s) <= len(tokens) and tuple(tokens[-len(s):]) == tuple(s)
+                             for s in options.stop_sequences)
+    if tokens and (tokens[-1] in (*options.eos_token_ids, *options.stop_token_ids) or ends_with_sequence):
         return "stop"
     return "length" if len(tokens) >= options.max_new_tokens else None

@@ -74,7 +74,8 @@ class ActorSection:
         # some backends run tensor-parallel generation only (vLLM: docs/generation.md, why pg > 1 is not wired up)
         backend = self.generation.backend
         require(rollout_backend(backend).pipeline_parallel or self.hybrid_engine.pp_size == 1, "hybrid_engine.pp_size",
-                self.hybrid_engine.pp_size, f"1 with actor.generation.backend={backend} (use backend=native for pg > 1)")
+                self.hybrid_engine.pp_size,
+                f"1 with actor.generation.backend={backend} (use backend=native for pg > 1)")
 
 
 @dataclass(frozen=True, kw_only=True)
