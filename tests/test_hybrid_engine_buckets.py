@@ -60,7 +60,7 @@ def _transitions_per_bucket_size(rank: int, world_size: int) -> list[dict]:
             with CollectiveLog() as log:
                 going = engine.to_generation(shards)
             weights = {name: [piece.clone() for piece in pieces]
-                       for name, pieces in engine.engine.stage.weights.items()}
+                       for name, pieces in engine.shard.weights.items()}
             by_bucket[bucket_mb] = dict(weights=weights, calls=log.calls, stats=going,
                                         element_size=next(iter(shards.values())).element_size())
             engine.to_training()
