@@ -100,10 +100,12 @@ class NativeRollout(Rollout):
         if request.request_id in self._queue:
             raise ValueError(f"request {request.request_id!r} is already queued")
         handle = RequestHandle(request)
-        self._handles[request.request_id] = handle
         self._queue[request.request_id] = _Queued(handle, list(request.prefix_ids), list(request.prefix_logprobs),
                                                   list(request.prefix_versions))
         return handle
+
+    def pending(self) -> int:
+        return len(self._queue)
 
     def abort(self, request_id: str) -> None:
         """Finish a queued request now with its tokens so far (reason "abort"); unknown or finished ids: no-op."""

@@ -212,7 +212,6 @@ class Rollout(abc.ABC):
         self.version: int | None = None
         """The weight version of the last ``load`` (None before the first)."""
         self.stats = RolloutStats()
-        self._handles: dict[str, RequestHandle] = {}
         self._ids = itertools.count()
 
     @classmethod
@@ -262,7 +261,7 @@ class Rollout(abc.ABC):
 
     def pending(self) -> int:
         """Requests submitted and not finished."""
-        return sum(not handle.done() for handle in self._handles.values())
+        self._not_supported("pending")
 
     def new_request_id(self) -> str:
         return f"{self.name}-{next(self._ids)}"
