@@ -236,7 +236,10 @@ def test_the_estimator_table_and_the_config_literal_name_the_same_estimators():
 
     hints = typing.get_type_hints(AlgorithmSection)
     assert set(typing.get_args(hints["advantage_estimator"])) == set(ESTIMATORS)
-    assert [name for name, estimator in ESTIMATORS.items() if estimator.needs_critic] == ["gae"]
+    assert [name for name, estimator in ESTIMATORS.items() if estimator.traits.needs_critic] == ["gae"]
+    assert [name for name, estimator in ESTIMATORS.items() if estimator.traits.group_based] == ["grpo", "dr_grpo", "rloo"]
+    assert [name for name, estimator in ESTIMATORS.items() if estimator.traits.baseline_generation] == ["remax"]
+    assert AlgorithmSection(advantage_estimator="remax").estimator is ESTIMATORS["remax"].traits
     with pytest.raises(ValueError, match=r"advantage_estimator got 'vtrace'; allowed: gae, grpo"):
         AlgorithmSection(advantage_estimator="vtrace")
 
