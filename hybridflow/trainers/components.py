@@ -22,6 +22,7 @@ from hybridflow.algorithms import (overlong_filter_mask, overlong_reward_penalty
 from hybridflow.algorithms.lagrangian import LagrangeController
 from hybridflow.protocol import DataProto
 from hybridflow.trainers.advantage import AdvantageResult, EstimatorInputs, estimate_advantages, token_mean
+from hybridflow.trainers.config import DerivedSizes, RLConfig
 from hybridflow.trainers.redundant_passes import old_log_prob_is_redundant
 from hybridflow.trainers.step import Rollout, StepComponent, StepResults, first_rank
 from hybridflow.workers.actor import TRAINING_EXACT_LOGPROBS
@@ -205,7 +206,8 @@ class SafeRLHF(StepComponent):
         self.lagrange.load_state_dict(state)
 
 
-def build_components(config, *, derived, generation, groups: dict, score_B, ptx_loader) -> list[StepComponent]:
+def build_components(config: RLConfig, *, derived: DerivedSizes, generation, groups: dict, score_B,
+                     ptx_loader) -> list[StepComponent]:
     """The components an ``RLConfig`` turns on, in the order the step calls their hooks. ``generation``: the actor's
     generation settings (with its token ids); ``score_B(batch)``: scores of generated responses."""
     algorithm, actor = config.algorithm, groups["actor"]

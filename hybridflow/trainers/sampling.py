@@ -12,6 +12,7 @@ import torch
 
 from hybridflow.algorithms import dynamic_sampling_keep_mask, first_kept_groups
 from hybridflow.protocol import DataProto
+from hybridflow.trainers.config import RLConfig
 from hybridflow.trainers.step import Rollout
 
 
@@ -62,7 +63,7 @@ class DynamicSampling:
         return Rollout(prompts=first_prompts, batch=batch[np.asarray(rows)], sampling_metrics=metrics)
 
 
-def build_sampling(config, *, loader, score_B, pad_token_id: int) -> OneRound | DynamicSampling:
+def build_sampling(config: RLConfig, *, loader, score_B, pad_token_id: int) -> OneRound | DynamicSampling:
     """The sampling strategy of an ``RLConfig`` (``algorithm.dynamic_sampling``)."""
     algorithm = config.algorithm
     if not algorithm.dynamic_sampling:
