@@ -54,6 +54,10 @@ def test_the_light_name_lists_equal_the_registries_they_name():
     assert names.NON_FINITE_ACTIONS == tuple(NON_FINITE_ACTIONS)
     assert names.ADVANTAGE_ESTIMATOR_NAMES == tuple(ESTIMATORS)
     assert STRATEGIES == tuple(TRANSITION_STRATEGIES)
+    from hybridflow.engine.config import LAYOUTS
+    from hybridflow.engine.layouts import TRAINING_LAYOUTS
+
+    assert LAYOUTS == tuple(TRAINING_LAYOUTS)
 
 
 @pytest.mark.parametrize("package", ["engine", "models", "data", "workers", "algorithms"])
