@@ -544,7 +544,6 @@ class HybridEngine:
             train=train_layout, pp_size=config.pp_size, tp_size=config.tp_size,
             grouping=self.strategy.generation_grouping)
         self.spec.check_tp_size(config.tp_size)
-        self.coords = train_layout.coords(self.rank)
         self.gen_coords = self.generation_layout.coords(self.rank)
         self.gen_layers = self.generation_layout.stage_layers(self.spec.num_layers, self.gen_coords.gen_pp_rank)
         shapes = parameter_shapes(hf_config)
