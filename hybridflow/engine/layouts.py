@@ -9,6 +9,7 @@ must agree across data-parallel ranks, whether meta init works, and what this ra
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -30,7 +31,7 @@ def local_tensor(tensor: Tensor) -> Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-class TrainingLayout:
+class TrainingLayout(ABC):
     """One training layout: its rank arithmetic (``ranks``) and the facts in which layouts differ."""
 
     name: ClassVar[str] = ""
@@ -43,41 +44,41 @@ class TrainingLayout:
         """The (p, t, d) rank arithmetic of this layout (``TrainingEngine.layout``)."""
 
     @classmethod
+    @abstractmethod
     def for_world(cls, config: "EngineConfig", world_size: int) -> "TrainingLayout":
         """This layout over ``world_size`` ranks with the sizes ``config`` asks for."""
-        raise NotImplementedError
 
     @classmethod
     def meta_init_supported(cls, *, tied_embeddings: bool, world_size: int) -> bool:
         """Whether a checkpoint can be read shard by shard onto a meta-initialised stage."""
         return True
 
+    @abstractmethod
     def shard_stage(self, stage: nn.Module, mesh: "DeviceMesh | None", *, cpu_offload: bool,
                     compute_dtype: torch.dtype) -> nn.Module:
         """Lay this rank's pipeline stage (a ``DecoderStage``) out over ``mesh`` in place and return it."""
-        raise NotImplementedError
 
     @property
     def loss_scale(self) -> float:
         """Factor on each micro-batch loss before backward so that gradients come out summed over dp."""
         return 1.0
 
+    @abstractmethod
     def shard_group(self, *, dp_group, tp_group):
         """The group over which a sharded gradient's squared norm is summed (None: nothing is sharded)."""
-        raise NotImplementedError
 
     def reduce_gradients(self, params: list[nn.Parameter], dp_group) -> None:
         """Sum gradients over data-parallel replicas after backward, where backward has not already."""
 
+    @abstractmethod
     def local_shards(self, model: nn.Module, device: torch.device) -> dict[str, Tensor]:
         """HF parameter name -> this rank's local tensor on ``device`` (sharing the parameter's storage where
         it lives there): what ``HybridEngine.to_generation`` takes, cut as ``transition`` expects."""
-        raise NotImplementedError
 
+    @abstractmethod
     def transition(self, strategy: str) -> "TransitionStrategy":
         """The hybrid engine's transition from this layout's local shards to generation weights;
         ``strategy`` is ``actor.hybrid_engine.strategy``."""
-        raise NotImplementedError
 
 
 class FsdpLayout(TrainingLayout):
