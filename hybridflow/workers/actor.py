@@ -14,7 +14,7 @@ from torch import Tensor
 from hybridflow.algorithms import (POLICY_LOSSES, aggregate_loss, kl_estimate, masked_mean,
                                    truncated_importance_weights)
 from hybridflow.controller import register
-from hybridflow.engine.hybrid_engine import HybridEngine, training_shards
+from hybridflow.engine.hybrid_engine import HybridEngine
 from hybridflow.engine.optim import OptimizerOffload
 from hybridflow.protocol import DataProto
 from hybridflow.workers.base import ROLLOUT_TEMPERATURE, SEQUENCE_KEYS, ModelWorker, step_context, tensors_of
@@ -92,8 +92,7 @@ class ActorWorker(ModelWorker):
         self.actor_spec = spec
         # generation computes in the actor's compute dtype (bf16 by default on GPUs and bf16-capable CPUs), not in
         # the fp32 masters
-        self.hybrid = HybridEngine(self.engine.hf_config, self.engine.layout, spec.hybrid_engine,
-                                   dtype=self.engine.compute_dtype)
+        self.hybrid = HybridEngine.for_training(self.engine, spec.hybrid_engine)
         self.set_parallel_layout(self.engine.layout, generation=self.hybrid.generation_layout)
         self.last_transition: dict[str, float] = {}
         # the AdamW moments leave the accelerator for the rollout (actor.hybrid_engine.offload_optimizer)
@@ -105,16 +104,15 @@ class ActorWorker(ModelWorker):
         """This rank's vLLM engine, built once (tens of seconds) and reused by every later rollout."""
         if self.rollout is None:
             layout = self.hybrid.generation_layout
-            whole = self.hybrid.strategy.whole_model
-            if not whole and layout.pp_size != 1:
+            if layout.pp_size != 1:
                 raise ValueError(f"actor.hybrid_engine.pp_size={layout.pp_size}: backend='vllm' runs pg = 1 "
                                  "(tensor-parallel generation only); use backend='native' for pg > 1 "
                                  "(see docs/generation.md)")
             from hybridflow.engine.vllm_rollout import VllmRollout
 
             # one vLLM engine per generation replica, tensor-parallel over the hybrid engine's own
-            # generation TP groups (each ordered by generation TP rank)
-            tp_groups = None if whole else [layout.replica_ranks(r) for r in range(layout.num_replicas)]
+            # generation TP groups (each ordered by generation TP rank; groups of one rank at pg = tg = 1)
+            tp_groups = [layout.replica_ranks(r) for r in range(layout.num_replicas)]
             # the spec's sampling defaults (not this call's overrides: a greedy validation may come first)
             # fix which log-probs vLLM records for the whole run
             self.rollout = VllmRollout(self.engine.hf_config, dtype=self.hybrid.dtype,
@@ -134,7 +132,7 @@ class ActorWorker(ModelWorker):
         config = dataclasses.replace(config, seed=config.seed * 1_000_003 + self.hybrid.replica)
         offloaded_bytes = self.optimizer_offload.offload() if self.optimizer_offload is not None else 0
         try:
-            to_generation = self.hybrid.to_generation(training_shards(self.engine))
+            to_generation = self.hybrid.to_generation(self.engine.local_shards())
             rollout = self._vllm_rollout(config) if config.backend == "vllm" else None
             load = None
             try:
