@@ -8,6 +8,7 @@ overlong filter) are also checked on the batches they build.
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import numpy as np
 import pytest
@@ -19,7 +20,11 @@ from hybridflow.data import write_jsonl
 from hybridflow.data.builtin import ArithmeticTaskConfig, prompt_rows
 from hybridflow.protocol import DataProto
 from hybridflow.trainers.config import load_rl_config
-from hybridflow.trainers.ppo import RLTrainer, _concat_rounds, run_rl
+from hybridflow.trainers.build import role_specs
+from hybridflow.trainers.components import OverlongFilter
+from hybridflow.trainers.ppo import RLTrainer, run_rl
+from hybridflow.trainers.sampling import DynamicSampling, concat_rounds
+from hybridflow.trainers.step import PhaseTimer
 
 TASK = ArithmeticTaskConfig(max_digits=1)
 
@@ -177,7 +182,10 @@ def test_dynamic_sampling_fills_a_full_batch_of_varied_groups(data_dir, tmp_path
     with local_mode():
         trainer = RLTrainer(config, tensorboard=False)
         try:
-            batch, metrics = trainer._generate_and_score(trainer.loader.next_batch(), seed=1, timing={})
+            assert isinstance(trainer.sampling, DynamicSampling)
+            rollout = trainer.sampling.sample(trainer.loader.next_batch(), 1,
+                                              partial(trainer.generate_and_score, timer=PhaseTimer()))
+            batch, metrics = rollout.batch, rollout.sampling_metrics
             scores_B = trainer.scorer.score(batch)[0]
         finally:
             trainer.shutdown()
@@ -212,7 +220,7 @@ def test_rounds_with_different_prompt_widths_concatenate_left_padded():
             "attention_mask": attention, "position_ids": (attention.cumsum(1) - 1).clamp(min=0),
             "response_mask": torch.ones_like(responses)}, non_tensors={"uid": np.arange(len(prompt_rows_BP))})
 
-    merged = _concat_rounds([round_of([[5, 6]], 2), round_of([[0, 1, 2], [3, 4, 5]], 3)], pad_token_id=0)
+    merged = concat_rounds([round_of([[5, 6]], 2), round_of([[0, 1, 2], [3, 4, 5]], 3)], pad_token_id=0)
     assert merged["input_ids"].tolist() == [[0, 5, 6, 7, 8], [0, 1, 2, 7, 8], [3, 4, 5, 7, 8]]
     assert merged["attention_mask"].tolist() == [[0, 1, 1, 1, 1], [0, 1, 1, 1, 1], [1, 1, 1, 1, 1]]
     assert merged["position_ids"].tolist() == [[0, 0, 1, 2, 3], [0, 0, 1, 2, 3], [0, 1, 2, 3, 4]]
@@ -220,18 +228,18 @@ def test_rounds_with_different_prompt_widths_concatenate_left_padded():
 
 
 def test_overlong_filter_drops_only_responses_truncated_at_the_limit(data_dir, tmp_path):
-    config = _config(data_dir, tmp_path, "algorithm.overlong_filter=true")
-    with local_mode():
-        trainer = RLTrainer(config, tensorboard=False)
-        try:
-            eos = trainer.specs.actor.tokens.eos_token_ids[0]
-            batch = DataProto.from_dict(tensors={
-                "responses": torch.tensor([[5, 5, 5, 5], [5, 5, 5, eos], [5, eos, 0, 0]]),
-                "response_mask": torch.tensor([[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 0, 0]])})
-            keep_B = trainer._not_truncated(batch)
-        finally:
-            trainer.shutdown()
-    assert keep_B.tolist() == [False, True, True]
+    actor = role_specs(_config(data_dir, tmp_path, "algorithm.overlong_filter=true")).actor
+    generation = actor.generation.for_call(actor.tokens)
+    overlong_filter = OverlongFilter.of(generation)  # the limit and end tokens of the run's generation
+    eos = generation.eos_token_ids[0]
+    batch = DataProto.from_dict(tensors={
+        "responses": torch.tensor([[5, 5, 5, 5], [5, 5, 5, eos], [5, eos, 0, 0]]),
+        "response_mask": torch.tensor([[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 0, 0]])})
+    assert overlong_filter.kept(batch["responses"], batch["response_mask"]).tolist() == [False, True, True]
+    # the loss mask loses the truncated row only; the generated mask it starts from stays as it was
+    loss_mask_BT = overlong_filter.loss_mask(batch, batch["response_mask"])
+    assert loss_mask_BT.tolist() == [[0, 0, 0, 0], [1, 1, 1, 1], [1, 1, 0, 0]]
+    assert batch["response_mask"][0].tolist() == [1, 1, 1, 1]
 
 
 def test_a_non_finite_critic_loss_names_the_role_and_rl_step_or_is_skipped(data_dir, tmp_path):

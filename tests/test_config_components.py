@@ -266,7 +266,10 @@ def test_the_estimator_table_and_the_config_literal_name_the_same_estimators():
 
     hints = typing.get_type_hints(AlgorithmSection)
     assert set(typing.get_args(hints["advantage_estimator"])) == set(ESTIMATORS)
-    assert [name for name, estimator in ESTIMATORS.items() if estimator.needs_critic] == ["gae"]
+    assert [name for name, estimator in ESTIMATORS.items() if estimator.traits.needs_critic] == ["gae"]
+    assert [name for name, estimator in ESTIMATORS.items() if estimator.traits.group_based] == ["grpo", "dr_grpo", "rloo"]
+    assert [name for name, estimator in ESTIMATORS.items() if estimator.traits.baseline_generation] == ["remax"]
+    assert AlgorithmSection(advantage_estimator="remax").estimator is ESTIMATORS["remax"].traits
     with pytest.raises(ValueError, match=r"advantage_estimator got 'vtrace'; allowed: gae, grpo"):
         AlgorithmSection(advantage_estimator="vtrace")
 
@@ -355,5 +358,5 @@ def test_each_transition_strategy_setting_names_one_class():
 
     hints = typing.get_type_hints(HybridEngineConfig)
     assert set(typing.get_args(hints["strategy"])) == set(TRANSITION_STRATEGIES)
-    assert [name for name, cls in TRANSITION_STRATEGIES.items() if cls.whole_model] == ["full_gather"]
+    assert all(cls.name == name for name, cls in TRANSITION_STRATEGIES.items())
     assert TRANSITION_STRATEGIES["vanilla"].generation_grouping == "vanilla"

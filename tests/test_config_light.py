@@ -47,13 +47,19 @@ def test_the_light_name_lists_equal_the_registries_they_name():
     from hybridflow.algorithms import KL_ESTIMATORS, LOSS_AGGREGATIONS, NON_FINITE_ACTIONS, POLICY_LOSSES, names
     from hybridflow.engine.hybrid_engine import STRATEGIES, TRANSITION_STRATEGIES
     from hybridflow.trainers.advantage import ESTIMATORS
+    from hybridflow.trainers.estimators import ESTIMATOR_TRAITS
 
     assert names.POLICY_LOSS_NAMES == tuple(POLICY_LOSSES)
     assert names.LOSS_AGGREGATION_NAMES == tuple(LOSS_AGGREGATIONS)
     assert names.KL_ESTIMATOR_NAMES == tuple(KL_ESTIMATORS)
     assert names.NON_FINITE_ACTIONS == tuple(NON_FINITE_ACTIONS)
-    assert names.ADVANTAGE_ESTIMATOR_NAMES == tuple(ESTIMATORS)
+    assert tuple(ESTIMATOR_TRAITS) == tuple(ESTIMATORS)
+    assert all(ESTIMATORS[name].traits is traits for name, traits in ESTIMATOR_TRAITS.items())
     assert STRATEGIES == tuple(TRANSITION_STRATEGIES)
+    from hybridflow.engine.config import LAYOUTS
+    from hybridflow.engine.layouts import TRAINING_LAYOUTS
+
+    assert LAYOUTS == tuple(TRAINING_LAYOUTS)
 
 
 @pytest.mark.parametrize("package", ["engine", "models", "data", "workers", "algorithms"])

@@ -65,13 +65,11 @@ def test_flash_attention_2_stages_pass_no_mask_and_the_varlen_offsets_and_equal_
 def test_fsdp_training_shards_reach_the_generation_device_even_when_the_parameters_live_on_the_host():
     """Under FSDP CPU offload the parameters are host tensors; the hybrid engine must generate on the
     engine's device (stand-in here: the meta device) rather than quietly on the CPU."""
-    from types import SimpleNamespace
-
-    from hybridflow.engine.hybrid_engine import training_shards
+    from hybridflow.engine.layouts import FsdpLayout
+    from hybridflow.parallel.layout import ParallelLayout
 
     model = torch.nn.Linear(3, 2)
-    engine = SimpleNamespace(config=SimpleNamespace(layout="fsdp"), model=model, device=torch.device("meta"))
-    shards = training_shards(engine)
+    shards = FsdpLayout(ParallelLayout(dp_size=1)).local_shards(model, torch.device("meta"))
     assert shards.keys() == {"weight", "bias"}
     assert all(shard.device.type == "meta" and shard.shape == getattr(model, name).shape
                for name, shard in shards.items())

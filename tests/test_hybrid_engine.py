@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from hybridflow.engine.generation import SamplingConfig
 from hybridflow.engine.hybrid_engine import (HybridEngine, HybridEngineConfig, cut_training_shards,
-                                             parameter_shapes, storage_bytes, training_stage_of)
+                                             parameter_shapes, plan_buckets, storage_bytes, training_stage_of)
 from hybridflow.engine.native_rollout import NativeRollout
 from hybridflow.parallel.launch import run_distributed
 from hybridflow.parallel.layout import GenerationLayout, ParallelLayout
@@ -366,3 +366,61 @@ def test_bf16_generation_from_fp32_masters_moves_half_the_bytes_and_leaves_the_t
         assert bf16["received"] * 2 == fp32["received"] > 0
         assert fp32["finite"] and bf16["finite"] and fp32["unmoved"] and bf16["unmoved"]
         assert bf16["responses"] == fp32["responses"]
+
+
+FSDP_BUCKET_MB = 0.05  # several buckets for the tiny model (its tensors are 8-64 KiB)
+
+
+def _fsdp_actor_transition(rank: int, world_size: int) -> dict:
+    import math
+
+    from torch.distributed.tensor import DTensor
+
+    from hybridflow.engine.config import EngineConfig
+    from hybridflow.engine.training import TrainingEngine
+    from hybridflow.models.tiny import build_tiny_model
+
+    trainer = TrainingEngine(EngineConfig(layout="fsdp"), lambda: build_tiny_model())
+    hybrid = HybridEngine.for_training(trainer, HybridEngineConfig(bucket_mb=FSDP_BUCKET_MB))
+    prompts, mask = prompts_and_mask(4)
+    shards = trainer.local_shards()
+    going = hybrid.to_generation(shards)
+    new = dict(sampled=generate_on(hybrid, prompts, mask, SamplingConfig(max_new_tokens=6, seed=3)),
+               greedy=generate_on(hybrid, prompts, mask, GREEDY)["responses"])
+    back = hybrid.to_training()
+    # the path before the FSDP gather became a transition: FSDP2's own full_tensor() per parameter, then the
+    # collective-free tg = pg = 1 transition of those whole tensors
+    full = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+            for name, p in trainer.model.named_parameters()}
+    before = HybridEngine(trainer.hf_config, trainer.layout, HybridEngineConfig(), dtype=trainer.compute_dtype)
+    before.to_generation(full)
+    old = dict(sampled=generate_on(before, prompts, mask, SamplingConfig(max_new_tokens=6, seed=3)),
+               greedy=generate_on(before, prompts, mask, GREEDY)["responses"])
+    before.to_training()
+    element = torch.empty(0, dtype=trainer.compute_dtype).element_size()
+    slots = [math.ceil(shape[0] / world_size) * math.prod(shape[1:]) * element
+             for shape in parameter_shapes(trainer.hf_config).values()]
+    return portable(dict(going=going, back=back, new=new, old=old, replica=hybrid.replica,
+                         num_replicas=hybrid.num_replicas, element=element,
+                         own=sum(s.numel() for s in shards.values()) * element,
+                         model=sum(t.numel() for t in full.values()) * element,
+                         dim0=[s[0] for s in parameter_shapes(trainer.hf_config).values()],
+                         buckets=len(plan_buckets(slots, int(FSDP_BUCKET_MB * 2**20)))))
+
+
+def test_an_fsdp_actor_gathers_its_slices_as_a_counted_bucketed_transition_with_unchanged_tokens():
+    results = tensors(run_distributed(_fsdp_actor_transition, 2, timeout_s=240))
+    for rank, result in enumerate(results):
+        going, model = result["going"], result["model"]
+        assert all(rows % 2 == 0 for rows in result["dim0"])  # equal slices: the formula below is exact
+        assert result["own"] == model // 2
+        assert going.strategy == "fsdp_gather"
+        assert going.bytes_received == model // 2 > 0  # (d-1)/d of the model, d = 2
+        assert going.bytes_sent == result["own"]
+        assert going.collectives == result["buckets"] > 1
+        assert going.param_bytes == result["own"] + model  # its slices (training) and the whole model
+        assert result["back"].param_bytes == result["own"] and result["back"].bytes_received == 0
+        assert (result["replica"], result["num_replicas"]) == (rank, 2)  # every rank generates alone
+        for key in ("responses", "response_mask", "logprobs"):
+            assert torch.equal(result["new"]["sampled"][key], result["old"]["sampled"][key]), key
+        assert torch.equal(result["new"]["greedy"], result["old"]["greedy"])

@@ -83,3 +83,24 @@ def test_rank_order_is_tp_fastest_then_pp_then_dp():
 def test_bad_layouts_are_rejected_with_a_value_error_that_names_the_problem(build, message):
     with pytest.raises(ValueError, match=message):
         build()
+
+
+@pytest.mark.parametrize("rows,dp_size", [(8, 2), (5, 4), (6, 4), (7, 3), (1, 4), (64, 3)])
+def test_fsdp_dp_shard_rows_are_torch_chunks_rows_and_empty_once_the_rows_run_out(rows, dp_size):
+    import torch
+
+    from hybridflow.parallel.fsdp import dp_shard_rows
+
+    chunks = torch.arange(rows).chunk(dp_size)
+    for dp_rank in range(dp_size):
+        expected = chunks[dp_rank].tolist() if dp_rank < len(chunks) else []
+        assert list(dp_shard_rows(rows, dp_size, dp_rank)) == expected
+
+
+@pytest.mark.parametrize("grouping", ["hybrid", "vanilla"])
+@pytest.mark.parametrize("p,t,d", [(1, 1, 4), (1, 4, 2), (2, 2, 2), (4, 1, 1)])
+def test_one_rank_per_generation_replica_makes_every_rank_its_own_replica_holding_every_layer(grouping, p, t, d):
+    layout = GenerationLayout(train=ParallelLayout(pp_size=p, tp_size=t, dp_size=d), grouping=grouping)
+    assert layout.ranks_per_replica == 1 and layout.num_replicas == p * t * d
+    assert [layout.coords(rank).replica for rank in range(p * t * d)] == list(range(p * t * d))
+    assert layout.stage_layers(4, 0) == range(4)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -18,8 +19,11 @@ from hybridflow.controller import local_mode
 from hybridflow.data import write_jsonl
 from hybridflow.data.builtin import ArithmeticTaskConfig, builtin_tokenizer, prompt_rows
 from hybridflow.models.loader import build_model
-from hybridflow.trainers import ppo
+from hybridflow.algorithms.lagrangian import LagrangeController
+from hybridflow.protocol import DataProto
+from hybridflow.trainers import components
 from hybridflow.trainers.advantage import compute_advantages
+from hybridflow.trainers.components import SafeRLHF
 from hybridflow.trainers.build import COST_CRITIC_PREFIX, model_config_of, role_specs
 from hybridflow.models.config import ModelConfig
 from hybridflow.trainers.config import AlgorithmSection, CostSection, RLConfig, load_rl_config
@@ -112,51 +116,63 @@ def _advantage_inputs():
     return mask_BT, tensors, torch.tensor([0.5, -1.0, 2.0]), torch.tensor([1.5, 0.2, -0.7])
 
 
+def _safe_rlhf(algorithm: AlgorithmSection, lambda_init: float) -> SafeRLHF:
+    """The component alone (no workers: only its advantage hook runs here)."""
+    lagrange = LagrangeController(init_lambda=lambda_init, cost_limit=0.0, lr=0.1)
+    return SafeRLHF(algorithm=algorithm, lagrange=lagrange, cost_model=None, cost_critic=None, samples_per_step=3)
+
+
+def _cost_batch(mask_BT, tensors, costs_B, *, keys=("costs", "cost_values")) -> DataProto:
+    available = {"response_mask": mask_BT, "costs": costs_B, "cost_values": tensors["cost_values"]}
+    return DataProto.from_dict(tensors={"response_mask": mask_BT, **{key: available[key] for key in keys}},
+                               non_tensors={"uid": np.arange(3)})
+
+
 @pytest.mark.parametrize("whiten", [True, False])
 def test_combined_advantages_equal_safe_rlhf_of_the_separately_computed_reward_and_cost_advantages(whiten):
     algorithm = AlgorithmSection(gamma=0.9, lam=0.8, whiten_advantages=whiten)
     mask_BT, tensors, scores_B, costs_B = _advantage_inputs()
-    common = dict(algorithm=algorithm, scores_B=scores_B, response_mask_BT=mask_BT, old_logprobs_BT=tensors["old"],
-                  ref_logprobs_BT=tensors["ref"], values_BT=tensors["values"], group_ids=[0, 1, 2],
-                  baseline_scores_B=None, kl_coef=0.1)
-    reward_only = compute_advantages(**common)
-    combined = compute_advantages(**common, costs_B=costs_B, cost_values_BT=tensors["cost_values"],
-                                  lagrange_multiplier=0.7)
+    reward_only = compute_advantages(algorithm=algorithm, scores_B=scores_B, response_mask_BT=mask_BT,
+                                     old_logprobs_BT=tensors["old"], ref_logprobs_BT=tensors["ref"],
+                                     values_BT=tensors["values"], group_ids=[0, 1, 2], kl_coef=0.1)
+    combined = _safe_rlhf(algorithm, 0.7).adjust_advantages(_cost_batch(mask_BT, tensors, costs_B), reward_only)
     # The cost side by hand: the cost on the last real token (no KL), GAE with the cost critic's values.
     cost_advantages_BT, cost_returns_BT = gae_advantages(scores_on_last_token(costs_B, mask_BT),
                                                          tensors["cost_values"], mask_BT, gamma=0.9, lam=0.8)
     if whiten:
         cost_advantages_BT = masked_whiten(cost_advantages_BT, mask_BT)
-    torch.testing.assert_close(combined.cost_advantages_BT, cost_advantages_BT)
-    torch.testing.assert_close(combined.cost_returns_BT, cost_returns_BT)
+    torch.testing.assert_close(combined.extra_BT["cost_advantages"], cost_advantages_BT)
+    torch.testing.assert_close(combined.extra_BT["cost_returns"], cost_returns_BT)
     torch.testing.assert_close(combined.advantages_BT,
                                safe_rlhf_advantages(reward_only.advantages_BT, cost_advantages_BT, 0.7))
     # The reward side is untouched: the critic's targets and the KL are those of plain PPO.
-    torch.testing.assert_close(combined.returns_BT, reward_only.returns_BT)
-    torch.testing.assert_close(combined.kl_BT, reward_only.kl_BT)
-    assert reward_only.cost_advantages_BT is None and reward_only.cost_returns_BT is None
+    assert combined.returns_BT is reward_only.returns_BT and combined.kl_BT is reward_only.kl_BT
+    assert reward_only.extra_BT == {}
 
 
 def test_with_unit_gamma_lambda_and_zero_cost_values_every_token_carries_its_responses_cost():
     algorithm = AlgorithmSection(gamma=1.0, lam=1.0, whiten_advantages=False, kl_mode="none")
     mask_BT, tensors, scores_B, costs_B = _advantage_inputs()
     zeros_BT = torch.zeros_like(mask_BT)
-    result = compute_advantages(algorithm=algorithm, scores_B=scores_B, response_mask_BT=mask_BT,
-                                old_logprobs_BT=tensors["old"], ref_logprobs_BT=None, values_BT=zeros_BT,
-                                group_ids=[0, 1, 2], baseline_scores_B=None, kl_coef=0.0, costs_B=costs_B,
-                                cost_values_BT=zeros_BT, lagrange_multiplier=3.0)
+    reward_only = compute_advantages(algorithm=algorithm, scores_B=scores_B, response_mask_BT=mask_BT,
+                                     old_logprobs_BT=tensors["old"], ref_logprobs_BT=None, values_BT=zeros_BT,
+                                     group_ids=[0, 1, 2], kl_coef=0.0)
+    result = _safe_rlhf(algorithm, 3.0).adjust_advantages(
+        _cost_batch(mask_BT, {"cost_values": zeros_BT}, costs_B), reward_only)
     expected_BT = (scores_B[:, None] - 3.0 * costs_B[:, None]) / 4.0 * mask_BT
     torch.testing.assert_close(result.advantages_BT, expected_BT)
-    torch.testing.assert_close(result.cost_returns_BT, costs_B[:, None] * mask_BT)
+    torch.testing.assert_close(result.extra_BT["cost_returns"], costs_B[:, None] * mask_BT)
 
 
-def test_costs_without_cost_values_or_multiplier_are_an_error():
+def test_a_batch_without_cost_values_is_an_error_naming_what_is_missing():
     mask_BT, tensors, scores_B, costs_B = _advantage_inputs()
-    with pytest.raises(ValueError, match=r"need costs_B, cost_values_BT and lagrange_multiplier together"):
-        compute_advantages(algorithm=AlgorithmSection(), scores_B=scores_B, response_mask_BT=mask_BT,
-                           old_logprobs_BT=tensors["old"], ref_logprobs_BT=None, values_BT=tensors["values"],
-                           group_ids=[0, 1, 2], baseline_scores_B=None, kl_coef=0.0, costs_B=costs_B,
-                           cost_values_BT=tensors["cost_values"])
+    algorithm = AlgorithmSection()
+    reward_only = compute_advantages(algorithm=algorithm, scores_B=scores_B, response_mask_BT=mask_BT,
+                                     old_logprobs_BT=tensors["old"], ref_logprobs_BT=None, values_BT=tensors["values"],
+                                     group_ids=[0, 1, 2], kl_coef=0.0)
+    with pytest.raises(ValueError, match=r"need the batch's costs and cost_values .*; missing: cost_values"):
+        _safe_rlhf(algorithm, 1.0).adjust_advantages(_cost_batch(mask_BT, tensors, costs_B, keys=("costs",)),
+                                                     reward_only)
 
 
 # 3. the driver --------------------------------------------------------------------------------------------------
@@ -203,11 +219,11 @@ def test_two_safe_rlhf_steps_train_both_critics_and_raise_lambda_while_the_cost_
         assets, tmp_path, monkeypatch):
     multipliers = []
 
-    def recording_compute_advantages(**kwargs):
-        multipliers.append(kwargs["lagrange_multiplier"])
-        return compute_advantages(**kwargs)
+    def recording_safe_rlhf_advantages(reward_advantages_BT, cost_advantages_BT, lagrange_multiplier):
+        multipliers.append(lagrange_multiplier)
+        return safe_rlhf_advantages(reward_advantages_BT, cost_advantages_BT, lagrange_multiplier)
 
-    monkeypatch.setattr(ppo, "compute_advantages", recording_compute_advantages)
+    monkeypatch.setattr(components, "safe_rlhf_advantages", recording_safe_rlhf_advantages)
     config = _config(assets, tmp_path / "run", "cost.limit=-2.0", "cost.lambda_lr=0.5", "trainer.val_every=2",
                      "trainer.val_before_train=false")
     with local_mode():
@@ -258,7 +274,8 @@ def test_lambda_falls_while_the_cost_is_below_the_limit_and_resumes_from_the_che
         with local_mode():
             trainer = RLTrainer(config, tensorboard=False)
             try:
-                resumed_log_lambda = trainer.lagrange.log_lambda
+                (safe_rlhf,) = [component for component in trainer.components if isinstance(component, SafeRLHF)]
+                resumed_log_lambda = safe_rlhf.lagrange.log_lambda
                 return trainer.fit(), resumed_log_lambda
             finally:
                 trainer.shutdown()

@@ -16,7 +16,7 @@ from hybridflow.data import write_jsonl
 from hybridflow.data.builtin import ArithmeticTaskConfig, prompt_rows
 from hybridflow.trainers.config import load_rl_config
 from hybridflow.trainers.ppo import run_rl
-from hybridflow.trainers.redundant_passes import critic_values_are_redundant, old_log_prob_is_redundant
+from hybridflow.trainers.redundant_passes import old_log_prob_is_redundant
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the Ray workers cannot import this module
 
@@ -51,15 +51,6 @@ def test_old_log_probs_are_redundant_only_for_one_epoch_of_one_mini_batch_withou
     assert not old_log_prob_is_redundant(ppo_epochs=2, mini_batches_per_epoch=1, has_reference=False)
     assert not old_log_prob_is_redundant(ppo_epochs=1, mini_batches_per_epoch=2, has_reference=False)
     assert not old_log_prob_is_redundant(ppo_epochs=1, mini_batches_per_epoch=1, has_reference=True)
-
-
-def test_critic_values_fold_into_the_update_only_for_one_step_per_batch_of_a_colocated_reward_critic():
-    folds = dict(ppo_epochs=1, mini_batches_per_epoch=1, colocated_with_actor=True, has_cost_critic=False,
-                 masks_rows_after_advantages=False)
-    assert critic_values_are_redundant(**folds)
-    for key, value in (("ppo_epochs", 2), ("mini_batches_per_epoch", 2), ("colocated_with_actor", False),
-                       ("has_cost_critic", True), ("masks_rows_after_advantages", True)):
-        assert not critic_values_are_redundant(**{**folds, key: value}), key
 
 
 def _grpo_history(directory, mini_batch_size: int, steps: int = 1) -> list[dict]:

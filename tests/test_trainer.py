@@ -15,6 +15,7 @@ from hybridflow.data.builtin import ArithmeticTaskConfig, prompt_rows, sft_rows
 from hybridflow.rewards import RewardError
 from hybridflow.trainers.config import load_rl_config
 from hybridflow.trainers.ppo import RLTrainer, run_rl
+from hybridflow.trainers.step import StepComponent
 
 TASK = ArithmeticTaskConfig(max_digits=1)
 # the CPU's default for this narrow model, pinned where a test compares passes to float rounding (a GPU's auto is bf16)
@@ -116,27 +117,76 @@ def test_old_log_probs_come_from_the_native_fp32_rollout_only_where_they_equal_t
     assert forced["perf/old_log_prob_from_rollout"] == 1.0
 
 
-def test_the_critic_value_pass_folded_into_its_update_gives_the_steps_of_the_separate_pass(data_dir, tmp_path,
-                                                                                         monkeypatch):
-    # one mini-batch per step: the critic's one optimizer step follows the forward that gives the old values
-    folded = _run(_config(data_dir, tmp_path / "folded", "batch.mini_batch_size=8", *FP32))
-    assert [record["perf/critic_values_folded"] for record in folded] == [1.0, 1.0]
-    assert all(record["critic/value_clip_fraction"] == 0.0 for record in folded)
-    monkeypatch.setattr("hybridflow.trainers.ppo.critic_values_are_redundant", lambda **_: False)
-    separate = _run(_config(data_dir, tmp_path / "separate", "batch.mini_batch_size=8", *FP32))
-    assert [record["perf/critic_values_folded"] for record in separate] == [0.0, 0.0]
-    for one, other in zip(folded, separate):
-        assert sorted(one) == sorted(other)
-        for key in ("critic/values_before_mean", "advantage/mean", "return/mean", "critic/loss", "critic/values_mean",
-                    "critic/grad_norm", "actor/loss", "actor/pg_loss", "actor/grad_norm", "response/length_mean"):
-            assert one[key] == pytest.approx(other[key], rel=1e-4, abs=1e-5), key
-    # two mini-batches per step: the old values must come before the first step, so the pass stays
-    unfolded = _run(_config(data_dir, tmp_path / "two", "trainer.total_steps=1"))[0]
-    assert unfolded["perf/critic_values_folded"] == 0.0
-    # DAPO's overlong filter masks rows after the advantages: GAE and the critic's loss read different masks
-    filtered = _run(_config(data_dir, tmp_path / "filtered", "batch.mini_batch_size=8", "algorithm.overlong_filter=true",
-                            "trainer.total_steps=1"))[0]
-    assert filtered["perf/critic_values_folded"] == 0.0
+class RecordingComponent(StepComponent):
+    """Records which hook the step calls, in order; adds a metric, a validation score and checkpoint state."""
+
+    state_key = "recording"
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def score_futures(self, batch):
+        self.calls.append("score_futures")
+        return []
+
+    def adjust_scores(self, batch, scores_B):
+        self.calls.append("adjust_scores")
+        return scores_B
+
+    def estimator_inputs(self, rollout):
+        self.calls.append("estimator_inputs")
+        return {}
+
+    def adjust_advantages(self, batch, result):
+        self.calls.append("adjust_advantages")
+        return result
+
+    def loss_mask(self, batch, mask_BT):
+        self.calls.append("loss_mask")
+        return mask_BT
+
+    def update_futures(self, batch):
+        self.calls.append("update_futures")
+        return []
+
+    def after_actor_update(self, batch):
+        self.calls.append("after_actor_update")
+        return [{"recording/after_actor_update": 1.0}]
+
+    def after_step(self, batch):
+        self.calls.append("after_step")
+
+    def metrics(self, results):
+        self.calls.append("metrics")
+        return {"recording/samples": float(len(results.batch))}
+
+    def validation_scores(self, batch):
+        self.calls.append("validation_scores")
+        return {"val/recorded": torch.ones(len(batch))}
+
+    def state_dict(self):
+        self.calls.append("state_dict")
+        return {"calls": len(self.calls)}
+
+
+def test_a_step_calls_a_components_hooks_in_the_documented_order(data_dir, tmp_path):
+    config = _config(data_dir, tmp_path / "run", "trainer.total_steps=1", "trainer.val_every=1",
+                     "trainer.val_before_train=false", "trainer.save_every=1")
+    with local_mode():
+        trainer = RLTrainer(config, tensorboard=False)
+        try:
+            recording = RecordingComponent()
+            trainer.components.append(recording)
+            history = trainer.fit()
+        finally:
+            trainer.shutdown()
+    assert recording.calls == ["score_futures", "adjust_scores", "estimator_inputs", "adjust_advantages", "loss_mask",
+                               "update_futures", "after_actor_update", "after_step", "metrics", "validation_scores",
+                               "state_dict"]
+    assert history[0]["recording/samples"] == 8.0 and history[0]["recording/after_actor_update"] == 1.0
+    assert history[0]["val/recorded"] == 1.0
+    driver = json.loads((tmp_path / "run" / "checkpoints" / "step_000001" / "driver.json").read_text())
+    assert driver["recording"] == {"calls": 11}
 
 
 def test_old_log_probs_from_the_rollout_with_tis_are_refused_naming_the_key(data_dir, tmp_path):
@@ -177,6 +227,12 @@ def test_resume_from_checkpoint_continues_identically(data_dir, tmp_path):
     straight = _run(_config(data_dir, tmp_path / "straight", "trainer.total_steps=3"))
     _run(_config(data_dir, tmp_path / "resumed", "trainer.total_steps=2", "trainer.save_every=2"))
     assert (tmp_path / "resumed" / "checkpoints" / "latest").read_text() == "step_000002"
+    # a checkpoint of the driver before the step components (issue 32) held every optional part's key, null
+    # when off: such a checkpoint resumes as well
+    driver = tmp_path / "resumed" / "checkpoints" / "step_000002" / "driver.json"
+    state = json.loads(driver.read_text())
+    assert set(state) == {"step", "config", "best", "loader", "kl_controller"}
+    driver.write_text(json.dumps({**state, "ptx_loader": None, "lagrange": None}))
     resumed = _run(_config(data_dir, tmp_path / "resumed", "trainer.total_steps=3"))
     assert [record["step"] for record in resumed] == [1, 2, 3]
     for name, value in straight[2].items():

@@ -168,6 +168,20 @@ def test_other_two_rank_actor_layouts_equal_one_rank(ray_session, train_path, tm
 
 
 @pytest.mark.slow
+def test_two_rank_fsdp_actor_gathers_its_slices_in_a_counted_transition_and_equals_one_rank(
+        ray_session, train_path, tmp_path, one_rank):
+    """The default fsdp actor over two ranks: each generates alone after all-gathering the other rank's slices,
+    which the transition counts (one rank alone moves nothing)."""
+    history, _, after, meshes = _train(train_path, tmp_path, "placement.pools={all: [2]}")
+    assert meshes["actor"].layout.dp_size == 2 and meshes["actor"].generation.num_replicas == 2
+    one_rank_history, _, one_rank_after = one_rank
+    assert all(record["rollout/bytes_received"] > 0 and record["rollout/collectives"] >= 1 for record in history)
+    assert all(record["rollout/bytes_received"] == 0 for record in one_rank_history)
+    _assert_same_metrics(history, one_rank_history)
+    _assert_same_weights(after, one_rank_after)
+
+
+@pytest.mark.slow
 def test_four_rank_actor_with_tp2_and_dp2_equals_one_rank(ray_session, train_path, tmp_path, one_rank):
     """tp 2 x dp 2: four generation replicas, and DP_METRICS/3D_PROTO over two actor data-parallel groups."""
     history, _, after, meshes = _train(train_path, tmp_path, "placement.pools={all: [4]}", *TP2,

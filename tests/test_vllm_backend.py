@@ -20,7 +20,6 @@ from hybridflow.data.builtin import ArithmeticTaskConfig, builtin_tokenizer, pro
 from hybridflow.engine import EngineConfig, OptimConfig  # noqa: E402
 from hybridflow.engine.generation import GenerationConfig  # noqa: E402
 from hybridflow.engine.generation_config import GenerationTokens  # noqa: E402
-from hybridflow.engine.hybrid_engine import training_shards  # noqa: E402
 from hybridflow.models.config import ModelConfig  # noqa: E402
 from hybridflow.trainers.build import model_config_of  # noqa: E402
 from hybridflow.workers import ActorSpec, ActorWorker, EngineSpec  # noqa: E402
@@ -51,7 +50,7 @@ def _prompts(count: int, seed: int = 0):
 
 
 def _full_weights(actor: ActorWorker) -> dict[str, list[torch.Tensor]]:
-    return {name: [tensor.detach()] for name, tensor in training_shards(actor.engine).items()}
+    return {name: [tensor.detach()] for name, tensor in actor.engine.local_shards().items()}
 
 
 def test_backend_vllm_with_generation_pipeline_stages_is_refused_naming_the_key():
@@ -76,7 +75,7 @@ def test_greedy_tokens_from_vllm_equal_the_native_engines_in_fp32(actors):
     torch.testing.assert_close(got.batch["logprobs"][mask_BT], expected.batch["logprobs"][mask_BT],
                                rtol=1e-4, atol=1e-4)
     stats = vllm.transition_stats()
-    model_bytes = sum(t.numel() * 4 for t in training_shards(vllm.engine).values())
+    model_bytes = sum(t.numel() * 4 for t in vllm.engine.local_shards().values())
     assert stats["vllm_bytes_loaded"] == model_bytes  # tg = 1: the whole model, copied in once
     assert stats["vllm_load_s"] > 0 and stats["vllm_kv_cache_bytes"] == 0.0625 * 2**30
     assert vllm.rollout.resident_bytes() == 0  # released for training after the rollout

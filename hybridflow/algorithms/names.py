@@ -11,5 +11,3 @@ KL_ESTIMATOR_NAMES = ("k1", "abs", "k2", "mse", "k3", "low_var_kl")
 """Keys of ``kl.KL_ESTIMATORS``."""
 NON_FINITE_ACTIONS = ("raise", "skip")
 """What a training step does with a non-finite loss or gradient norm (``finite.check_non_finite_action``)."""
-ADVANTAGE_ESTIMATOR_NAMES = ("gae", "grpo", "dr_grpo", "remax", "rloo", "reinforce_plus_plus")
-"""Keys of ``hybridflow.trainers.advantage.ESTIMATORS``."""

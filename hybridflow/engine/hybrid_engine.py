@@ -14,6 +14,12 @@ Strategies (``HybridEngineConfig.strategy``):
 - ``full_gather`` (DeepSpeed-Chat style): every rank gathers the whole model from ZeRO-style equal
   slices of all t*p*d ranks and generates alone (tg = pg = 1): (tpd-1)/tpd of the model moved.
 
+Those three take the 3d layout's shards (tensor-parallel pieces of a pipeline stage). The fsdp layout's
+shards (FSDP2's dim-0 slice of every parameter) take ``FsdpGatherStrategy``: every rank all-gathers the
+whole model from the d ranks' slices and generates alone, (d-1)/d of the model moved. The training
+engine's layout object picks the strategy (``engine/layouts.py``, ``HybridEngine.for_training``), and a
+strategy sees this rank through a ``TransitionContext``, not the engine.
+
 Bytes are counted per rank as the payload its collectives deliver to it (received) and the payload
 of its own tensors delivered to other ranks (sent). Parameter memory is the bytes of the distinct
 storages of training shards and generation pieces alive on the rank.
@@ -31,8 +37,10 @@ import torch.distributed as dist
 from hybridflow.engine.decoder import DecoderSpec
 from hybridflow.engine.hybrid_engine_config import STRATEGIES, HybridEngineConfig  # noqa: F401 (re-exported)
 from hybridflow.engine.rollout import GenerationShard
-from hybridflow.parallel.layout import GenerationLayout, ParallelLayout, stage_layer_range
+from hybridflow.parallel.fsdp import dp_shard_rows
+from hybridflow.parallel.layout import GenerationCoords, GenerationLayout, ParallelLayout, RankCoords, stage_layer_range
 from hybridflow.parallel.sharding import tp_shard_dim
+
 
 @dataclass
 class TransitionStats:
@@ -75,27 +83,11 @@ def training_stage_of(name: str, *, num_layers: int, pp_size: int) -> int:
     return 0 if name.startswith("model.embed_tokens.") else pp_size - 1
 
 
-def training_shards(engine) -> dict[str, torch.Tensor]:
-    """A training engine's parameters on this rank as ``HybridEngine.to_generation`` takes them.
-
-    3d: the live local shards (tensor-parallel pieces of this rank's stage). fsdp: each rank holds 1/d of
-    every parameter, so it gathers the whole model (the DeepSpeed-Chat style transition) and generates
-    with tg = pg = 1.
-    """
-    if engine.config.layout == "3d":
-        return engine.local_shards()
-    from torch.distributed.tensor import DTensor
-
-    # under FSDP CPU offload the sharded parameters live in host memory: generation runs on the engine's device
-    return {name: (param.full_tensor() if isinstance(param, DTensor) else param).detach().to(engine.device)
-            for name, param in engine.model.named_parameters()}
-
-
 def cut_training_shards(state_dict: dict[str, torch.Tensor], hf_config, layout: ParallelLayout,
                         rank: int) -> dict[str, torch.Tensor]:
     """The local shards a 3d training engine holds on ``rank``, cut from a full state_dict (own storages).
 
-    Same contract as the training engine's ``local_shards()``: parameters of the rank's training
+    Same contract as a 3d training engine's ``local_shards()``: parameters of the rank's training
     stage only, tensor-parallel ones as chunk tp_rank of tp_size along ``tp_shard_dim``.
     """
     coords = layout.coords(rank)
@@ -194,21 +186,71 @@ class _Groups:
         return chosen
 
 
+@dataclass(frozen=True, kw_only=True)
+class TransitionContext:
+    """What a transition strategy knows of this rank: both layouts, the model's shapes, its generation shard."""
+
+    train_layout: ParallelLayout
+    generation_layout: GenerationLayout
+    rank: int
+    num_layers: int
+    """Decoder layers of the model."""
+    shapes: dict[str, torch.Size]
+    """Full shapes of the model's parameters by Hugging Face name (tied embeddings once)."""
+    stage_names: list[str]
+    """The parameters of this rank's generation shard (its generation stage), in the order of ``shapes``."""
+    bucket_bytes: int
+    """Largest payload one rank puts into one transition collective (0: one per parameter)."""
+
+    @property
+    def coords(self) -> RankCoords:
+        return self.train_layout.coords(self.rank)
+
+    @property
+    def gen_coords(self) -> GenerationCoords:
+        return self.generation_layout.coords(self.rank)
+
+    def piece_shapes(self, name: str, *, tp_size: int, count: int) -> list[torch.Size]:
+        """Shapes of the generation pieces of ``name``: ``count`` tp shards of 1/tp_size (or the whole tensor)."""
+        shape, dim = list(self.shapes[name]), tp_shard_dim(name)
+        if dim is None:
+            return [torch.Size(shape)]
+        shape[dim] //= tp_size
+        return [torch.Size(shape)] * count
+
+
+def generation_stage_names(shapes: dict[str, torch.Size], layout: GenerationLayout, rank: int, *,
+                           num_layers: int) -> list[str]:
+    """The parameters (in the order of ``shapes``) of ``rank``'s generation stage: its layers, the embedding on
+    stage 0, the final norm and untied head on the last stage (all of them when pg = 1)."""
+    gen_pp = layout.coords(rank).gen_pp_rank
+    layers = layout.stage_layers(num_layers, gen_pp)
+    names = []
+    for name in shapes:
+        if name.startswith("model.layers."):
+            held = int(name.split(".")[2]) in layers
+        elif name.startswith("model.embed_tokens."):
+            held = gen_pp == 0
+        else:
+            held = gen_pp == layout.pp_size - 1
+        if held:
+            names.append(name)
+    return names
+
+
 class TransitionStrategy:
     """How the actor goes from its training shards to its generation weights and back (one subclass per
-    ``HybridEngineConfig.strategy``); it owns the process groups its collectives use."""
+    ``HybridEngineConfig.strategy``, and one for the fsdp layout's shards); it owns the process groups its
+    collectives use. With pg = tg = 1 every rank is a generation replica of its own holding the whole model."""
 
     name: str = ""
     generation_grouping: str = "hybrid"
     """How ``GenerationLayout`` groups the generation ranks."""
-    whole_model: bool = False
-    """Every rank generates alone with the whole model (pg = tg = 1, one replica per rank)."""
-
-    def build_groups(self, engine: "HybridEngine", groups: "_Groups") -> None:
+    def build_groups(self, context: "TransitionContext", groups: "_Groups") -> None:
         """Create this strategy's process groups (every rank creates every group, in the same order)."""
         raise NotImplementedError
 
-    def gather(self, engine: "HybridEngine", shards: dict[str, torch.Tensor],
+    def gather(self, context: "TransitionContext", shards: dict[str, torch.Tensor],
                stats: "TransitionStats") -> dict[str, list]:
         """This rank's generation weights (name -> pieces) around its training ``shards``."""
         raise NotImplementedError
@@ -219,53 +261,53 @@ class HybridStrategy(TransitionStrategy):
 
     name = "hybrid"
 
-    def build_groups(self, engine: "HybridEngine", groups: "_Groups") -> None:
+    def build_groups(self, context: "TransitionContext", groups: "_Groups") -> None:
         # the micro-DP group split by axis; micro-TP peers share the training stage, micro-PP
         # peers share the training tp rank (member order = shard order inside the generation shard)
-        train = engine.train_layout
-        micro = engine.generation_layout.micro_dp_groups()
+        train = context.train_layout
+        micro = context.generation_layout.micro_dp_groups()
         self.micro_tp_group = groups.mine([sorted(g, key=lambda r: train.coords(r).tp_rank)
                                            for m in micro for g in _split_by(m, lambda r: train.coords(r).pp_rank)])
         self.micro_pp_group = groups.mine([sorted(g, key=lambda r: train.coords(r).pp_rank)
                                            for m in micro for g in _split_by(m, lambda r: train.coords(r).tp_rank)])
 
-    def gather(self, engine: "HybridEngine", shards: dict[str, torch.Tensor],
+    def gather(self, context: "TransitionContext", shards: dict[str, torch.Tensor],
                stats: "TransitionStats") -> dict[str, list]:
         """All-gather the other pieces inside the micro-DP group; the local shard stays a piece, in place."""
-        bucket_bytes = engine.bucket_bytes
+        bucket_bytes = context.bucket_bytes
         group, peers = self.micro_tp_group
         weights: dict[str, list[torch.Tensor]] = {name: [shard] for name, shard in shards.items()}
         sharded = [name for name in shards if tp_shard_dim(name) is not None and len(peers) > 1]
         for bucket in plan_buckets([_nbytes(shards[n]) for n in sharded], bucket_bytes):
             names = [sharded[i] for i in bucket]
-            by_peer = _all_gather_bucket([shards[n] for n in names], peers, engine.rank, group, stats)
+            by_peer = _all_gather_bucket([shards[n] for n in names], peers, context.rank, group, stats)
             for index, name in enumerate(names):
                 weights[name] = [by_peer[r][index] for r in peers]
                 stats.bytes_received += (len(peers) - 1) * _nbytes(shards[name])
                 stats.bytes_sent += (len(peers) - 1) * _nbytes(shards[name])
         group, peers = self.micro_pp_group
         if len(peers) > 1:
-            num_layers, pp_size = engine.spec.num_layers, engine.train_layout.pp_size
-            like, count = _any(shards), engine.generation_layout.tp_ratio
+            num_layers, pp_size = context.num_layers, context.train_layout.pp_size
+            like, count = _any(shards), context.generation_layout.tp_ratio
             names_of: dict[int, list[str]] = {}
-            for name in engine._gen_stage_names():
+            for name in context.stage_names:
                 owner_stage = training_stage_of(name, num_layers=num_layers, pp_size=pp_size)
-                src = next(r for r in peers if engine.train_layout.coords(r).pp_rank == owner_stage)
+                src = next(r for r in peers if context.train_layout.coords(r).pp_rank == owner_stage)
                 names_of.setdefault(src, []).append(name)
             for src in sorted(names_of):
                 # every peer knows the pieces' shapes; the source also has them
-                shapes_of = {n: engine._piece_shapes(n, tp_size=engine.train_layout.tp_size, count=count)
+                shapes_of = {n: context.piece_shapes(n, tp_size=context.train_layout.tp_size, count=count)
                              for n in names_of[src]}
                 sizes = [sum(math.prod(shape) for shape in shapes_of[n]) * like.element_size() for n in names_of[src]]
                 for bucket in plan_buckets(sizes, bucket_bytes):
                     names = [names_of[src][i] for i in bucket]
                     shapes = [shape for n in names for shape in shapes_of[n]]
-                    mine = [p for n in names for p in weights[n]] if src == engine.rank else None
-                    pieces = _broadcast_bucket(mine, shapes, src=src, rank=engine.rank, group=group, like=like,
+                    mine = [p for n in names for p in weights[n]] if src == context.rank else None
+                    pieces = _broadcast_bucket(mine, shapes, src=src, rank=context.rank, group=group, like=like,
                                                stats=stats)
                     for name in names:
                         size = sum(math.prod(shape) for shape in shapes_of[name]) * like.element_size()
-                        if src == engine.rank:
+                        if src == context.rank:
                             stats.bytes_sent += (len(peers) - 1) * size
                         else:
                             stats.bytes_received += size
@@ -276,7 +318,7 @@ class HybridStrategy(TransitionStrategy):
 class _WholeModelGather(TransitionStrategy):
     """Shared by the baselines: broadcast every training stage's parameters along the training pipeline."""
 
-    def _gather_stage_then_pipeline(self, engine: "HybridEngine", stage_params: dict[str, torch.Tensor],
+    def _gather_stage_then_pipeline(self, context: "TransitionContext", stage_params: dict[str, torch.Tensor],
                                     stats: "TransitionStats", running: int) -> dict[str, torch.Tensor]:
         """Broadcast every training stage's full parameters along the training pipeline: the whole model."""
         group, peers = self.train_pp_group
@@ -286,17 +328,17 @@ class _WholeModelGather(TransitionStrategy):
             return full
         like = _any(stage_params)
         names_of: dict[int, list[str]] = {}
-        for name in engine.shapes:
-            owner = training_stage_of(name, num_layers=engine.spec.num_layers, pp_size=engine.train_layout.pp_size)
+        for name in context.shapes:
+            owner = training_stage_of(name, num_layers=context.num_layers, pp_size=context.train_layout.pp_size)
             names_of.setdefault(owner, []).append(name)
         for owner in sorted(names_of):
             names = names_of[owner]
-            shapes = [engine.shapes[n] for n in names]
+            shapes = [context.shapes[n] for n in names]
             sizes = [math.prod(shape) * like.element_size() for shape in shapes]
-            mine = owner == engine.coords.pp_rank
-            for bucket in plan_buckets(sizes, engine.bucket_bytes):
+            mine = owner == context.coords.pp_rank
+            for bucket in plan_buckets(sizes, context.bucket_bytes):
                 tensors = _broadcast_bucket([full[names[i]] for i in bucket] if mine else None,
-                                            [shapes[i] for i in bucket], src=peers[owner], rank=engine.rank,
+                                            [shapes[i] for i in bucket], src=peers[owner], rank=context.rank,
                                             group=group, like=like, stats=stats)
                 for i, tensor in zip(bucket, tensors):
                     if mine:
@@ -315,29 +357,29 @@ class VanillaStrategy(_WholeModelGather):
     name = "vanilla"
     generation_grouping = "vanilla"
 
-    def build_groups(self, engine: "HybridEngine", groups: "_Groups") -> None:
-        self.train_tp_group = groups.mine(engine.train_layout.tp_groups())
-        self.train_pp_group = groups.mine(engine.train_layout.pp_groups())
+    def build_groups(self, context: "TransitionContext", groups: "_Groups") -> None:
+        self.train_tp_group = groups.mine(context.train_layout.tp_groups())
+        self.train_pp_group = groups.mine(context.train_layout.pp_groups())
 
-    def gather(self, engine: "HybridEngine", shards: dict[str, torch.Tensor],
+    def gather(self, context: "TransitionContext", shards: dict[str, torch.Tensor],
                stats: "TransitionStats") -> dict[str, list]:
         """Gather the whole model in the training replica, cut the generation shard out as a copy, free the rest."""
         group, peers = self.train_tp_group
         running = storage_bytes(shards.values())
         stage_params = dict(shards)
         sharded = [name for name in shards if tp_shard_dim(name) is not None and len(peers) > 1]
-        for bucket in plan_buckets([_nbytes(shards[n]) for n in sharded], engine.bucket_bytes):
+        for bucket in plan_buckets([_nbytes(shards[n]) for n in sharded], context.bucket_bytes):
             names = [sharded[i] for i in bucket]
-            by_peer = _all_gather_bucket([shards[n] for n in names], peers, engine.rank, group, stats)
+            by_peer = _all_gather_bucket([shards[n] for n in names], peers, context.rank, group, stats)
             for index, name in enumerate(names):
                 stage_params[name] = torch.cat([by_peer[r][index] for r in peers], dim=tp_shard_dim(name))
                 stats.bytes_received += (len(peers) - 1) * _nbytes(shards[name])
                 stats.bytes_sent += (len(peers) - 1) * _nbytes(shards[name])
                 running += _nbytes(stage_params[name])
-        full = self._gather_stage_then_pipeline(engine, stage_params, stats, running)
+        full = self._gather_stage_then_pipeline(context, stage_params, stats, running)
         weights, copies = {}, 0
-        tg, gen_tp = engine.generation_layout.tp_size, engine.gen_coords.gen_tp_rank
-        for name in engine._gen_stage_names():
+        tg, gen_tp = context.generation_layout.tp_size, context.gen_coords.gen_tp_rank
+        for name in context.stage_names:
             dim = tp_shard_dim(name)
             if tg == 1:
                 weights[name] = [full[name]]
@@ -358,24 +400,23 @@ class FullGatherStrategy(_WholeModelGather):
     """DeepSpeed-Chat style: every rank gathers the whole model from ZeRO-style slices and generates alone."""
 
     name = "full_gather"
-    whole_model = True
 
-    def build_groups(self, engine: "HybridEngine", groups: "_Groups") -> None:
-        train = engine.train_layout
+    def build_groups(self, context: "TransitionContext", groups: "_Groups") -> None:
+        train = context.train_layout
         self.stage_group = groups.mine([[r for r in range(train.world_size) if train.coords(r).pp_rank == s]
                                         for s in range(train.pp_size)])
         self.train_pp_group = groups.mine(train.pp_groups())
 
-    def gather(self, engine: "HybridEngine", shards: dict[str, torch.Tensor],
+    def gather(self, context: "TransitionContext", shards: dict[str, torch.Tensor],
                stats: "TransitionStats") -> dict[str, list]:
         """ZeRO-style: each of the t*d ranks of a training stage contributes 1/(t*d) of it; then the pipeline."""
         group, peers = self.stage_group
-        t, d = engine.train_layout.tp_size, engine.train_layout.dp_size
+        t, d = context.train_layout.tp_size, context.train_layout.dp_size
         # slot of this rank among the stage's t*d contributors: (tp_rank, dp_rank)
-        train = engine.train_layout
+        train = context.train_layout
         order = sorted(peers, key=lambda r: (train.coords(r).tp_rank, train.coords(r).dp_rank))
         running = storage_bytes(shards.values())
-        coords = engine.coords
+        coords = context.coords
         slices = {}  # name -> (this rank's zero-padded slice, the numel of its payload)
         for name, shard in shards.items():
             # the unit cut into equal slices: the tp shard over d slices, or a replicated tensor over t*d
@@ -389,9 +430,9 @@ class FullGatherStrategy(_WholeModelGather):
             slices[name] = (mine, payload.numel())
         names = list(shards)
         stage_params = {}
-        for bucket in plan_buckets([_nbytes(slices[n][0]) for n in names], engine.bucket_bytes):
+        for bucket in plan_buckets([_nbytes(slices[n][0]) for n in names], context.bucket_bytes):
             bucket_names = [names[i] for i in bucket]
-            by_rank = _all_gather_bucket([slices[n][0] for n in bucket_names], peers, engine.rank, group, stats)
+            by_rank = _all_gather_bucket([slices[n][0] for n in bucket_names], peers, context.rank, group, stats)
             for index, name in enumerate(bucket_names):
                 shard, dim = shards[name], tp_shard_dim(name)
                 numel = shard.numel()
@@ -409,13 +450,67 @@ class FullGatherStrategy(_WholeModelGather):
                 stats.bytes_sent += (len(order) - 1) * own
                 running += total
             del by_rank
-        full = self._gather_stage_then_pipeline(engine, stage_params, stats, running)
-        return {name: [full[name]] for name in engine._gen_stage_names()}
+        full = self._gather_stage_then_pipeline(context, stage_params, stats, running)
+        return {name: [full[name]] for name in context.stage_names}
+
+
+class FsdpGatherStrategy(TransitionStrategy):
+    """The fsdp training layout's transition: every rank holds FSDP2's dim-0 slice of every parameter and
+    all-gathers the others' (bucketed) into the whole model, then generates alone (pg = tg = 1).
+
+    Each rank receives (d-1)/d of the model (exactly: the model minus its own slices) and sends its slices
+    to the d-1 others; generation holds the whole model beside the training slices.
+    """
+
+    name = "fsdp_gather"
+
+    def build_groups(self, context: "TransitionContext", groups: "_Groups") -> None:
+        train = context.train_layout
+        if (train.pp_size, train.tp_size) != (1, 1):
+            raise ValueError(f"the fsdp layout's transition needs a training layout of data parallelism only, got "
+                             f"pp_size={train.pp_size}, tp_size={train.tp_size}")
+        self.dp_group = groups.mine([list(range(train.world_size))])
+
+    def gather(self, context: "TransitionContext", shards: dict[str, torch.Tensor],
+               stats: "TransitionStats") -> dict[str, list]:
+        """All-gather every parameter's dim-0 slices in buckets of equal-size (zero-padded) slots per rank."""
+        group, peers = self.dp_group
+        names = context.stage_names
+        if len(peers) == 1:  # one rank holds everything: generate from the training tensors in place
+            return {name: [shards[name]] for name in names}
+        like, dp_size = _any(shards), len(peers)
+        rows_of = {name: [dp_shard_rows(context.shapes[name][0], dp_size, r) for r in range(dp_size)]
+                   for name in names}
+        for name in names:
+            assert shards[name].shape[0] == len(rows_of[name][context.rank]), f"{name}: not FSDP2's dim-0 slice"
+        # a slot is the largest slice (the first rank's), so every rank puts the same sizes into the all-gather
+        slot_numel = {name: len(rows_of[name][0]) * math.prod(context.shapes[name][1:]) for name in names}
+        weights = {}
+        for bucket in plan_buckets([slot_numel[n] * like.element_size() for n in names], context.bucket_bytes):
+            bucket_names = [names[i] for i in bucket]
+            send = like.new_zeros(sum(slot_numel[n] for n in bucket_names))
+            for name, slot in zip(bucket_names, send.split([slot_numel[n] for n in bucket_names])):
+                slot[:shards[name].numel()] = shards[name].reshape(-1)
+            received = [send if r == context.rank else torch.empty_like(send) for r in peers]
+            dist.all_gather(received, send, group=group)
+            stats.collectives += 1
+            slots_by_rank = [buffer.split([slot_numel[n] for n in bucket_names]) for buffer in received]
+            for index, name in enumerate(bucket_names):
+                shape, rows = context.shapes[name], rows_of[name]
+                row_numel = math.prod(shape[1:])
+                full = torch.cat([slots_by_rank[r][index][:len(rows[r]) * row_numel] for r in range(dp_size)])
+                weights[name] = [full.view(shape)]
+                own = _nbytes(shards[name])
+                stats.bytes_received += _nbytes(full) - own
+                stats.bytes_sent += (dp_size - 1) * own
+            del received, slots_by_rank
+        return weights
 
 
 TRANSITION_STRATEGIES: dict[str, type[TransitionStrategy]] = {
     cls.name: cls for cls in (HybridStrategy, VanillaStrategy, FullGatherStrategy)}
-"""``HybridEngineConfig.strategy`` -> its class."""
+"""``HybridEngineConfig.strategy`` -> its class (for tensor/pipeline-sharded training shards: the 3d layout's;
+the fsdp layout's shards take ``FsdpGatherStrategy``, ``engine/layouts.py``)."""
 
 
 class HybridEngine:
@@ -427,11 +522,16 @@ class HybridEngine:
     """
 
     def __init__(self, hf_config, train_layout: ParallelLayout, config: HybridEngineConfig, *,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, transition: TransitionStrategy | None = None) -> None:
         """``dtype``: what generation computes in (the actor engine's compute dtype). When it is not the
         training shards' dtype (bf16 generation from fp32 master weights), each rank casts its shard
         before the gather: the transition moves half the bytes and the generation weights are a bf16 copy
-        (the in-place reuse of the training shard holds only when the dtypes agree)."""
+        (the in-place reuse of the training shard holds only when the dtypes agree).
+
+        ``transition``: how the shards ``to_generation`` receives become generation weights; by default the
+        strategy ``config.strategy`` names, for shards cut by tensor and pipeline rank as the 3d layout
+        cuts them (``cut_training_shards``). ``for_training`` takes it from a training engine's layout.
+        """
         if dist.get_world_size() != train_layout.world_size:
             raise ValueError(f"the training layout has {train_layout.world_size} ranks but the process group "
                              f"has {dist.get_world_size()}")
@@ -439,35 +539,45 @@ class HybridEngine:
         self.dtype = dtype
         self.spec = DecoderSpec.from_hf(hf_config)
         self.rank = dist.get_rank()
-        self.shapes = parameter_shapes(hf_config)
-        self.bucket_bytes = int(config.bucket_mb * 2**20)
-        """Largest payload one rank puts into one transition collective (0: one per parameter)."""
-        self.strategy = TRANSITION_STRATEGIES[config.strategy]()
+        self.strategy = transition or TRANSITION_STRATEGIES[config.strategy]()
         self.generation_layout = GenerationLayout(
             train=train_layout, pp_size=config.pp_size, tp_size=config.tp_size,
             grouping=self.strategy.generation_grouping)
         self.spec.check_tp_size(config.tp_size)
-        self.coords = train_layout.coords(self.rank)
         self.gen_coords = self.generation_layout.coords(self.rank)
         self.gen_layers = self.generation_layout.stage_layers(self.spec.num_layers, self.gen_coords.gen_pp_rank)
+        shapes = parameter_shapes(hf_config)
+        self.context = TransitionContext(
+            train_layout=train_layout, generation_layout=self.generation_layout, rank=self.rank,
+            num_layers=self.spec.num_layers, shapes=shapes, bucket_bytes=int(config.bucket_mb * 2**20),
+            stage_names=generation_stage_names(shapes, self.generation_layout, self.rank,
+                                               num_layers=self.spec.num_layers))
+        """What the strategy sees of this rank (layouts, shapes, its generation shard's names, bucket size)."""
         groups = _Groups(self.rank)
-        if not self.strategy.whole_model:
-            self.gen_tp_group = groups.mine(self.generation_layout.tp_groups())
-            self.gen_pp_group = groups.mine(self.generation_layout.pp_groups())
-        self.strategy.build_groups(self, groups)
+        self.gen_tp_group = groups.mine(self.generation_layout.tp_groups())
+        self.gen_pp_group = groups.mine(self.generation_layout.pp_groups())
+        self.strategy.build_groups(self.context, groups)
         self.local_shards: dict[str, torch.Tensor] | None = None
         self.shard: GenerationShard | None = None
         """This rank's generation shard between ``to_generation`` and ``to_training`` (None otherwise)."""
 
+    @classmethod
+    def for_training(cls, engine, config: HybridEngineConfig) -> "HybridEngine":
+        """The hybrid engine of a ``TrainingEngine``'s ranks: generation in its compute dtype, from the shards its
+        ``local_shards()`` gives, through the transition its training layout needs (``engine/layouts.py``)."""
+        return cls(engine.hf_config, engine.layout, config, dtype=engine.compute_dtype,
+                   transition=engine.training_layout.transition(config.strategy))
+
     # ----- replicas ----------------------------------------------------------------------------------
     @property
     def replica(self) -> int:
-        """The generation replica of this rank: it generates the replica's share of the prompts."""
-        return self.rank if self.strategy.whole_model else self.gen_coords.replica
+        """The generation replica of this rank: it generates the replica's share of the prompts (with
+        pg = tg = 1 every rank is a replica of its own: ``replica`` is the rank)."""
+        return self.gen_coords.replica
 
     @property
     def num_replicas(self) -> int:
-        return self.train_layout.world_size if self.strategy.whole_model else self.generation_layout.num_replicas
+        return self.generation_layout.num_replicas
 
     # ----- transitions -------------------------------------------------------------------------------
     def to_generation(self, local_shards: dict[str, torch.Tensor]) -> TransitionStats:
@@ -477,11 +587,11 @@ class HybridEngine:
         start = time.perf_counter()
         _reset_allocator_peak()
         self.local_shards = local_shards
-        stats = TransitionStats(direction="to_generation", strategy=self.config.strategy)
+        stats = TransitionStats(direction="to_generation", strategy=self.strategy.name)
         stats.peak_param_bytes = storage_bytes(local_shards.values())
         if any(shard.dtype != self.dtype for shard in local_shards.values()):
             local_shards = {name: shard.to(self.dtype) for name, shard in local_shards.items()}
-        weights = self.strategy.gather(self, local_shards, stats)
+        weights = self.strategy.gather(self.context, local_shards, stats)
         self.shard = self._generation_shard(weights)
         stats.param_bytes = self.param_bytes()
         stats.peak_param_bytes = max(stats.peak_param_bytes, stats.param_bytes)
@@ -493,7 +603,7 @@ class HybridEngine:
         """Drop the generation weights; the training shards were never moved. No communication."""
         start = time.perf_counter()
         before = self.param_bytes()
-        stats = TransitionStats(direction="to_training", strategy=self.config.strategy,
+        stats = TransitionStats(direction="to_training", strategy=self.strategy.name,
                                 param_bytes=storage_bytes(self.local_shards.values()), peak_param_bytes=before)
         _read_allocator(stats)  # the peak since to_generation: the transition and the whole rollout
         self.shard = None
@@ -509,35 +619,9 @@ class HybridEngine:
             tensors += [p for pieces in self.shard.weights.values() for p in pieces]
         return storage_bytes(tensors)
 
-    # ----- shared by the strategies -----------------------------------------------------------------
-    def _gen_stage_names(self) -> list[str]:
-        whole = self.strategy.whole_model
-        last = 0 if whole else self.generation_layout.pp_size - 1
-        gen_pp = 0 if whole else self.gen_coords.gen_pp_rank
-        names = []
-        for name in self.shapes:
-            if name.startswith("model.layers."):
-                layers = range(self.spec.num_layers) if whole else self.gen_layers
-                if int(name.split(".")[2]) in layers:
-                    names.append(name)
-            elif name.startswith("model.embed_tokens."):
-                if gen_pp == 0:
-                    names.append(name)
-            elif gen_pp == last:
-                names.append(name)
-        return names
-
-    def _piece_shapes(self, name: str, *, tp_size: int, count: int) -> list[torch.Size]:
-        """Shapes of the generation pieces of ``name``: ``count`` tp shards of 1/tp_size (or the whole tensor)."""
-        shape, dim = list(self.shapes[name]), tp_shard_dim(name)
-        if dim is None:
-            return [torch.Size(shape)]
-        shape[dim] //= tp_size
-        return [torch.Size(shape)] * count
-
     def _generation_shard(self, weights: dict[str, list[torch.Tensor]]) -> GenerationShard:
         """``weights`` with where they sit: this rank's generation stage, TP group and pipeline."""
-        if self.strategy.whole_model:
+        if self.generation_layout.ranks_per_replica == 1:
             world = self.train_layout.world_size
             return GenerationShard(weights, layers=range(self.spec.num_layers), has_embedding=True,
                                    has_final_norm=True, has_head=True, tp_ranks=[self.rank], pp_ranks=[self.rank],

@@ -1,4 +1,5 @@
-"""TrainingEngine: one model under the fsdp or 3d layout; train steps, inference, checkpoints, export.
+"""TrainingEngine: one model under a training layout (fsdp or 3d, engine/layouts.py); train steps, inference,
+checkpoints, export.
 
 Legend: B = batch rows on this rank, S = sequence columns, T = response columns, b = rows of one
 micro-batch, N = packed tokens of one micro-batch, V = vocabulary.
@@ -16,28 +17,21 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 
 from hybridflow.algorithms.finite import NonFiniteError, check_non_finite_action, first_non_finite
 from hybridflow.device import configure_host_allocator, configure_matmul_precision, current_device, device_type
 from hybridflow.engine import checkpoint as checkpoint_io
 from hybridflow.engine.config import EngineConfig
+from hybridflow.engine.layouts import TrainingLayout, layout_class, local_tensor
 from hybridflow.engine.logits import token_logprobs_and_entropy
 from hybridflow.engine.micro_batch import (PackedMicroBatch, default_position_ids, last_token_values, pack_rows,
                                            plan_micro_batches, shift_to_next_token, unpack_columns)
 from hybridflow.engine.optim import build_optimizer, clip_gradients, global_grad_norm, lr_at, set_lr
-from hybridflow.parallel.fsdp import apply_fsdp
-from hybridflow.parallel.layout import ParallelLayout
 from hybridflow.parallel.mesh import build_training_mesh, group_rank_to_global, group_size, mesh_group, world_size
 from hybridflow.parallel.pipeline import HEADS, build_pipeline_stage, build_schedule, build_stage
 
 LossFn = Callable[[dict[str, Tensor], dict[str, Tensor]], tuple[Tensor, dict[str, Tensor]]]
 OUTPUTS_OF_HEAD = {"lm": ("logprobs", "entropy"), "value": ("values",), "score": ("scores",)}
-
-
-def _local(tensor: Tensor) -> Tensor:
-    """This rank's part of a (possibly DTensor) parameter or gradient."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 class TrainingEngine:
@@ -59,7 +53,10 @@ class TrainingEngine:
             full_model = build_model()
         self.hf_config = full_model.config
         self._check_model_fits(full_model)
-        self.layout = self._layout_for_world(config)
+        self.training_layout: TrainingLayout = layout_class(config.layout).for_world(config, world_size())
+        """The layout object: how this engine shards, scales, reduces and hands its weights to generation."""
+        self.layout = self.training_layout.ranks
+        """Its rank arithmetic (p, t, d)."""
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.coords = self.layout.coords(self.rank)
         self.device = current_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -94,12 +91,6 @@ class TrainingEngine:
         """Optimizer steps taken (the LR schedule position); restored by load_checkpoint."""
 
     # ----------------------------------------------------------------- setup
-    @staticmethod
-    def _layout_for_world(config: EngineConfig) -> ParallelLayout:
-        if config.layout == "fsdp":
-            return ParallelLayout(dp_size=world_size())
-        return ParallelLayout.for_world(world_size(), pp_size=config.pp_size, tp_size=config.tp_size)
-
     def _check_model_fits(self, model: nn.Module) -> None:
         from hybridflow.models.families import family_of
         from hybridflow.parallel.tensor_parallel import validate_tp_size
@@ -126,15 +117,8 @@ class TrainingEngine:
             from hybridflow.parallel.activation_checkpoint import apply_activation_checkpointing
 
             apply_activation_checkpointing(stage)
-        if self.layout.tp_size > 1:
-            from hybridflow.parallel.tensor_parallel import apply_tensor_parallel
-
-            apply_tensor_parallel(stage, self.mesh["tp"])
-        if self.config.layout == "fsdp" and self.layout.dp_size > 1:
-            compute = self.compute_dtype
-            apply_fsdp(stage, self.mesh["dp"], cpu_offload=self.config.fsdp_cpu_offload,
-                       param_dtype=None if compute == torch.float32 else compute)
-        return stage
+        return self.training_layout.shard_stage(stage, self.mesh, cpu_offload=self.config.fsdp_cpu_offload,
+                                                compute_dtype=self.compute_dtype)
 
     def _materialize(self, weights_path: str, head_seed: int) -> None:
         from hybridflow.engine.weights import materialize_and_load
@@ -158,12 +142,12 @@ class TrainingEngine:
 
     @staticmethod
     def meta_init_supported(config: EngineConfig, model_config) -> bool:
-        """Meta init everywhere except a tied embedding under FSDP with several ranks (FSDP2 owns that
-        parameter pair and is not re-tied after allocation): those models are built whole, then sharded."""
+        """Meta init everywhere except where the layout refuses it (a tied embedding under FSDP with several
+        ranks: ``FsdpLayout.meta_init_supported``): those models are built whole, then sharded."""
         from hybridflow.models.loader import hf_config_of
 
         tied = model_config.head == "lm" and bool(getattr(hf_config_of(model_config), "tie_word_embeddings", False))
-        return not (tied and config.layout == "fsdp" and world_size() > 1)
+        return layout_class(config.layout).meta_init_supported(tied_embeddings=tied, world_size=world_size())
 
     def _build_tied_embedding_sync(self):
         """Under pp > 1 a tied embedding lives on the first stage (input) and the last (output head):
@@ -196,7 +180,7 @@ class TrainingEngine:
         param = self._tied_param
         if param.grad is None:
             param.grad = torch.zeros_like(param)
-        grad = _local(param.grad)
+        grad = local_tensor(param.grad)
         dist.all_reduce(grad, group=self._tied_group)
 
     @property
@@ -234,7 +218,7 @@ class TrainingEngine:
         pending = 0
         if self.optimizer is not None and not self.optimizer.state:
             # AdamW allocates its two fp32 moments at the first step, and backward the fp32 gradients
-            pending = 12 * sum(_local(p).numel() for p in self.params)
+            pending = 12 * sum(local_tensor(p).numel() for p in self.params)
         budget = auto_token_budget(per_token, free_memory_bytes(self.device), pending_bytes=pending,
                                    pipeline=self.layout.pp_size > 1)
         if dist.is_initialized() and world_size() > 1:
@@ -272,8 +256,7 @@ class TrainingEngine:
         plans = plan_micro_batches(lengths_B, token_budget=token_budget,
                                    group_size=group_size_rows, min_count=min_count)
         count = max(len(plans), min_count)
-        if self.config.layout == "fsdp" and self.dp_group is not None:
-            # FSDP gathers parameters in every forward: all ranks must run as many micro-batches
+        if self.training_layout.equal_micro_batch_counts and self.dp_group is not None:
             count_t = torch.tensor(count, device=self.device)
             dist.all_reduce(count_t, op=dist.ReduceOp.MAX, group=self.dp_group)
             count = int(count_t)
@@ -416,10 +399,11 @@ class TrainingEngine:
                 positions_K = self._head_positions(micro, num_columns)
                 with self._autocast():
                     head_out = self.model(micro.input_ids_1N, micro.position_ids_1N, positions_K)
-                (micro_loss(head_out, index, positions_K) * self._fsdp_loss_scale).backward()
+                (micro_loss(head_out, index, positions_K) * self.training_layout.loss_scale).backward()
         self._sync_tied_embedding_gradients()
-        self._all_reduce_dp_gradients()
-        grad_norm = global_grad_norm(self._norm_params(), shard_group=self._shard_group(), stage_group=self.pp_group)
+        self.training_layout.reduce_gradients(self.params, self.dp_group)
+        shard_group = self.training_layout.shard_group(dp_group=self.dp_group, tp_group=self.tp_group)
+        grad_norm = global_grad_norm(self._norm_params(), shard_group=shard_group, stage_group=self.pp_group)
         metrics = self._reduce_metrics(records)  # identical on every rank: all ranks take the same branch below
         metrics.update(grad_norm=float(grad_norm), lr=lr, token_budget=float(self.token_budget))
         if not all(map(math.isfinite, (metrics.get("loss", 0.0), metrics["grad_norm"]))):
@@ -447,31 +431,6 @@ class TrainingEngine:
                                  f"check the loss inputs; on_non_finite='skip' drops such steps instead",
                                  quantity=quantity)
         return {**metrics, "skipped_non_finite": 1.0}
-
-    @property
-    def _fsdp_loss_scale(self) -> float:
-        """FSDP2 averages gradients over dp; scaling the loss by dp turns that average into the needed sum."""
-        return float(self.layout.dp_size) if self.config.layout == "fsdp" else 1.0
-
-    def _shard_group(self):
-        return self.tp_group if self.config.layout == "3d" else self.dp_group
-
-    def _all_reduce_dp_gradients(self) -> None:
-        """3d layout: replicas hold full copies of their shard, so gradients are summed over dp."""
-        if self.config.layout != "3d" or self.dp_group is None:
-            return
-        grads = []
-        for param in self.params:
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            grads.append(_local(param.grad))
-        # one flat all-reduce instead of one per parameter (collective latency dominates small tensors)
-        flat = torch.cat([grad.reshape(-1) for grad in grads])
-        dist.all_reduce(flat, group=self.dp_group)
-        offset = 0
-        for grad in grads:
-            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
-            offset += grad.numel()
 
     def _reduce_metrics(self, records: list) -> dict[str, float]:
         """Loss summed, other metrics averaged over micro-batches; then over dp ranks; shared by pp stages."""
@@ -557,12 +516,10 @@ class TrainingEngine:
 
     # ----------------------------------------------------------------- weights
     def local_shards(self) -> dict[str, Tensor]:
-        """3d layout: HF parameter name -> this rank's live local tensor (shares storage) for its stage."""
-        if self.config.layout != "3d":
-            raise ValueError(f"local_shards() needs layout='3d' (parameters sharded only over tp and pp); "
-                             f"this engine has layout={self.config.layout!r}")
-        return {name: _local(p).data
-                for name, p in self.model.named_parameters()}
+        """HF parameter name -> this rank's local tensor of its stage, what ``HybridEngine.to_generation`` takes:
+        3d: the live tensor-parallel pieces (shared storage); fsdp: the dim-0 slices over dp, on the engine's
+        device (a copy only under CPU offload)."""
+        return self.training_layout.local_shards(self.model, self.device)
 
     def full_state_dict(self) -> dict[str, Tensor]:
         """The whole model's parameters as full CPU tensors (HF names) on global rank 0; {} elsewhere."""

@@ -29,3 +29,14 @@ def apply_fsdp(stage: nn.Module, dp_mesh: DeviceMesh, *, cpu_offload: bool = Fal
         fully_shard(layer, mesh=dp_mesh, offload_policy=offload, mp_policy=precision, reshard_after_forward=True)
     fully_shard(stage, mesh=dp_mesh, offload_policy=offload, mp_policy=precision, reshard_after_forward=True)
     return stage
+
+
+def dp_shard_rows(num_rows: int, dp_size: int, dp_rank: int) -> range:
+    """The rows of dim 0 that ``fully_shard`` gives data-parallel rank ``dp_rank`` of ``dp_size``.
+
+    FSDP2 cuts every parameter along dim 0 as ``torch.chunk`` does: chunks of ceil(rows / dp_size) rows,
+    the last ones shorter or empty (the local tensor holds only the real rows, no padding).
+    """
+    chunk = -(-num_rows // dp_size)
+    start = min(dp_rank * chunk, num_rows)
+    return range(start, min(start + chunk, num_rows))

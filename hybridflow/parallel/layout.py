@@ -164,6 +164,11 @@ class GenerationLayout:
         return self.train.pp_size // self.pp_size
 
     @property
+    def ranks_per_replica(self) -> int:
+        """pg * tg: the ranks of one generation replica (1: every rank generates alone with the whole model)."""
+        return self.pp_size * self.tp_size
+
+    @property
     def micro_dp_size(self) -> int:
         """dg = p*t / (pg*tg): generation replicas inside one training replica."""
         return self.tp_ratio * self.pp_ratio

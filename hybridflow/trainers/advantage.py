@@ -3,14 +3,15 @@
 Shape legend: B = samples in the step, T = response tokens.
 This is the only place the estimators differ, each one entry of ``ESTIMATORS``: PPO (``gae``) uses
 the critic's values, GRPO/RLOO a group baseline over the samples of one prompt, ReMax the greedy
-response's score, REINFORCE++ whitened returns. Everything else in the RL loop is shared. Safe-RLHF adds a second GAE on the
-cost (``cost_advantages``) and mixes the two with the Lagrange multiplier (``safe_rlhf_advantages``).
+response's score, REINFORCE++ whitened returns. Everything else in the RL loop is shared. What the driver must
+know about an estimator (needs a critic, group-based, ...) is its ``traits`` (``trainers/estimators.py``).
+Safe-RLHF runs the same estimator on the cost (``trainers/components.py``) and mixes the two with lambda.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -25,10 +26,10 @@ from hybridflow.algorithms import (
     reinforce_plus_plus_advantages,
     remax_advantages,
     rloo_advantages,
-    safe_rlhf_advantages,
     scores_on_last_token,
 )
 from hybridflow.trainers.algorithm_config import AlgorithmSection  # defined there (no torch), used here
+from hybridflow.trainers.estimators import ESTIMATOR_TRAITS, EstimatorTraits
 
 
 @dataclass(frozen=True)
@@ -43,10 +44,9 @@ class AdvantageResult:
     """Per-token KL(pi_old || pi_ref) estimate (0 when there is no reference)."""
     token_rewards_BT: Tensor
     """Token-level rewards after KL shaping."""
-    cost_advantages_BT: Tensor | None = None
-    """Safe-RLHF: the cost's GAE advantages (whitened if configured); None without a cost."""
-    cost_returns_BT: Tensor | None = None
-    """Safe-RLHF: the cost critic's regression targets; None without a cost."""
+    extra_BT: dict[str, Tensor] = field(default_factory=dict)
+    """Per-token tensors a step component adds (Safe-RLHF: ``cost_advantages``, ``cost_returns``); they join the
+    training batch under these keys."""
 
 
 @dataclass(frozen=True)
@@ -72,12 +72,8 @@ class Estimator:
 
     estimate: Estimate
     """(rewards_BT, mask_BT, inputs) -> (advantages_BT, returns_BT)."""
-    needs_critic: bool = False
-    """Whether it reads critic values (the critic role runs only then)."""
-    normalized: bool = False
-    """Whether its advantages are already normalized (then ``whiten_advantages`` is not applied again)."""
-    kl_in_loss: bool = False
-    """Where ``kl_mode: auto`` puts the KL to the reference: in the loss (GRPO's paper) or in the reward."""
+    traits: EstimatorTraits
+    """Needs a critic, group-based, needs a baseline generation, normalized, KL in the loss."""
 
 
 def _gae(rewards_BT: Tensor, mask_BT: Tensor, inputs: EstimatorInputs) -> tuple[Tensor, Tensor]:
@@ -106,17 +102,19 @@ def _outcome(group_advantages) -> Estimate:
     return estimate
 
 
-ESTIMATORS: dict[str, Estimator] = {
-    "gae": Estimator(_gae, needs_critic=True),
-    "grpo": Estimator(_outcome(grpo_advantages), normalized=True, kl_in_loss=True),
-    # Dr. GRPO: no std normalization, and no whitening after it either (that would put the std back)
-    "dr_grpo": Estimator(_outcome(dr_grpo_advantages), normalized=True, kl_in_loss=True),
-    "remax": Estimator(_remax),
-    "rloo": Estimator(_outcome(rloo_advantages)),
-    "reinforce_plus_plus": Estimator(_reinforce_plus_plus, normalized=True),
+_ESTIMATES: dict[str, Estimate] = {
+    "gae": _gae,
+    "grpo": _outcome(grpo_advantages),
+    "dr_grpo": _outcome(dr_grpo_advantages),
+    "remax": _remax,
+    "rloo": _outcome(rloo_advantages),
+    "reinforce_plus_plus": _reinforce_plus_plus,
 }
-"""``algorithm.advantage_estimator`` -> estimator. A new estimator is one entry here (and its name in
-``AlgorithmSection.advantage_estimator``'s Literal, which a test keeps equal to these keys)."""
+ESTIMATORS: dict[str, Estimator] = {name: Estimator(_ESTIMATES[name], traits)
+                                     for name, traits in ESTIMATOR_TRAITS.items()}
+"""``algorithm.advantage_estimator`` -> estimator. A new estimator is one entry here and its traits in
+``ESTIMATOR_TRAITS`` (and its name in ``AlgorithmSection.advantage_estimator``'s Literal, which a test keeps
+equal to these keys)."""
 
 
 def shaped_rewards(
@@ -156,65 +154,34 @@ def compute_advantages(
     ref_logprobs_BT: Tensor | None,
     values_BT: Tensor | None,
     group_ids: Sequence | Tensor,
-    baseline_scores_B: Tensor | None,
     kl_coef: float,
+    baseline_scores_B: Tensor | None = None,
     dense_rewards_BT: Tensor | None = None,
-    costs_B: Tensor | None = None,
-    cost_values_BT: Tensor | None = None,
-    lagrange_multiplier: float | None = None,
 ) -> AdvantageResult:
     """Shape the rewards with the KL penalty (when ``algorithm.kl_in_reward``) and run the configured estimator
-    (``ESTIMATORS[algorithm.advantage_estimator]``).
+    (``ESTIMATORS[algorithm.advantage_estimator]``, then whitening: ``estimate_advantages``).
 
     ``scores_B`` is credited on each response's last token; ``dense_rewards_BT`` (optional, e.g. a
-    likelihood reward model's per-token terms) is added token by token. Safe-RLHF: given ``costs_B``,
-    the cost critic's ``cost_values_BT`` and the ``lagrange_multiplier`` lambda, the returned advantages
-    are ``safe_rlhf_advantages(reward advantages, cost_advantages(...), lambda)`` and the cost
-    advantages and returns come back too.
+    likelihood reward model's per-token terms) is added token by token. ``baseline_scores_B`` is ReMax's.
     """
     mask_BT = response_mask_BT.to(old_logprobs_BT.dtype)
     rewards_BT, kl_BT = shaped_rewards(algorithm=algorithm, scores_B=scores_B, response_mask_BT=response_mask_BT,
                                        old_logprobs_BT=old_logprobs_BT, ref_logprobs_BT=ref_logprobs_BT,
                                        kl_coef=kl_coef, dense_rewards_BT=dense_rewards_BT)
-    estimator = ESTIMATORS[algorithm.advantage_estimator]
     inputs = EstimatorInputs(values_BT=values_BT, group_ids=group_ids, baseline_scores_B=baseline_scores_B,
                              gamma=algorithm.gamma, lam=algorithm.lam)
+    advantages_BT, returns_BT = estimate_advantages(algorithm, rewards_BT, mask_BT, inputs)
+    return AdvantageResult(advantages_BT=advantages_BT, returns_BT=returns_BT, kl_BT=kl_BT, token_rewards_BT=rewards_BT)
+
+
+def estimate_advantages(algorithm: AlgorithmSection, rewards_BT: Tensor, mask_BT: Tensor,
+                        inputs: EstimatorInputs) -> tuple[Tensor, Tensor]:
+    """The configured estimator on per-token rewards -> (advantages_BT, returns_BT), the advantages whitened over
+    the real tokens when ``algorithm.whiten_advantages`` and the estimator does not normalize them itself. The
+    reward's advantages and Safe-RLHF's cost advantages both come from here."""
+    estimator = ESTIMATORS[algorithm.advantage_estimator]
     advantages_BT, returns_BT = estimator.estimate(rewards_BT, mask_BT, inputs)
-    if algorithm.whiten_advantages and not estimator.normalized:
-        advantages_BT = masked_whiten(advantages_BT, mask_BT)
-    cost_advantages_BT = cost_returns_BT = None
-    if costs_B is not None:
-        if cost_values_BT is None or lagrange_multiplier is None:
-            raise ValueError("Safe-RLHF advantages need costs_B, cost_values_BT and lagrange_multiplier together; got "
-                             f"cost_values_BT={'a tensor' if cost_values_BT is not None else None}, "
-                             f"lagrange_multiplier={lagrange_multiplier}")
-        cost_advantages_BT, cost_returns_BT = cost_advantages(algorithm=algorithm, costs_B=costs_B,
-                                                              cost_values_BT=cost_values_BT.to(mask_BT.dtype),
-                                                              response_mask_BT=mask_BT)
-        advantages_BT = safe_rlhf_advantages(advantages_BT, cost_advantages_BT, lagrange_multiplier)
-    return AdvantageResult(advantages_BT=advantages_BT, returns_BT=returns_BT, kl_BT=kl_BT,
-                           token_rewards_BT=rewards_BT, cost_advantages_BT=cost_advantages_BT,
-                           cost_returns_BT=cost_returns_BT)
-
-
-def cost_advantages(
-    *,
-    algorithm: AlgorithmSection,
-    costs_B: Tensor,
-    cost_values_BT: Tensor,
-    response_mask_BT: Tensor,
-) -> tuple[Tensor, Tensor]:
-    """Safe-RLHF's cost side -> (cost_advantages_BT, cost_returns_BT): GAE on each response's cost, credited on
-    its last token (no KL term: the KL penalty shapes the reward only), with the cost critic's values and
-    the reward's ``gamma``/``lam``; whitened like the reward advantages when ``whiten_advantages``."""
-    if algorithm.advantage_estimator != "gae":
-        raise ValueError(f"cost advantages need advantage_estimator 'gae' (a cost critic), "
-                         f"got {algorithm.advantage_estimator!r}")
-    mask_BT = response_mask_BT.to(cost_values_BT.dtype)
-    costs_BT = scores_on_last_token(costs_B.to(mask_BT.dtype), mask_BT)
-    advantages_BT, returns_BT = gae_advantages(costs_BT, cost_values_BT, mask_BT, gamma=algorithm.gamma,
-                                               lam=algorithm.lam)
-    if algorithm.whiten_advantages:
+    if algorithm.whiten_advantages and not estimator.traits.normalized:
         advantages_BT = masked_whiten(advantages_BT, mask_BT)
     return advantages_BT, returns_BT
 

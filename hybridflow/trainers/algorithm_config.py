@@ -1,7 +1,7 @@
 """AlgorithmSection: the advantage estimator and KL regularization of an RL run (no torch: configs load fast).
 
-The estimators themselves are ``hybridflow.trainers.advantage.ESTIMATORS``; their names are listed in
-``hybridflow.algorithms.names.ADVANTAGE_ESTIMATOR_NAMES`` (a test keeps the two equal).
+The estimators themselves are ``hybridflow.trainers.advantage.ESTIMATORS``; their names and traits are
+``hybridflow.trainers.estimators.ESTIMATOR_TRAITS`` (light; a test keeps the two tables' keys equal).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from hybridflow.algorithms.names import ADVANTAGE_ESTIMATOR_NAMES
+from hybridflow.trainers.estimators import ESTIMATOR_TRAITS, EstimatorTraits
 
 
 def _require(condition: bool, key: str, value, allowed: str) -> None:
@@ -58,8 +58,8 @@ class AlgorithmSection:
     of the loss."""
 
     def __post_init__(self) -> None:
-        _require(self.advantage_estimator in ADVANTAGE_ESTIMATOR_NAMES, "advantage_estimator",
-                 self.advantage_estimator, ", ".join(ADVANTAGE_ESTIMATOR_NAMES))
+        _require(self.advantage_estimator in ESTIMATOR_TRAITS, "advantage_estimator",
+                 self.advantage_estimator, ", ".join(ESTIMATOR_TRAITS))
         _require(0 <= self.gamma <= 1, "gamma", self.gamma, "a float in [0, 1]")
         _require(0 <= self.lam <= 1, "lam", self.lam, "a float in [0, 1]")
         _require(self.kl_coef >= 0, "kl_coef", self.kl_coef, "a float >= 0")
@@ -75,6 +75,11 @@ class AlgorithmSection:
                  "a float >= 0")
 
     @property
+    def estimator(self) -> EstimatorTraits:
+        """The traits of ``advantage_estimator`` (whether it needs a critic, is group-based, ...)."""
+        return ESTIMATOR_TRAITS[self.advantage_estimator]
+
+    @property
     def kl_in_reward(self) -> bool:
         """Whether the KL penalty shapes the reward (``kl_mode`` reward, or auto for a non-GRPO estimator)."""
         return self.kl_mode == "reward" or (self.kl_mode == "auto" and not self.kl_in_loss)
@@ -82,13 +87,9 @@ class AlgorithmSection:
     @property
     def kl_in_loss(self) -> bool:
         """Whether the KL to the reference is a term of the actor loss (``kl_mode`` loss, or auto for GRPO)."""
-        from hybridflow.trainers.advantage import ESTIMATORS
-
-        return self.kl_mode == "loss" or (self.kl_mode == "auto" and ESTIMATORS[self.advantage_estimator].kl_in_loss)
+        return self.kl_mode == "loss" or (self.kl_mode == "auto" and self.estimator.kl_in_loss)
 
     @property
     def uses_critic(self) -> bool:
         """Whether the estimator needs value estimates (only GAE does)."""
-        from hybridflow.trainers.advantage import ESTIMATORS
-
-        return ESTIMATORS[self.advantage_estimator].needs_critic
+        return self.estimator.needs_critic

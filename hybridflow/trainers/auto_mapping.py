@@ -106,7 +106,7 @@ def resolve_auto_mapping(config: RLConfig):
 
     roles = config.active_roles
     flow = Dataflow(name=config.algorithm.advantage_estimator, roles={role: ROLE_KINDS[role] for role in roles},
-                    generation_passes=2 if config.algorithm.advantage_estimator == "remax" else 1)
+                    generation_passes=2 if config.algorithm.estimator.baseline_generation else 1)
     workload = workload_of(config)
     devices_per_node = [count for counts in config.placement.pools.values() for count in counts]
     cluster = Cluster(num_devices=sum(devices_per_node), devices_per_node=max(devices_per_node),

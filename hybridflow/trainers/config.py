@@ -26,6 +26,7 @@ from hybridflow.engine.rollout import rollout_backend
 from hybridflow.models.config import ModelConfig
 from hybridflow.trainers.algorithm_config import AlgorithmSection
 from hybridflow.trainers.config_loader import apply_overrides, build_dataclass, load_yaml
+from hybridflow.trainers.estimators import estimators_with
 from hybridflow.workers.spec import PolicyLossConfig, ValueLossConfig
 
 ACTOR_LR = 1e-6
@@ -351,17 +352,19 @@ class RLConfig:
         if self.actor.loss.ptx_coef > 0:
             require(self.data.ptx_path is not None, "actor.loss.ptx_coef", self.actor.loss.ptx_coef,
                      "0 unless data.ptx_path is set")
+        estimator = self.algorithm.estimator
         if self.cost is not None:
-            # Safe-RLHF's cost advantages come from the cost critic's GAE, so the reward side must be GAE too.
-            require(self.algorithm.advantage_estimator == "gae", "algorithm.advantage_estimator",
-                    self.algorithm.advantage_estimator, "'gae' when a cost section is set (Safe-RLHF trains a cost "
-                    "critic; remove cost or use gae)")
+            # Safe-RLHF's cost advantages come from the cost critic through the same estimator as the reward's.
+            require(estimator.needs_critic, "algorithm.advantage_estimator", self.algorithm.advantage_estimator,
+                    f"{' or '.join(map(repr, estimators_with('needs_critic')))} when a cost section is set (Safe-RLHF "
+                    "trains a cost critic; remove cost or use an estimator with a critic)")
+        groups = ", ".join(estimators_with("group_based"))
         if self.algorithm.dynamic_sampling:
-            require(self.algorithm.advantage_estimator in ("grpo", "dr_grpo", "rloo"), "algorithm.dynamic_sampling",
-                    True, "false unless advantage_estimator is a group estimator (grpo, dr_grpo, rloo)")
+            require(estimator.group_based, "algorithm.dynamic_sampling", True,
+                    f"false unless advantage_estimator is a group estimator ({groups})")
             require(self.batch.samples_per_prompt >= 2, "algorithm.dynamic_sampling", True,
                     "false unless batch.samples_per_prompt >= 2 (a group of one always ties)")
-        if self.algorithm.advantage_estimator in ("grpo", "dr_grpo", "rloo"):
+        if estimator.group_based:
             require(self.batch.samples_per_prompt >= 2, "batch.samples_per_prompt", self.batch.samples_per_prompt,
                     f"an integer >= 2 with algorithm.advantage_estimator={self.algorithm.advantage_estimator!r} "
                     f"(its baseline is the mean over each prompt's group of samples; a group of one has none)")

@@ -3,43 +3,41 @@
 One step, as in the HybridFlow paper (Figure 1): the actor generates; the reference, critic and
 reward model score the samples (concurrently when they sit on different pools); the driver shapes
 the reward with the KL penalty and computes advantages; the critic and the actor update. The
-estimators differ only in ``hybridflow.trainers.advantage`` and in which roles exist.
-Safe-RLHF (a ``cost`` section) adds a cost model and a cost critic to the scoring, mixes reward and
-cost advantages with the Lagrange multiplier, and updates the multiplier after each step.
-DAPO's sample-level pieces change only the generate-and-score step (dynamic sampling draws more
-prompts), the scores (overlong penalty) and the update's loss mask (overlong filter).
+estimators differ only in ``hybridflow.trainers.advantage`` (and in their traits: which roles exist).
+What an algorithm adds to that step is a step component with a few hooks (``trainers/components.py``:
+Safe-RLHF's cost, DAPO's overlong penalty and filter, ReMax's greedy baseline, PPO-ptx, the source of the
+old log-probs); how a step draws its samples is a sampling strategy (``trainers/sampling.py``: DAPO's
+dynamic sampling draws more prompts). docs/ppo.md walks through the step and how to add a component.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections import defaultdict
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from hybridflow.algorithms import (AdaptiveKLController, FixedKLController, dynamic_sampling_keep_mask,
-                                   first_kept_groups, overlong_filter_mask, overlong_reward_penalty,
-                                   rollout_logprob_mismatch)
-from hybridflow.algorithms.lagrangian import LagrangeController
+from hybridflow.algorithms import AdaptiveKLController, FixedKLController
 from hybridflow.data import BatchLoader, PromptDataset, SFTDataset
 from hybridflow.protocol import DataProto
 from hybridflow.rewards import RuleReward
-from hybridflow.trainers.advantage import compute_advantages, sequence_kl, shaped_rewards, token_mean
+from hybridflow.trainers.advantage import AdvantageResult, compute_advantages, sequence_kl
 from hybridflow.trainers.auto_mapping import resolve_auto_mapping
 from hybridflow.trainers.build import build_worker_groups, role_specs
 from hybridflow.trainers.checkpoint import RunCheckpointer, config_changes
+from hybridflow.trainers.components import build_components
 from hybridflow.trainers.config import RLConfig
 from hybridflow.trainers.config_loader import dump_yaml, to_plain
 from hybridflow.trainers.export import export_roles
 from hybridflow.trainers.metrics import MetricsLogger, StepReporter
 from hybridflow.trainers.preflight import check_sequence_length, preflight
-from hybridflow.trainers.redundant_passes import critic_values_are_redundant, old_log_prob_is_redundant
+from hybridflow.trainers.sampling import build_sampling
 from hybridflow.trainers.scoring import RewardScorer
-from hybridflow.workers.actor import TRAINING_EXACT_LOGPROBS
-from hybridflow.workers.base import SEQUENCE_KEYS
-from hybridflow.workers.critic import TOKEN_REWARDS
+from hybridflow.trainers.step import PhaseTimer, Rollout, StepResults, first_rank, step_metrics
 
 
 class RLTrainer:
@@ -59,13 +57,7 @@ class RLTrainer:
         self.val_data = self._dataset(config.data.val_path) if config.data.val_path else None
         check_sequence_length(config, max(len(example.input_ids) for data in (self.train_data, self.val_data)
                                           if data is not None for example in data.examples))
-        self.ptx_loader = None
-        if config.actor.loss.ptx_coef > 0:
-            ptx_data = SFTDataset(config.data.ptx_path, self.tokenizer, max_prompt_tokens=config.data.max_prompt_tokens,
-                                  max_response_tokens=config.data.max_ptx_response_tokens,
-                                  **config.data.prompt_format())
-            self.ptx_loader = BatchLoader(ptx_data, batch_size=min(config.batch.mini_batch_size, len(ptx_data)),
-                                          seed=config.trainer.seed)
+        ptx_loader = self._ptx_loader()  # read before any worker starts, like the prompts
         self.loader = BatchLoader(self.train_data, batch_size=config.batch.prompts_per_step, seed=config.trainer.seed,
                                   shuffle=config.data.shuffle)
         self.scorer = RewardScorer(tokenizer=self.tokenizer, function=config.reward.function,
@@ -83,24 +75,7 @@ class RLTrainer:
         self.checkpointer = RunCheckpointer(self.output_dir / "checkpoints", keep_last=config.trainer.keep_last)
         resume_from = self._check_resume() if config.trainer.resume else None  # before any worker starts
         self.groups, self.pools = build_worker_groups(config, self.specs, mode=mode)
-        self.actor = self.groups["actor"]
-        self.reference = self.groups.get("reference")
-        self.critic = self.groups.get("critic")
-        self.reward_model = self.groups.get("reward")
-        self.cost_model = self.groups.get("cost")
-        self.cost_critic = self.groups.get("cost_critic")
-        # Safe-RLHF's Lagrange multiplier lambda, a controller like the KL coefficient's.
-        self.lagrange = (LagrangeController(init_lambda=config.cost.lambda_init, cost_limit=config.cost.limit,
-                                            lr=config.cost.lambda_lr, max_lambda=config.cost.lambda_max)
-                         if config.cost is not None else None)
-        self.skips_old_log_prob = old_log_prob_is_redundant(
-            ppo_epochs=config.actor.loss.ppo_epochs, mini_batches_per_epoch=self.derived.mini_batches_per_epoch,
-            has_reference=self.reference is not None)
-        self.folds_critic_values = self.critic is not None and critic_values_are_redundant(
-            ppo_epochs=config.critic.loss.ppo_epochs, mini_batches_per_epoch=self.derived.mini_batches_per_epoch,
-            colocated_with_actor=config.placement.pool_of("critic") == config.placement.pool_of("actor"),
-            has_cost_critic=self.cost_critic is not None, masks_rows_after_advantages=config.algorithm.overlong_filter)
-        self.old_log_probs_from_rollout = False  # this step's choice, made in ``_score``
+        self._build_step(ptx_loader)
         self.step = 0
         self.best: dict | None = None  # trainer.keep_best: {"metric", "value", "step"} of the best validation
         self.step = self._resume(resume_from) if resume_from is not None else 0
@@ -110,9 +85,37 @@ class RLTrainer:
                                     tensorboard=tensorboard and config.trainer.tensorboard,
                                     wandb_project=config.trainer.wandb_project, run_config=to_plain(config))
 
+    def _build_step(self, ptx_loader: BatchLoader | None) -> None:
+        """The step's parts over the worker groups: the roles' scoring calls (issued as futures), the critics to
+        update, the step components and the sampling strategy this config turns on."""
+        self.actor = self.groups["actor"]
+        self.reference = self.groups.get("reference")
+        self.critic = self.groups.get("critic")
+        self.reward_model = self.groups.get("reward")
+        self.scorers = [getattr(self.groups[role], method) for role, method in (
+            ("reference", "compute_ref_log_prob"), ("critic", "compute_values"), ("reward", "compute_reward"))
+            if role in self.groups]
+        self.critics = [self.critic] if self.critic is not None else []
+        # the actor's sampling settings with its tokenizer's ids (EOS, stop, pad)
+        generation = self.specs.actor.generation.for_call(self.specs.actor.tokens)
+        self.components = build_components(self.config, derived=self.derived, generation=generation,
+                                           groups=self.groups, score_B=self.response_scores, ptx_loader=ptx_loader)
+        self.sampling = build_sampling(self.config, loader=self.loader, score_B=self.sample_scores,
+                                       pad_token_id=generation.pad_token_id)
+
     def _dataset(self, path: str) -> PromptDataset:
         return PromptDataset(path, self.tokenizer, max_prompt_tokens=self.config.data.max_prompt_tokens,
                              **self.config.data.prompt_format())
+
+    def _ptx_loader(self) -> BatchLoader | None:
+        """PPO-ptx's pretraining rows (``data.ptx_path``), when ``actor.loss.ptx_coef`` > 0."""
+        config = self.config
+        if config.actor.loss.ptx_coef <= 0:
+            return None
+        ptx_data = SFTDataset(config.data.ptx_path, self.tokenizer, max_prompt_tokens=config.data.max_prompt_tokens,
+                              max_response_tokens=config.data.max_ptx_response_tokens, **config.data.prompt_format())
+        return BatchLoader(ptx_data, batch_size=min(config.batch.mini_batch_size, len(ptx_data)),
+                           seed=config.trainer.seed)
 
     # ------------------------------------------------------------------ the loop
     def fit(self, *, on_step=None) -> list[dict]:
@@ -175,239 +178,137 @@ class RLTrainer:
         self.export(best_dir)
         (best_dir / "best.json").write_text(json.dumps(self.best))
 
+    # ------------------------------------------------------------------ one step
     def train_step(self, prompts: DataProto) -> dict[str, float]:
-        """One RL iteration on a batch of prompts; returns its metrics."""
-        timing: dict[str, float] = {}
+        """One RL iteration on a batch of prompts (the paper's Figure 1); returns its metrics."""
+        timer = PhaseTimer()
         seed = self.config.trainer.seed * 1_000_003 + self.step
-        batch, sampling_metrics = self._generate_and_score(prompts, seed, timing)
-        sequence_scores_B, dense_rewards_BT, reward_metrics = self.scorer.token_rewards(batch)
-        overlong_penalty_B = self._overlong_penalty(batch)  # DAPO's soft overlong punishment (0 when off)
-        sequence_scores_B = sequence_scores_B + overlong_penalty_B
-        baseline_B = self._greedy_baseline(prompts) if self.config.algorithm.advantage_estimator == "remax" else None
-        critic_metrics = {}
-        if self.folds_critic_values:  # the critic's update computes the values GAE needs: run it first
-            with _timer(timing, "update"):
-                critic_metrics = self._update_critic_from_own_values(batch, sequence_scores_B, dense_rewards_BT)
-        result = compute_advantages(
-            algorithm=self.config.algorithm, scores_B=sequence_scores_B, response_mask_BT=batch["response_mask"],
-            old_logprobs_BT=batch.get("old_logprobs", torch.zeros(batch["response_mask"].shape)),
-            ref_logprobs_BT=batch.get("ref_logprobs"),
-            values_BT=batch.get("values"), group_ids=batch["uid"], baseline_scores_B=baseline_B,
-            kl_coef=self.kl_controller.value, dense_rewards_BT=dense_rewards_BT, costs_B=batch.get("costs"),
-            cost_values_BT=batch.get("cost_values"),
-            lagrange_multiplier=self.lagrange.value if self.lagrange is not None else None)
-        batch["advantages"], batch["returns"] = result.advantages_BT, result.returns_BT
-        if result.cost_returns_BT is not None:
-            batch["cost_returns"] = result.cost_returns_BT
-        mask_BT = batch["response_mask"]
-        if self.config.algorithm.overlong_filter:  # DAPO: truncated responses leave the loss
-            not_truncated_B = self._not_truncated(batch)
-            batch["response_mask"] = mask_BT * not_truncated_B[:, None].to(mask_BT.dtype)
-        batch.meta_info.update(seed=seed, step=self.step)
-        metrics = self._rollout_metrics(batch)
-        with _timer(timing, "update"):
-            critic_updates = [critic.update_critic.future(batch) for critic in (self.critic, self.cost_critic)
-                              if critic is not None and not (critic is self.critic and self.folds_critic_values)]
-            metrics.update(critic_metrics)
-            metrics.update(_first(self.actor.update_actor(batch)))
-            if self.ptx_loader is not None:  # InstructGPT's PPO-ptx: a next-token step on pretraining rows
-                metrics.update(_first(self.actor.update_actor_ptx(self.ptx_loader.next_batch())))
-            for critic_update in critic_updates:
-                metrics.update(_first(critic_update.get()))
-        current_kl = sequence_kl(result.kl_BT, mask_BT)
-        self.kl_controller.update(current_kl, self.derived.samples_per_step)
-        lengths_B = mask_BT.sum(-1).float()
-        metrics.update(reward_metrics)
-        metrics.update(sampling_metrics)
-        if self.config.algorithm.overlong_buffer_length:
-            metrics["reward/overlong_penalty_mean"] = float(overlong_penalty_B.mean())
-        if self.config.algorithm.overlong_filter:
-            metrics["response/overlong_filtered_fraction"] = float(1 - not_truncated_B.float().mean())
-        metrics.update({
-            "kl/sequence_kl": current_kl, "kl/coef": self.kl_controller.value,
-            "response/length_mean": float(lengths_B.mean()), "response/length_max": float(lengths_B.max()),
-            "response/length_min": float(lengths_B.min()),
-            "advantage/mean": token_mean(result.advantages_BT, mask_BT),
-            "return/mean": token_mean(result.returns_BT, mask_BT),
-            **{f"time/{name}_s": seconds for name, seconds in timing.items()},
-            "perf/old_log_prob_skipped": float(self.skips_old_log_prob),
-            "perf/old_log_prob_from_rollout": float(self.old_log_probs_from_rollout),
-        })
-        if self.critic is not None:
-            metrics["perf/critic_values_folded"] = float(self.folds_critic_values)
-        if "values" in batch:
-            metrics["critic/values_before_mean"] = token_mean(batch["values"], mask_BT)
-        if self.lagrange is not None:
-            costs_B = batch["costs"].float()
-            self.lagrange.update(float(costs_B.mean()), self.derived.samples_per_step)
-            metrics.update({"cost/mean": float(costs_B.mean()), "cost/max": float(costs_B.max()),
-                            "cost/min": float(costs_B.min()), "lagrange/lambda": self.lagrange.value})
-            metrics.update({"cost_advantage/mean": token_mean(result.cost_advantages_BT, mask_BT),
-                            "cost_return/mean": token_mean(result.cost_returns_BT, mask_BT),
-                            "cost_critic/values_before_mean": token_mean(batch["cost_values"], mask_BT)})
-        return metrics
+        # 1. generate, 2. score (one round; DAPO's dynamic sampling draws more)
+        rollout = self.sampling.sample(prompts, seed, partial(self.generate_and_score, timer=timer))
+        return self.learn(rollout, seed=seed, timer=timer)  # 3. advantages, 4. updates, 5. metrics
 
-    def _generate_and_score(self, prompts: DataProto, seed: int, timing: dict) -> tuple[DataProto, dict[str, float]]:
-        """Generate and score the step's samples. With DAPO's dynamic sampling, draw more prompts (up to
-        ``max_sampling_rounds`` rounds) until ``prompts_per_step`` groups have scores that are not all equal."""
-        algorithm, need = self.config.algorithm, self.config.batch.prompts_per_step
-        rounds, round_scores = [], []
-        for round_index in range(algorithm.max_sampling_rounds if algorithm.dynamic_sampling else 1):
-            if round_index > 0:
-                prompts = self.loader.next_batch()
-            prompts.meta_info.update(seed=seed + 7919 * round_index,
-                                     samples_per_prompt=self.config.batch.samples_per_prompt)
-            # samples of one prompt form a group (GRPO, RLOO); ids stay unique across rounds
-            prompts["uid"] = np.arange(len(prompts)) + round_index * need
-            with _timer(timing, "generate"):
-                batch = self.actor.generate_sequences(prompts)
-            with _timer(timing, "score"):
-                batch = self._score(batch)
-            if not algorithm.dynamic_sampling:
-                return batch, {}
-            rounds.append(batch)
-            round_scores.append(self.scorer.score(batch)[0] + self._overlong_penalty(batch))
-            ids = np.concatenate([part["uid"] for part in rounds]).tolist()
-            keep_B = dynamic_sampling_keep_mask(torch.cat(round_scores), ids)
-            rows_R, groups_kept = first_kept_groups(keep_B, ids, num_groups=need)
-            if groups_kept >= need:
-                break
-        batch = _concat_rounds(rounds, pad_token_id=self.specs.actor.tokens.pad_token_id)
-        rows = rows_R.tolist()
-        if groups_kept < need:  # round limit reached: fill up with tied groups (zero advantage) to a full batch
-            tied_ids = list(dict.fromkeys(ids[row] for row in np.flatnonzero(~keep_B.numpy())))[:need - groups_kept]
-            rows = sorted(rows + [row for row, uid in enumerate(ids) if uid in set(tied_ids)])
-        metrics = {"sampling/rounds": float(len(rounds)), "sampling/prompts_drawn": float(len(rounds) * need),
-                   "sampling/kept_group_fraction": groups_kept / (len(rounds) * need),
-                   "sampling/filled_groups": float(max(need - groups_kept, 0))}
-        return batch[np.asarray(rows)], metrics
+    def generate_and_score(self, prompts: DataProto, *, seed: int, first_uid: int, timer: PhaseTimer) -> DataProto:
+        """``samples_per_prompt`` responses per prompt, scored; the samples of one prompt form a group (``uid``)."""
+        prompts.meta_info.update(seed=seed, samples_per_prompt=self.config.batch.samples_per_prompt)
+        prompts["uid"] = np.arange(len(prompts)) + first_uid
+        with timer("generate"):
+            batch = self.actor.generate_sequences(prompts)  # 3D-HybridEngine: reshard, sample, reshard back
+        with timer("score"):
+            return self.score(batch)
 
-    def _rollout_metrics(self, batch: DataProto) -> dict[str, float]:
-        """The rollout engine's weight transition on actor rank 0 (bytes, parameter memory, seconds) and its
-        log-prob mismatch with the training engine on the sampled tokens (when old log-probs were computed)."""
-        stats = _first(self.actor.transition_stats())
-        # seconds go under time/ with the other timings (they are the only values that vary run to run)
-        metrics = {(f"time/rollout_{name}" if name.endswith("_s") else f"rollout/{name}"): float(value)
-                   for name, value in stats.items()}
-        if "old_logprobs" in batch and "logprobs" in batch and not self.old_log_probs_from_rollout:
-            mismatch = rollout_logprob_mismatch(batch["old_logprobs"], batch["logprobs"], batch["response_mask"])
-            metrics.update({"rollout/logprob_abs_diff_mean": float(mismatch.mean_abs_diff),
-                            "rollout/logprob_abs_diff_max": float(mismatch.max_abs_diff),
-                            "rollout/sequence_kl": float(mismatch.sequence_kl)})
-        return metrics
-
-    def _overlong_penalty(self, batch: DataProto) -> torch.Tensor:
-        """DAPO's soft overlong punishment of each response -> penalty_B (<= 0; zeros when off)."""
-        algorithm = self.config.algorithm
-        lengths_B = batch["response_mask"].sum(-1)
-        if not algorithm.overlong_buffer_length:
-            return torch.zeros(len(lengths_B))
-        return overlong_reward_penalty(lengths_B, max_response_length=self.specs.actor.generation.max_new_tokens,
-                                       buffer_length=algorithm.overlong_buffer_length,
-                                       penalty_factor=algorithm.overlong_penalty_factor)
-
-    def _not_truncated(self, batch: DataProto) -> torch.Tensor:
-        """keep_B: False for responses that hit max_new_tokens without an end token (DAPO's overlong filter)."""
-        generation = self.specs.actor.generation
-        lengths_B = batch["response_mask"].sum(-1)
-        last_token_B = batch["responses"].gather(1, (lengths_B - 1).clamp(min=0)[:, None].long())[:, 0]
-        end_ids = torch.tensor(sorted(set(self.specs.actor.tokens.eos_token_ids) | set(generation.stop_token_ids)))
-        return overlong_filter_mask(lengths_B, max_response_length=generation.max_new_tokens,
-                                    ended_B=torch.isin(last_token_B.cpu(), end_ids))
-
-    def _score(self, batch: DataProto) -> DataProto:
-        """Old log-probs, reference log-probs, values and reward-model scores (and Safe-RLHF's costs and cost
-        values); concurrent across pools."""
-        self.old_log_probs_from_rollout = from_rollout = self._old_log_probs_from_rollout(batch)
-        futures = [] if self.skips_old_log_prob or from_rollout else [self.actor.compute_log_prob.future(batch)]
-        if from_rollout:
-            batch["old_logprobs"] = batch["logprobs"]
-        if self.reference is not None:
-            futures.append(self.reference.compute_ref_log_prob.future(batch))
-        if self.critic is not None and not self.folds_critic_values:
-            futures.append(self.critic.compute_values.future(batch))
-        if self.reward_model is not None:
-            futures.append(self.reward_model.compute_reward.future(batch))
-        if self.cost_model is not None:
-            futures.append(self.cost_model.compute_cost.future(batch))
-            futures.append(self.cost_critic.compute_values.future(batch))
+    def score(self, batch: DataProto) -> DataProto:
+        """Reference log-probs, critic values, reward-model scores and what the components add (old log-probs,
+        Safe-RLHF's costs and cost values), all issued as futures: roles on different pools run at the same time."""
+        futures = [future for component in self.components for future in component.score_futures(batch)]
+        futures += [scorer.future(batch) for scorer in self.scorers]
         for future in futures:
             batch = batch.union(future.get())
         return batch
 
-    def _update_critic_from_own_values(self, batch: DataProto, scores_B: torch.Tensor,
-                                       dense_rewards_BT: torch.Tensor | None) -> dict[str, float]:
-        """The critic's one step per batch with its value pass folded in (``perf/critic_values_folded``): it
-        gets the per-token rewards, computes its values and GAE's returns in the update's own forward and
-        hands the values back into ``batch`` for the actor's advantages; returns the critic's metrics."""
-        algorithm = self.config.algorithm
-        rewards_BT, _ = shaped_rewards(
-            algorithm=algorithm, scores_B=scores_B, response_mask_BT=batch["response_mask"],
+    def learn(self, rollout: Rollout, *, seed: int, timer: PhaseTimer) -> dict[str, float]:
+        """Advantages, the critic's and actor's updates and the step's metrics, from a generated and scored batch
+        (the half of a step that an asynchronous trainer runs on a batch its rollout pool made)."""
+        batch = rollout.batch
+        response_mask_BT = batch["response_mask"]  # the generated tokens; a component may drop some from the loss
+        scores_B, dense_rewards_BT, reward_metrics = self.rewards(batch)
+        advantages = self.advantages(rollout, scores_B, dense_rewards_BT)  # 3. advantages
+        for key, tensor_BT in {"advantages": advantages.advantages_BT, "returns": advantages.returns_BT,
+                               **advantages.extra_BT}.items():
+            batch[key] = tensor_BT
+        for component in self.components:
+            batch["response_mask"] = component.loss_mask(batch, batch["response_mask"])
+        batch.meta_info.update(seed=seed, step=self.step)
+        transition = first_rank(self.actor.transition_stats())
+        with timer("update"):
+            updates = self.update(batch)  # 4. update critic and actor
+        # the controllers move once the updates are done: this step used the values from before
+        kl = sequence_kl(advantages.kl_BT, response_mask_BT)
+        self.kl_controller.update(kl, self.derived.samples_per_step)
+        for component in self.components:
+            component.after_step(batch)
+        return step_metrics(StepResults(  # 5. the metrics, built in one place
+            rollout=rollout, response_mask_BT=response_mask_BT, batch=batch, reward_metrics=reward_metrics,
+            advantages=advantages, sequence_kl=kl, kl_coef=self.kl_controller.value, transition=transition,
+            updates=updates, timing=timer.seconds), self.components)
+
+    def rewards(self, batch: DataProto) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
+        """The reward split by where it is credited (``RewardScorer.token_rewards``: sequence_B on the last token,
+        dense_BT per token), the components' adjustments applied to sequence_B; and the reward's metrics."""
+        scores_B, dense_rewards_BT, metrics = self.scorer.token_rewards(batch)
+        for component in self.components:
+            scores_B = component.adjust_scores(batch, scores_B)
+        return scores_B, dense_rewards_BT, metrics
+
+    def advantages(self, rollout: Rollout, scores_B: torch.Tensor,
+                   dense_rewards_BT: torch.Tensor | None) -> AdvantageResult:
+        """KL-shaped rewards -> the estimator's advantages and returns (with the inputs components provide, such as
+        ReMax's baseline), then the components' transforms (Safe-RLHF's cost advantages and lambda)."""
+        batch = rollout.batch
+        inputs = {name: value for component in self.components
+                  for name, value in component.estimator_inputs(rollout).items()}
+        result = compute_advantages(
+            algorithm=self.config.algorithm, scores_B=scores_B, dense_rewards_BT=dense_rewards_BT,
+            response_mask_BT=batch["response_mask"],
             old_logprobs_BT=batch.get("old_logprobs", torch.zeros(batch["response_mask"].shape)),
-            ref_logprobs_BT=batch.get("ref_logprobs"), kl_coef=self.kl_controller.value,
-            dense_rewards_BT=dense_rewards_BT)
-        request = DataProto.from_dict(
-            tensors={**{key: batch[key] for key in SEQUENCE_KEYS}, TOKEN_REWARDS: rewards_BT},
-            meta_info={**batch.meta_info, "gamma": algorithm.gamma, "lam": algorithm.lam})
-        output = self.critic.update_critic_from_own_values(request)
-        batch["values"] = output["values"]
-        return dict(output.meta_info["metrics"])
+            ref_logprobs_BT=batch.get("ref_logprobs"), values_BT=batch.get("values"), group_ids=batch["uid"],
+            kl_coef=self.kl_controller.value, **inputs)
+        for component in self.components:
+            result = component.adjust_advantages(batch, result)
+        return result
 
-    def _old_log_probs_from_rollout(self, batch: DataProto) -> bool:
-        """Whether this step's old log-probs are the rollout's sampled ones (``actor.loss.old_log_probs``)."""
-        source = self.config.actor.loss.old_log_probs
-        if self.skips_old_log_prob or source == "recompute" or "logprobs" not in batch:
-            return False
-        return source == "rollout" or (
-            self.config.actor.loss.tis_cap is None and bool(batch.meta_info.get(TRAINING_EXACT_LOGPROBS)))
+    def update(self, batch: DataProto) -> list[dict[str, float]]:
+        """The critic's update (and the components': Safe-RLHF's cost critic) issued as futures, so that a critic on
+        its own pool trains while the actor does; the actor's; the components' after it (PPO-ptx); their metrics."""
+        pending = [critic.update_critic.future(batch) for critic in self.critics]
+        pending += [future for component in self.components for future in component.update_futures(batch)]
+        updates = [first_rank(self.actor.update_actor(batch))]
+        updates += [metrics for component in self.components for metrics in component.after_actor_update(batch)]
+        return updates + [first_rank(future.get()) for future in pending]
 
-    def _greedy_baseline(self, prompts: DataProto) -> torch.Tensor:
-        """ReMax: the score of the greedy response to each prompt, repeated over its samples -> baseline_B."""
-        greedy = DataProto.from_dict(tensors=dict(prompts.batch.items()), non_tensors=dict(prompts.non_tensor_batch),
-                                     meta_info={**prompts.meta_info, "greedy": True, "samples_per_prompt": 1})
-        batch = self.actor.generate_sequences(greedy)
+    def response_scores(self, batch: DataProto) -> torch.Tensor:
+        """scores_B of generated responses (reward model and/or function, weighted): greedy baselines, validation."""
         if self.reward_model is not None:
             batch = batch.union(self.reward_model.compute_reward(batch))
-        baseline_B, _ = self.scorer.score(batch)
-        return baseline_B.repeat_interleave(self.config.batch.samples_per_prompt)
+        return self.scorer.score(batch)[0]
+
+    def sample_scores(self, batch: DataProto) -> torch.Tensor:
+        """scores_B of a scored batch with the components' adjustments (what dynamic sampling's ties compare)."""
+        scores_B = self.scorer.score(batch)[0]
+        for component in self.components:
+            scores_B = component.adjust_scores(batch, scores_B)
+        return scores_B
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> dict[str, float]:
-        """Greedy responses to every held-out prompt, scored like training: ``val/*`` metrics."""
+        """Greedy responses to every held-out prompt, scored like training: ``val/*`` metrics (each a mean over
+        the prompts; components add theirs, e.g. Safe-RLHF's ``val/cost_mean``)."""
         assert self.val_data is not None
-        scores, rule_scores, lengths, costs = [], [], [], []
+        columns: dict[str, list[torch.Tensor]] = defaultdict(list)
         for prompts in self.val_data.batches_in_order(self.config.batch.prompts_per_step):
             prompts.meta_info.update(greedy=True, samples_per_prompt=1)
             batch = self.actor.generate_sequences(prompts)
-            if self.reward_model is not None:
-                batch = batch.union(self.reward_model.compute_reward(batch))
-            scores.append(self.scorer.score(batch)[0])
-            if self.cost_model is not None:
-                costs.append(self.cost_model.compute_cost(batch)["costs"].float())
+            columns["val/score_mean"].append(self.response_scores(batch))
+            columns["val/response_length_mean"].append(batch["response_mask"].sum(-1).float())
             if self.val_rule is not None:
-                rule_scores.append(self.scorer.rule_scores(batch, self.val_rule))
-            lengths.append(batch["response_mask"].sum(-1).float())
-        metrics = {"val/score_mean": float(torch.cat(scores).mean()),
-                   "val/response_length_mean": float(torch.cat(lengths).mean())}
-        if rule_scores:
-            metrics["val/function_mean"] = float(torch.cat(rule_scores).mean())
-        if costs:
-            metrics["val/cost_mean"] = float(torch.cat(costs).mean())
-        return metrics
+                columns["val/function_mean"].append(self.scorer.rule_scores(batch, self.val_rule))
+            for component in self.components:
+                for name, values_B in component.validation_scores(batch).items():
+                    columns[name].append(values_B)
+        return {name: float(torch.cat(parts).mean()) for name, parts in columns.items()}
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
-        """Driver state (step, data position, KL coefficient, Safe-RLHF's log lambda) + every role's engine,
-        atomically."""
+        """Driver state (step, data position, KL coefficient, the components' state under their ``state_key``:
+        PPO-ptx's data position, Safe-RLHF's log lambda) + every role's engine, atomically."""
         def save_roles(directory: Path) -> None:
             for role, group in self.groups.items():
                 if role != "reference":  # never trained: rebuilt from its model on resume
                     group.save_checkpoint(str(directory / role))
 
-        state = {"config": to_plain(self.user_config), "best": self.best,
-                 "loader": self.loader.state_dict(), "kl_controller": self.kl_controller.state_dict(),
-                 "ptx_loader": self.ptx_loader.state_dict() if self.ptx_loader is not None else None,
-                 "lagrange": self.lagrange.state_dict() if self.lagrange is not None else None}
+        state = {"config": to_plain(self.user_config), "best": self.best, "loader": self.loader.state_dict(),
+                 "kl_controller": self.kl_controller.state_dict(),
+                 **{component.state_key: component.state_dict() for component in self.components
+                    if component.state_key is not None}}
         return self.checkpointer.save(self.step, state, save_roles)
 
     def _check_resume(self) -> Path | None:
@@ -439,10 +340,9 @@ class RLTrainer:
                 group.load_checkpoint(str(path / role))
         self.loader.load_state_dict(state["loader"])
         self.kl_controller.load_state_dict(state["kl_controller"])
-        if self.ptx_loader is not None and state.get("ptx_loader") is not None:
-            self.ptx_loader.load_state_dict(state["ptx_loader"])
-        if self.lagrange is not None and state.get("lagrange") is not None:
-            self.lagrange.load_state_dict(state["lagrange"])
+        for component in self.components:  # the keys are those of the checkpoints written before the components
+            if component.state_key is not None and state.get(component.state_key) is not None:
+                component.load_state_dict(state[component.state_key])
         return int(state["step"])
 
     def shutdown(self) -> None:
@@ -467,35 +367,3 @@ def run_rl(config: RLConfig, *, mode: str | None = None, tensorboard: bool = Tru
         return trainer.fit()
     finally:
         trainer.shutdown()
-
-
-def _first(per_rank: list[dict]) -> dict:
-    """Update metrics come back once per data-parallel rank, already averaged over ranks: take one."""
-    return per_rank[0]
-
-
-class _timer:
-    def __init__(self, timing: dict, name: str) -> None:
-        self.timing, self.name = timing, name
-
-    def __enter__(self):
-        self.start = time.perf_counter()
-
-    def __exit__(self, *exc):
-        self.timing[self.name] = self.timing.get(self.name, 0.0) + time.perf_counter() - self.start
-
-
-def _concat_rounds(rounds: list[DataProto], *, pad_token_id: int) -> DataProto:
-    """The rows of several generation rounds as one batch: prompts left-padded to the widest round's."""
-    widths = [len(batch["input_ids"][0]) - len(batch["responses"][0]) for batch in rounds]
-    padded = []
-    for batch, width in zip(rounds, widths):
-        extra = max(widths) - width
-        if extra:
-            batch = batch[np.arange(len(batch))]  # a copy: the round's own tensors stay as they were
-            fills = {"input_ids": pad_token_id, "prompts": pad_token_id, "attention_mask": 0, "position_ids": 0}
-            for key, fill in fills.items():
-                if key in batch:
-                    batch[key] = torch.nn.functional.pad(batch[key], (extra, 0), value=fill)
-        padded.append(batch)
-    return DataProto.concat(padded)

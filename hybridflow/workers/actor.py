@@ -14,7 +14,7 @@ from torch import Tensor
 from hybridflow.algorithms import (POLICY_LOSSES, aggregate_loss, kl_estimate, masked_mean,
                                    truncated_importance_weights)
 from hybridflow.controller import register
-from hybridflow.engine.hybrid_engine import HybridEngine, training_shards
+from hybridflow.engine.hybrid_engine import HybridEngine
 from hybridflow.engine.optim import OptimizerOffload
 from hybridflow.engine.rollout import Rollout, rollout_class
 from hybridflow.protocol import DataProto
@@ -96,8 +96,7 @@ class ActorWorker(ModelWorker):
         self.actor_spec = spec
         # generation computes in the actor's compute dtype (bf16 by default on GPUs and bf16-capable CPUs), not in
         # the fp32 masters
-        self.hybrid = HybridEngine(self.engine.hf_config, self.engine.layout, spec.hybrid_engine,
-                                   dtype=self.engine.compute_dtype)
+        self.hybrid = HybridEngine.for_training(self.engine, spec.hybrid_engine)
         self.set_parallel_layout(self.engine.layout, generation=self.hybrid.generation_layout)
         self.last_transition: dict[str, float] = {}
         # the AdamW moments leave the accelerator for the rollout (actor.hybrid_engine.offload_optimizer)
@@ -160,7 +159,7 @@ class ActorWorker(ModelWorker):
         """One rollout's lifecycle, whatever the backend: to generation, load the shard (a backend that copied it
         lets training have the gathered pieces back at once), generate, release, back to training.
         Returns (output, to_generation stats, to_training stats, the load's stats)."""
-        to_generation = self.hybrid.to_generation(training_shards(self.engine))
+        to_generation = self.hybrid.to_generation(self.engine.local_shards())
         to_training = None
         try:
             rollout = self._rollout_for(self.hybrid.shard)

@@ -8,20 +8,13 @@ A ``prefix`` names the tensors of a second critic in the same batch: Safe-RLHF's
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
-from hybridflow.algorithms import aggregate_loss, gae_advantages, masked_mean, value_loss
+from hybridflow.algorithms import aggregate_loss, masked_mean, value_loss
 from hybridflow.controller import register
 from hybridflow.protocol import DataProto
-from hybridflow.workers.base import SEQUENCE_KEYS, ModelWorker, rollout_temperature, step_context, tensors_of
+from hybridflow.workers.base import SEQUENCE_KEYS, ModelWorker, step_context
 from hybridflow.workers.spec import EngineSpec, ValueLossConfig
-
-TOKEN_REWARDS = "token_rewards"
-"""Batch key of the per-token rewards GAE reads (``update_critic_from_own_values``)."""
-ROW_INDEX = "row_index"
-"""Batch key of each row's position, so the values of packed micro-batches go back to their rows."""
-
 
 def value_loss_fn(spec: ValueLossConfig, *, prefix: str = ""):
     """The per-micro-batch clipped value loss the training engine calls (old values and returns read from
@@ -41,23 +34,6 @@ def value_loss_fn(spec: ValueLossConfig, *, prefix: str = ""):
                       "values_mean": masked_mean(outputs["values"].detach(), mask_BT)}
 
     return loss_fn
-
-
-def own_values_loss_fn(spec: ValueLossConfig, *, gamma: float, lam: float, values_out: list, prefix: str = ""):
-    """The value loss of an update whose forward also provides the old values (one epoch of one mini-batch):
-    each micro-batch's values, detached, are the old values and GAE's baseline for its returns (from
-    ``token_rewards``). Appends (rows, values_BT) to ``values_out`` so the caller can hand the values back."""
-    loss_fn = value_loss_fn(spec, prefix=prefix)
-
-    def loss_with_own_values(outputs: dict[str, Tensor], batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
-        values_BT = outputs["values"].detach().float()
-        mask_BT = batch["response_mask"].to(values_BT.dtype)
-        _, returns_BT = gae_advantages(batch[TOKEN_REWARDS].to(values_BT.dtype), values_BT, mask_BT,
-                                       gamma=gamma, lam=lam)
-        values_out.append((batch[ROW_INDEX], values_BT))
-        return loss_fn(outputs, {**batch, f"{prefix}values": values_BT, f"{prefix}returns": returns_BT})
-
-    return loss_with_own_values
 
 
 class CriticWorker(ModelWorker):
@@ -84,25 +60,3 @@ class CriticWorker(ModelWorker):
                                      on_non_finite=self.loss.on_non_finite,
                                      context=step_context(f"{self.prefix}critic", data))
         return {f"{self.prefix}critic/{name}": value for name, value in metrics.items()}
-
-    @register("3D_PROTO")
-    def update_critic_from_own_values(self, data: DataProto) -> DataProto:
-        """One optimizer step whose forward also computes the values (``compute_values`` folded into
-        ``update_critic`` when the critic makes one step per batch: trainers/redundant_passes.py). Reads
-        ``token_rewards`` [B, T] and ``meta_info`` ``gamma``/``lam`` (one mini-batch: no shuffling, no seed);
-        returns ``{prefix}values`` [B, T] (the weights before the step, as ``compute_values`` would give them up
-        to float rounding) with the update's metrics in ``meta_info['metrics']``."""
-        values_out: list[tuple[Tensor, Tensor]] = []
-        loss_fn = own_values_loss_fn(self.loss, gamma=float(data.meta_info["gamma"]), lam=float(data.meta_info["lam"]),
-                                     values_out=values_out, prefix=self.prefix)
-        batch = tensors_of(data, SEQUENCE_KEYS + (TOKEN_REWARDS,))
-        batch[ROW_INDEX] = torch.arange(len(data))
-        metrics = self.engine.train_step(batch, loss_fn, outputs=("values",), on_non_finite=self.loss.on_non_finite,
-                                         context=step_context(f"{self.prefix}critic", data),
-                                         temperature=rollout_temperature(data))
-        values_BT = torch.zeros(data["response_mask"].shape, dtype=torch.float32)
-        for rows_b, micro_values_BT in values_out:  # empty off the last pipeline stage, whose copy is returned
-            values_BT[rows_b.cpu()] = micro_values_BT.cpu()
-        return DataProto.from_dict(tensors={f"{self.prefix}values": values_BT},
-                                   meta_info={"metrics": {f"{self.prefix}critic/{name}": value
-                                                          for name, value in metrics.items()}})
