@@ -34,10 +34,10 @@ def child(args) -> None:
 
     model_config = ModelConfig(tiny=dict(hidden_size=args.hidden, intermediate_size=3 * args.hidden,
                                          num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4,
-                                         vocab_size=4096, max_position_embeddings=args.tokens), seed=0)
+                                         vocab_size=4096, max_position_embeddings=args.tokens))
     config = EngineConfig(micro_batch_tokens=args.tokens, dtype=args.dtype, optim=OptimConfig(lr=1e-5),
                           activation_checkpointing=args.activation_checkpointing == "on")
-    engine = TrainingEngine(config, lambda: build_model(model_config))
+    engine = TrainingEngine(config, lambda: build_model(model_config, seed=0))
     rows = args.tokens // args.row_tokens
 
     def batch(num_rows):

@@ -107,7 +107,7 @@ def part_matmul(args) -> None:
 def one_b_model_config(**extra):
     from hybridflow.models import ModelConfig
 
-    return ModelConfig(tiny={**ONE_B, **extra}, dtype="float32", seed=0)
+    return ModelConfig(tiny={**ONE_B, **extra}, dtype="float32")
 
 
 def synthetic_batch(rows: int, prompt_len: int, response_len: int, vocab: int, seed: int = 0) -> dict:

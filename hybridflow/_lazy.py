@@ -4,6 +4,9 @@ The config dataclasses live in light modules, but importing ``hybridflow.engine.
 ``hybridflow/engine/__init__.py`` first; if that imported the engines it would pull in torch,
 transformers and Ray (seconds) before a config error could be reported. A package built with
 ``lazy_exports`` resolves ``hybridflow.engine.TrainingEngine`` on first access instead.
+
+Each such package repeats its table as imports under ``if TYPE_CHECKING:`` (never run), so type checkers,
+IDEs and tests/test_layering.py see the import graph; that test keeps the two equal.
 """
 
 from __future__ import annotations

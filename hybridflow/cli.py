@@ -15,7 +15,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "export": ("hybridflow.trainers.export:export_main", "a run's checkpoint -> Hugging Face directories (+ tokenizer)"),
     "data": ("hybridflow.data.cli:data_main", "write the built-in task's prompt/SFT/preference files"),
     "plan": ("hybridflow.mapping.cli:plan_main", "auto-mapping: placement, allocation and parallelism"),
-    "calibrate": ("hybridflow.parallel.calibrate:calibrate_main", "measure this machine's FLOP/s and bandwidths"),
+    "calibrate": ("hybridflow.calibrate:calibrate_main", "measure this machine's FLOP/s and bandwidths"),
 }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import pytest
@@ -15,6 +16,7 @@ from hybridflow.data.builtin import ArithmeticTaskConfig, prompt_rows
 from hybridflow.engine.config import EngineConfig
 from hybridflow.engine.generation import GenerationConfig, SamplingConfig, process_logits, sample_tokens
 from hybridflow.engine.generation_config import GenerationTokens
+from hybridflow.models.config import ModelConfig
 from hybridflow.trainers.config import RLConfig, load_rl_config
 from hybridflow.trainers.config_loader import build_dataclass
 
@@ -95,12 +97,21 @@ def test_the_generated_reference_lists_every_knob_with_its_role_default():
 
 
 def test_derived_fields_are_refused_in_yaml_with_the_key_they_come_from():
-    with pytest.raises(ValueError, match=r"config key actor\.engine\.seed is set by the trainer \(from trainer\.seed\)"):
-        load_rl_config(None, [*BASE, "actor.engine.seed=3"])
+    with pytest.raises(ValueError, match=r"config key actor\.loss\.mini_batch_size is set by the trainer \(from "
+                                         r"batch\.mini_batch_size\)"):
+        load_rl_config(None, [*BASE, "actor.loss.mini_batch_size=3"])
     # runtime values of the rollout (samples per prompt, seed, token ids) are no config keys at all
     with pytest.raises(ValueError, match=r"unknown config key actor\.generation\.samples_per_prompt; allowed keys "
                                          r"here: backend, greedy, max_new_tokens"):
         load_rl_config(None, [*BASE, "actor.generation.samples_per_prompt=3"])
+
+
+@pytest.mark.parametrize("key", ["actor.engine.seed", "critic.engine.optim.total_steps", "actor.model.head",
+                                 "reward.model.seed"])
+def test_the_runs_seed_step_count_and_head_are_build_arguments_not_config_keys(key):
+    # the trainer passes them to the engine (EngineSpec.seed/total_steps/head); a YAML cannot name them
+    with pytest.raises(ValueError, match=rf"unknown config key {re.escape(key)}; allowed keys here: "):
+        load_rl_config(None, [*BASE, f"{key}=3"])
 
 
 def test_float16_compute_is_refused_for_want_of_loss_scaling():
@@ -209,7 +220,7 @@ def test_stop_strings_end_a_response_and_min_new_tokens_delays_the_end():
     from hybridflow.engine.generation import GenerationEngine
     from hybridflow.models import ModelConfig, build_model
 
-    model = build_model(ModelConfig(tiny={"vocab_size": 32}, seed=0))
+    model = build_model(ModelConfig(tiny={"vocab_size": 32}), seed=0)
     engine = GenerationEngine(DecoderStage.from_state_dict(model.config, model.state_dict()))
     prompts = torch.tensor([[1, 2, 3]])
     mask = torch.ones_like(prompts)
@@ -360,3 +371,35 @@ def test_each_transition_strategy_setting_names_one_class():
     assert set(typing.get_args(hints["strategy"])) == set(TRANSITION_STRATEGIES)
     assert all(cls.name == name for name, cls in TRANSITION_STRATEGIES.items())
     assert TRANSITION_STRATEGIES["vanilla"].generation_grouping == "vanilla"
+
+
+def test_role_specs_pass_each_role_its_head_the_runs_seed_and_its_optimizer_step_count():
+    from hybridflow.trainers.build import role_specs
+
+    config = load_rl_config(None, [*BASE, "trainer.seed=5", "trainer.total_steps=3", "batch.prompts_per_step=4",
+                                   "batch.samples_per_prompt=2", "batch.mini_batch_size=4",
+                                   "actor.loss.ppo_epochs=2", "critic.engine.optim.lr_schedule=cosine"])
+    specs = role_specs(config)
+    assert config.derived().mini_batches_per_epoch == 2
+    assert (specs.actor.engine.head, specs.actor.engine.seed, specs.actor.engine.total_steps) == ("lm", 5, 3 * 2 * 2)
+    critic_engine, _ = specs.critic
+    assert (critic_engine.head, critic_engine.seed, critic_engine.total_steps) == ("value", 5, 3 * 2)
+    assert (specs.reference.head, specs.reference.seed, specs.reference.total_steps) == ("lm", 5, None)
+    assert specs.actor.engine.engine == config.actor.engine  # the user's section, as written
+
+
+def test_a_warmup_longer_than_the_run_is_refused_before_any_worker_starts():
+    from hybridflow.trainers.build import role_specs
+
+    config = load_rl_config(None, [*BASE, "trainer.total_steps=2", "batch.prompts_per_step=4",
+                                   "batch.samples_per_prompt=1", "batch.mini_batch_size=4",
+                                   "actor.engine.optim.warmup_steps=5", "actor.engine.optim.lr_schedule=linear"])
+    with pytest.raises(ValueError, match=r"optim.warmup_steps 5 exceeds the run's 2 optimizer steps"):
+        role_specs(config)
+
+
+def test_an_engine_spec_refuses_a_head_no_role_has():
+    from hybridflow.workers import EngineSpec
+
+    with pytest.raises(ValueError, match=r"EngineSpec.head must be one of \('lm', 'value', 'score'\), got 'reward'"):
+        EngineSpec(model=ModelConfig(tiny={}), engine=EngineConfig(), head="reward")

@@ -44,11 +44,12 @@ def nll_loss(outputs, micro_batch):
     return -(outputs["logprobs"] * mask).sum() / micro_batch["num_tokens_global"], {}
 
 
-def tiny_engine(micro_batch_tokens: int = 4096, head: str = "lm", **optim) -> TrainingEngine:
+def tiny_engine(micro_batch_tokens: int = 4096, head: str = "lm", total_steps: int | None = None,
+                **optim) -> TrainingEngine:
     # fp32 compute: these tests compare with an fp32 reference to rounding (auto is bf16 on GPUs)
     config = EngineConfig(micro_batch_tokens=micro_batch_tokens, dtype="float32",
                           optim=OptimConfig(**{"lr": 1e-3, "eps": 1e-4, **optim}))
-    return TrainingEngine(config, lambda: build_tiny_model(head=head), head=head)
+    return TrainingEngine(config, lambda: build_tiny_model(head=head), head=head, total_steps=total_steps)
 
 
 # ------------------------------------------------------------------ micro-batching
@@ -237,10 +238,10 @@ def test_gradient_clipping_reports_the_norm_before_clipping_and_bounds_the_updat
 
 
 def test_learning_rate_schedules_follow_warmup_then_decay():
-    linear = OptimConfig(lr=1.0, lr_schedule="linear", warmup_steps=1, total_steps=5)
-    assert [lr_at(s, linear) for s in range(6)] == pytest.approx([0.5, 1.0, 0.75, 0.5, 0.25, 0.0])
-    cosine = OptimConfig(lr=2.0, lr_schedule="cosine", total_steps=4)
-    assert [lr_at(s, cosine) for s in range(5)] == pytest.approx([2.0, 1 + 2 ** -0.5, 1.0, 1 - 2 ** -0.5, 0.0])
+    linear = OptimConfig(lr=1.0, lr_schedule="linear", warmup_steps=1)
+    assert [lr_at(s, linear, 5) for s in range(6)] == pytest.approx([0.5, 1.0, 0.75, 0.5, 0.25, 0.0])
+    cosine = OptimConfig(lr=2.0, lr_schedule="cosine")
+    assert [lr_at(s, cosine, 4) for s in range(5)] == pytest.approx([2.0, 1 + 2 ** -0.5, 1.0, 1 - 2 ** -0.5, 0.0])
 
 
 def test_save_then_load_continues_training_identically(tmp_path):
@@ -340,11 +341,19 @@ def test_engine_config_rejects_bad_values_naming_field_given_and_allowed(kwargs,
     (dict(lr=0), r"optim.lr must be a finite number > 0, got 0"),
     (dict(betas=(0.9, 1.0)), r"optim.betas must be two numbers in \[0, 1\)"),
     (dict(lr_schedule="step"), r"optim.lr_schedule must be one of"),
-    (dict(warmup_steps=5, total_steps=2), r"optim.warmup_steps 5 exceeds optim.total_steps 2"),
 ])
 def test_optim_config_rejects_bad_values_naming_field_given_and_allowed(kwargs, message):
     with pytest.raises(ValueError, match=message):
         OptimConfig(**kwargs)
+
+
+def test_a_schedule_longer_in_warmup_than_the_run_is_refused_naming_both_counts():
+    with pytest.raises(ValueError, match=r"optim.warmup_steps 5 exceeds the run's 2 optimizer steps; allowed: 0..2"):
+        OptimConfig(warmup_steps=5).check_schedule(2)
+    with pytest.raises(ValueError, match=r"total_steps must be a positive integer, got 0"):
+        OptimConfig().check_schedule(0)
+    OptimConfig(warmup_steps=5).check_schedule(5)
+    OptimConfig(warmup_steps=5).check_schedule(None)  # constant: the run's length does not matter
 
 
 def test_gradients_are_freed_right_after_the_optimizer_step():
@@ -361,7 +370,7 @@ def test_the_fused_adamw_makes_the_default_adamw_update_to_rounding():
     models = [torch.nn.Linear(8, 4) for _ in range(2)]
     models[1].load_state_dict(models[0].state_dict())
     initial = models[0].weight.detach().clone()
-    fused = build_optimizer(models[0], config)
+    fused = build_optimizer(models[0], config, total_steps=None)
     default = torch.optim.AdamW(models[1].parameters(), lr=config.lr, betas=config.betas, eps=config.eps,
                                 weight_decay=config.weight_decay)
     assert fused.param_groups[0]["fused"] and not default.param_groups[0]["fused"]
@@ -379,6 +388,6 @@ def test_the_fused_adamw_makes_the_default_adamw_update_to_rounding():
 def test_a_decaying_schedule_without_total_steps_is_refused_when_the_optimizer_is_built():
     from hybridflow.engine.optim import build_optimizer
 
-    config = OptimConfig(lr_schedule="cosine")  # total_steps is derived by the trainers, so the config is valid
-    with pytest.raises(ValueError, match=r"optim.total_steps is required by lr_schedule='cosine'"):
-        build_optimizer(torch.nn.Linear(2, 2), config)
+    config = OptimConfig(lr_schedule="cosine")  # the run's step count is the trainer's, so the config is valid
+    with pytest.raises(ValueError, match=r"optim.lr_schedule='cosine' needs the run's optimizer step count"):
+        build_optimizer(torch.nn.Linear(2, 2), config, total_steps=None)

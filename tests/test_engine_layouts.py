@@ -16,7 +16,8 @@ PROMPT_LEN, RESPONSE_LEN = 6, 5
 NUM_STEPS = 2
 # eps well above the gradient noise: Adam's first step is ~lr*sign(g), which would turn float
 # rounding in tiny gradients into lr-sized weight differences
-OPTIM = OptimConfig(lr=1e-3, eps=1e-4, lr_schedule="linear", warmup_steps=1, total_steps=4)
+OPTIM = OptimConfig(lr=1e-3, eps=1e-4, lr_schedule="linear", warmup_steps=1)
+TOTAL_STEPS = 4  # the run's optimizer steps: the linear schedule decays to 0 there
 WORLD2_LAYOUTS = {
     "dp2": dict(layout="3d"),
     "fsdp2": dict(layout="fsdp"),
@@ -56,7 +57,8 @@ def token_nll_loss(outputs, micro_batch):
 
 def build_engine(tie_word_embeddings: bool = False, **layout) -> TrainingEngine:
     config = EngineConfig(micro_batch_tokens=24, optim=OPTIM, **layout)
-    return TrainingEngine(config, lambda: build_tiny_model(tie_word_embeddings=tie_word_embeddings))
+    return TrainingEngine(config, lambda: build_tiny_model(tie_word_embeddings=tie_word_embeddings),
+                          total_steps=TOTAL_STEPS)
 
 
 def rank_slice(engine: TrainingEngine, batch: dict) -> dict:

@@ -20,7 +20,7 @@ LAYOUTS = {
 
 
 def _save(tmp_path, *, tied: bool = False, head: str = "lm", dtype=torch.float32) -> str:
-    model = build_model(ModelConfig(tiny={"tie_word_embeddings": tied}, head=head, seed=5))
+    model = build_model(ModelConfig(tiny={"tie_word_embeddings": tied}), head=head, seed=5)
     model.to(dtype).save_pretrained(tmp_path)
     return str(tmp_path)
 
@@ -40,12 +40,12 @@ def _loss(outputs, micro_batch):
 
 def _weights_and_step(rank, world_size, path, head, layout, meta):
     config = EngineConfig(micro_batch_tokens=64, dtype="float32", optim=OptimConfig(lr=1e-2, eps=1e-4), **layout)
-    model_config = ModelConfig(path=path, head=head, seed=7)
+    model_config = ModelConfig(path=path)
     if meta:
-        engine = TrainingEngine(config, lambda: build_model(model_config, device="meta"), head=head,
-                                weights_path=path, head_seed=7)
+        engine = TrainingEngine(config, lambda: build_model(model_config, head=head, seed=7, device="meta"),
+                                head=head, weights_path=path, head_seed=7)
     else:
-        engine = TrainingEngine(config, lambda: build_model(model_config), head=head)
+        engine = TrainingEngine(config, lambda: build_model(model_config, head=head, seed=7), head=head)
     before = engine.full_state_dict()
     loss = engine.train_step(_batch(), _loss)["loss"]
     return before, loss, engine.full_state_dict(), engine.ties_embeddings and engine.layout.pp_size == 1 and (
@@ -102,13 +102,13 @@ def test_from_model_config_reads_a_checkpoint_on_meta_and_builds_a_tiny_model_wh
     want = build_model(ModelConfig(path=path)).state_dict()
     got = engine.full_state_dict()
     assert all(torch.equal(got[key], want[key]) for key in got)
-    tiny = TrainingEngine.from_model_config(EngineConfig(), ModelConfig(tiny={}, seed=2))
+    tiny = TrainingEngine.from_model_config(EngineConfig(), ModelConfig(tiny={}), seed=2)
     assert tiny.full_state_dict().keys() == got.keys()
 
 
 def _bf16_fsdp_step(rank, world_size):
     config = EngineConfig(layout="fsdp", micro_batch_tokens=64, dtype="bfloat16", optim=OptimConfig(lr=1e-2, eps=1e-4))
-    engine = TrainingEngine(config, lambda: build_model(ModelConfig(tiny={}, seed=5)))
+    engine = TrainingEngine(config, lambda: build_model(ModelConfig(tiny={}), seed=5))
     loss = engine.train_step(_batch(), _loss)["loss"]
     dtypes = {param.dtype for param in engine.model.parameters()}
     return loss, dtypes
@@ -118,7 +118,7 @@ def test_fsdp_with_bf16_compute_gathers_bf16_keeps_fp32_master_weights_and_match
     # MixedPrecisionPolicy: bf16 all-gather and forward, fp32 gradient reduction and master weights
     (loss_a, dtypes), (loss_b, _) = run_distributed(_bf16_fsdp_step, 2)
     single = TrainingEngine(EngineConfig(micro_batch_tokens=64, dtype="bfloat16", optim=OptimConfig(lr=1e-2, eps=1e-4)),
-                            lambda: build_model(ModelConfig(tiny={}, seed=5)))
+                            lambda: build_model(ModelConfig(tiny={}), seed=5))
     want = single.train_step(_batch(), _loss)["loss"]
     assert dtypes == {torch.float32}
     assert loss_a == loss_b
@@ -142,6 +142,6 @@ def test_an_inference_only_engine_holds_bf16_weights_without_optimizer_and_check
     with pytest.raises(ValueError, match=r"reference was built for inference only"):
         frozen.train_step(_batch(), _loss, context="reference")
     frozen.save_checkpoint(str(tmp_path / "ckpt"))
-    again = TrainingEngine(config, lambda: build_model(ModelConfig(tiny={}, seed=99)), trainable=False)
+    again = TrainingEngine(config, lambda: build_model(ModelConfig(tiny={}), seed=99), trainable=False)
     again.load_checkpoint(str(tmp_path / "ckpt"))
     assert all(torch.equal(a, b) for a, b in zip(again.model.parameters(), frozen.model.parameters()))

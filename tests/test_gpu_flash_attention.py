@@ -38,7 +38,7 @@ def recording_varlen_attention(calls: list):
 
 
 def stage_with(attn_implementation: str):
-    model = build_model(ModelConfig(tiny={"num_key_value_heads": 2}, seed=5, attn_implementation="sdpa"))
+    model = build_model(ModelConfig(tiny={"num_key_value_heads": 2}, attn_implementation="sdpa"), seed=5)
     # the model is built with sdpa (FA2 needs the flash-attn package at load); the stage reads this choice
     model.config._attn_implementation = attn_implementation
     return build_stage(model, head="lm", pp_size=1, pp_rank=0).float()

@@ -31,7 +31,7 @@ TASK = ArithmeticTaskConfig(max_digits=2)
 
 
 def _spec(lr: float = 1e-3) -> EngineSpec:
-    return EngineSpec(model=model_config_of(BUILTIN, head="lm", seed=0), engine=EngineConfig(optim=OptimConfig(lr=lr)))
+    return EngineSpec(model=model_config_of(BUILTIN), engine=EngineConfig(optim=OptimConfig(lr=lr)), head="lm", seed=0)
 
 
 def _hf_response_logprobs(model, input_ids_BS, attention_mask_BS, position_ids_BS, num_response_tokens):
@@ -94,7 +94,7 @@ def _pairs(count: int, seed: int = 0) -> DataProto:
 
 def _independent_pair_scores(pairs: DataProto, beta: float, model=None) -> tuple[torch.Tensor, torch.Tensor]:
     """beta x summed response log-probs of each side, from a plain transformers forward (default: the seeded tiny model)."""
-    model = model if model is not None else build_model(model_config_of(BUILTIN, head="lm", seed=0))
+    model = model if model is not None else build_model(model_config_of(BUILTIN), head="lm", seed=0)
     scores = []
     for side in ("chosen", "rejected"):
         mask_BT = pairs.batch[f"{side}_response_mask"]
@@ -213,7 +213,7 @@ def test_likelihood_reward_worker_returns_per_token_logprobs_that_sum_to_the_sco
     torch.testing.assert_close(token_scores_BT.sum(dim=-1), scores_B)
     assert torch.all(token_scores_BT[mask_BT == 0] == 0)
     assert torch.all(token_scores_BT[mask_BT == 1] < 0)
-    model = build_model(model_config_of(BUILTIN, head="lm", seed=0))
+    model = build_model(model_config_of(BUILTIN), head="lm", seed=0)
     expected_BT = _hf_response_logprobs(model, batch.batch["input_ids"], batch.batch["attention_mask"],
                                         batch.batch["position_ids"], 4) * mask_BT
     torch.testing.assert_close(token_scores_BT, expected_BT, rtol=1e-4, atol=1e-4)
@@ -340,7 +340,7 @@ def test_ppo_runs_two_steps_against_a_likelihood_reward_model_crediting_tokens_d
     monkeypatch.setattr(ppo, "compute_advantages", recording_compute_advantages)
 
     model_dir = tmp_path / "likelihood_rm"
-    build_model(model_config_of(BUILTIN, head="lm", seed=7)).save_pretrained(model_dir)
+    build_model(model_config_of(BUILTIN), head="lm", seed=7).save_pretrained(model_dir)
     builtin_tokenizer().save_pretrained(model_dir)
     task = ArithmeticTaskConfig(max_digits=1)
     write_jsonl(tmp_path / "train.jsonl", prompt_rows(16, split="train", seed=0, config=task))
@@ -352,7 +352,7 @@ def test_ppo_runs_two_steps_against_a_likelihood_reward_model_crediting_tokens_d
         "trainer.total_steps=2", "trainer.progress_bar=false", f"trainer.output_dir={tmp_path / 'run'}"])
     # same tokenizer in another directory: the reward model reads the actor's tokens (dense credit possible)
     specs = role_specs(config)
-    assert specs.reward.tokenizer is None and specs.reward.engine.model.head == "lm"
+    assert specs.reward.tokenizer is None and specs.reward.engine.head == "lm"
     history = run_rl(config, mode="local", tensorboard=False)
     assert [record["step"] for record in history] == [1, 2]
     for record in history:

@@ -7,7 +7,7 @@ import yaml
 
 from hybridflow.mapping import Cluster, Plan, Workload, load_hardware, plan
 from hybridflow.mapping.cli import plan_main
-from hybridflow.parallel.calibrate import calibrate_main
+from hybridflow.calibrate import calibrate_main
 
 TINY_PPO = ["--actor", "tiny", "--critic", "tiny", "--prompt-len", "32", "--response-len", "32", "--batch", "16"]
 

@@ -21,8 +21,8 @@ def packed_inputs(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def stage_of(attn_implementation: str, *, num_key_value_heads: int = 2):
-    model = build_model(ModelConfig(tiny={"num_key_value_heads": num_key_value_heads}, seed=5,
-                                    attn_implementation=attn_implementation))
+    model = build_model(ModelConfig(tiny={"num_key_value_heads": num_key_value_heads},
+                                    attn_implementation=attn_implementation), seed=5)
     return build_stage(model, head="lm", pp_size=1, pp_rank=0).float()
 
 
@@ -62,7 +62,7 @@ def test_packed_sdpa_gradients_equal_the_dense_mask():
 
 
 def test_the_model_config_keeps_the_users_attention_choice():
-    model = build_model(ModelConfig(tiny={}, seed=5, attn_implementation="sdpa"))
+    model = build_model(ModelConfig(tiny={}, attn_implementation="sdpa"), seed=5)
     build_stage(model, head="lm", pp_size=1, pp_rank=0)
     assert model.config._attn_implementation == "sdpa"
 

@@ -94,9 +94,9 @@ def test_cost_roles_are_active_placed_and_size_checked_like_the_critic():
 
 def test_cost_specs_use_a_score_head_and_a_prefixed_value_critic_on_the_actor_backbone():
     specs = role_specs(load_rl_config(None, BASE))
-    assert specs.cost.engine.model.head == "score" and specs.cost.tokenizer is None
+    assert specs.cost.engine.head == "score" and specs.cost.tokenizer is None
     cost_critic_model, _ = specs.cost_critic
-    assert cost_critic_model.model.head == "value"
+    assert cost_critic_model.head == "value"
     assert cost_critic_model.model == specs.critic[0].model  # null cost.critic.model: the actor's backbone
     assert COST_CRITIC_PREFIX == "cost_"
 
@@ -185,7 +185,7 @@ def assets(tmp_path_factory):
     write_jsonl(directory / "train.jsonl", prompt_rows(32, split="train", seed=0, config=TASK))
     write_jsonl(directory / "val.jsonl", prompt_rows(4, split="eval", seed=0, config=TASK))
     cost_dir = directory / "cost_model"
-    build_model(model_config_of(ModelConfig(builtin="arithmetic"), head="score", seed=11)).save_pretrained(cost_dir)
+    build_model(model_config_of(ModelConfig(builtin="arithmetic")), head="score", seed=11).save_pretrained(cost_dir)
     builtin_tokenizer().save_pretrained(cost_dir)
     return directory
 

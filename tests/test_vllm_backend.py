@@ -30,7 +30,7 @@ TOKENIZER = builtin_tokenizer()
 
 
 def _actor(backend: str) -> ActorWorker:
-    engine = EngineSpec(model=model_config_of(ModelConfig(builtin="arithmetic"), head="lm", seed=0),
+    engine = EngineSpec(model=model_config_of(ModelConfig(builtin="arithmetic")), head="lm", seed=0,
                         engine=EngineConfig(dtype="float32", optim=OptimConfig(lr=1e-2)))
     generation = GenerationConfig(backend=backend, max_new_tokens=6, greedy=True, vllm_kv_cache_gib=0.0625)
     tokens = GenerationTokens(eos_token_ids=(TOKENIZER.eos_token_id,), pad_token_id=TOKENIZER.pad_token_id)

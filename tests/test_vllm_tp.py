@@ -32,7 +32,7 @@ def _actor(backend: str, tp_size: int, gen_tp_size: int):
     from hybridflow.workers import ActorSpec, ActorWorker, EngineSpec
 
     tokenizer = builtin_tokenizer()
-    engine = EngineSpec(model=model_config_of(ModelConfig(builtin="arithmetic"), head="lm", seed=0),
+    engine = EngineSpec(model=model_config_of(ModelConfig(builtin="arithmetic")), head="lm", seed=0,
                         engine=EngineConfig(dtype="float32", layout="3d", tp_size=tp_size, optim=OptimConfig(lr=1e-2)))
     generation = GenerationConfig(backend=backend, max_new_tokens=NEW_TOKENS, greedy=True, vllm_kv_cache_gib=0.0625)
     tokens = GenerationTokens(eos_token_ids=(tokenizer.eos_token_id,), pad_token_id=tokenizer.pad_token_id)
@@ -212,7 +212,7 @@ def test_grpo_on_ray_with_a_tp2_actor_rolls_out_on_vllm_tg2_with_rollout_logprob
     from hybridflow.models.loader import hf_config_of
     from hybridflow.trainers.build import model_config_of
 
-    hf_config = hf_config_of(model_config_of(ModelConfig(builtin="arithmetic"), head="lm", seed=0))
+    hf_config = hf_config_of(model_config_of(ModelConfig(builtin="arithmetic")), head="lm")
     assert set(parameter_shapes(hf_config))  # the shard formula below covers every parameter
     for step in history:
         assert step["rollout/vllm_bytes_loaded"] == _generation_shard_bytes(hf_config, 2)

@@ -25,7 +25,8 @@ TOKENS = GenerationTokens(eos_token_ids=(builtin_tokenizer().eos_token_id,),
 
 
 def _spec(head: str, lr: float = 1e-3) -> EngineSpec:
-    return EngineSpec(model=model_config_of(BUILTIN, head=head, seed=0), engine=EngineConfig(dtype="float32", optim=OptimConfig(lr=lr)))
+    return EngineSpec(model=model_config_of(BUILTIN), engine=EngineConfig(dtype="float32", optim=OptimConfig(lr=lr)),
+                      head=head, seed=0)
 
 
 def _prompts(count: int) -> DataProto:

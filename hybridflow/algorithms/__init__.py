@@ -4,7 +4,34 @@ Registries (config name -> function) for the driver: `OUTCOME_ADVANTAGES`, `POLI
 `LOSS_AGGREGATIONS`, `KL_ESTIMATORS`; see docs/algorithms.md.
 """
 
+from typing import TYPE_CHECKING
+
 from hybridflow._lazy import lazy_exports
+
+if TYPE_CHECKING:  # the same names for static tools (type checkers, IDEs, tests/test_layering.py)
+    from hybridflow.algorithms.advantages import (
+        OUTCOME_ADVANTAGES, discounted_returns, dr_grpo_advantages, gae_advantages, group_indices, group_is_tied,
+        grpo_advantages, reinforce_plus_plus_advantages, remax_advantages, rloo_advantages, safe_rlhf_advantages,
+    )
+    from hybridflow.algorithms.dapo import (
+        dynamic_sampling_keep_mask, first_kept_groups, overlong_filter_mask, overlong_reward_penalty,
+    )
+    from hybridflow.algorithms.finite import (
+        NON_FINITE_ACTIONS, NonFiniteError, check_non_finite_action, first_non_finite,
+    )
+    from hybridflow.algorithms.kl import (
+        KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_estimate, kl_shaped_rewards, last_token_index,
+        scores_on_last_token,
+    )
+    from hybridflow.algorithms.lagrangian import lagrange_multiplier_update
+    from hybridflow.algorithms.losses import (
+        POLICY_LOSSES, PolicyLossOutput, LogprobMismatch, rollout_logprob_mismatch, TruncatedImportanceWeights,
+        cispo_policy_loss, entropy_from_logits, gspo_policy_loss, logprobs_from_logits, ppo_policy_loss,
+        truncated_importance_weights, value_loss,
+    )
+    from hybridflow.algorithms.masked import (
+        LOSS_AGGREGATIONS, aggregate_loss, masked_fill_padding, masked_mean, masked_sum, masked_var, masked_whiten,
+    )
 
 # submodules are imported on first use: the light config modules of this package then load without
 # torch, transformers or Ray (see hybridflow/_lazy.py)

@@ -33,7 +33,7 @@ def init_local_process_group() -> None:
     import torch.distributed as dist
 
     from hybridflow.device import init_process_group
-    from hybridflow.controller.ports import free_port
+    from hybridflow.ports import free_port
 
     if not dist.is_initialized():
         init_process_group(rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port())

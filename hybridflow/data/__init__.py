@@ -1,6 +1,17 @@
 """Datasets (prompts, SFT and preference pairs) from jsonl/parquet, tokenization, chat templates, the built-in task."""
 
+from typing import TYPE_CHECKING
+
 from hybridflow._lazy import lazy_exports
+
+if TYPE_CHECKING:  # the same names for static tools (type checkers, IDEs, tests/test_layering.py)
+    from hybridflow.data.collate import left_pad, prompt_response_tensors, right_pad
+    from hybridflow.data.encoding import CHAT_TEMPLATE_MODES, PromptEncoder, decode_responses
+    from hybridflow.data.files import read_rows, write_jsonl
+    from hybridflow.data.loader import BatchLoader
+    from hybridflow.data.pairs import PreferenceDataset, SFTDataset
+    from hybridflow.data.prompts import PromptDataset, PromptExample
+    from hybridflow.data.sampler import ResumableSampler
 
 # submodules are imported on first use: the light config modules of this package then load without
 # torch, transformers or Ray (see hybridflow/_lazy.py)

@@ -46,19 +46,23 @@ class OptimConfig:
     grad_clip: float | None = 1.0
     """Clip the global gradient 2-norm (over all ranks and shards) to this value; None disables clipping."""
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
-    """Decay after warmup: constant, linear to 0 at total_steps, or cosine to 0 at total_steps."""
+    """Decay after warmup: constant, or linear or cosine to 0 at the run's last optimizer step (the trainer
+    passes the engine its step count: ``TrainingEngine(..., total_steps=...)``)."""
     warmup_steps: int = 0
     """Optimizer steps of linear warmup from 0 to lr."""
-    total_steps: int | None = field(default=None, metadata={"derived": "the trainer's step count"})
-    """Optimizer steps of the whole run; required by the linear and cosine schedules (the RL, SFT and RM
-    trainers set it from their step counts)."""
 
-    def check_schedule(self) -> None:
-        """Raise unless the schedule can be computed: linear and cosine need ``total_steps`` (which a trainer
-        derives from its step count, so a YAML config never sets it; the optimizer is built only after)."""
-        if self.lr_schedule != "constant" and self.total_steps is None:
-            raise ValueError(f"optim.total_steps is required by lr_schedule={self.lr_schedule!r}; "
-                             f"given None, allowed: a positive integer")
+    def check_schedule(self, total_steps: int | None) -> None:
+        """Raise unless the schedule can run ``total_steps`` optimizer steps (the run's count, which the trainer
+        derives and passes to the engine; None: unknown, enough for the constant schedule)."""
+        if total_steps is None:
+            if self.lr_schedule != "constant":
+                raise ValueError(f"optim.lr_schedule={self.lr_schedule!r} needs the run's optimizer step count "
+                                 f"(total_steps), given None; allowed: a positive integer")
+            return
+        _check_positive_int("total_steps", total_steps)
+        if self.warmup_steps > total_steps:
+            raise ValueError(f"optim.warmup_steps {self.warmup_steps} exceeds the run's {total_steps} optimizer "
+                             f"steps; allowed: 0..{total_steps}")
 
     def __post_init__(self) -> None:
         if not _is_finite_number(self.lr) or self.lr <= 0:
@@ -77,11 +81,6 @@ class OptimConfig:
             raise ValueError(f"optim.lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
         if not isinstance(self.warmup_steps, int) or isinstance(self.warmup_steps, bool) or self.warmup_steps < 0:
             raise ValueError(f"optim.warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
-        if self.total_steps is not None:
-            _check_positive_int("optim.total_steps", self.total_steps)
-        if self.total_steps is not None and self.warmup_steps > self.total_steps:
-            raise ValueError(f"optim.warmup_steps {self.warmup_steps} exceeds optim.total_steps "
-                             f"{self.total_steps}; allowed: 0..{self.total_steps}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -115,8 +114,6 @@ class EngineConfig:
     num_threads: int = 0
     """CPU threads of each worker process (torch.set_num_threads); 0 keeps the process's setting. Roles
     colocated in one process share it: the last role built sets it."""
-    seed: int = field(default=0, metadata={"derived": "trainer.seed"})
-    """Seed set before the model is built (same initial weights on every rank)."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizer and learning-rate schedule (ignored by inference-only roles: reference, reward, cost)."""
 
@@ -148,8 +145,6 @@ class EngineConfig:
                              f"got {self.pipeline_schedule!r}")
         if not isinstance(self.num_threads, int) or isinstance(self.num_threads, bool) or self.num_threads < 0:
             raise ValueError(f"engine.num_threads must be an integer >= 0 (0 = unchanged), got {self.num_threads!r}")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
-            raise ValueError(f"engine.seed must be an integer, got {self.seed!r}")
         if not isinstance(self.optim, OptimConfig):
             raise ValueError(f"engine.optim must be an OptimConfig, got {type(self.optim).__name__}")
 

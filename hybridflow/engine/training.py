@@ -38,18 +38,21 @@ class TrainingEngine:
     """A model laid out over this process group, trained and queried in token-budget micro-batches."""
 
     def __init__(self, config: EngineConfig, build_model: Callable[[], nn.Module], *, head: str = "lm",
-                 weights_path: str | None = None, head_seed: int = 0, trainable: bool = True):
+                 weights_path: str | None = None, head_seed: int = 0, trainable: bool = True, seed: int = 0,
+                 total_steps: int | None = None):
         """``build_model()`` returns the full model; with ``weights_path`` it returns the architecture on the
         meta device, and each rank allocates only its shards and reads them from that Hugging Face
         directory (``engine/weights.py``). ``head_seed`` initialises a value/score head the checkpoint lacks.
         ``trainable=False`` (reference, reward and cost models): parameters are held in the compute dtype
         (bf16 on GPUs: half the memory of fp32 masters), without gradients and without an optimizer.
+        ``seed`` (the run's) is set before ``build_model()`` (same initial weights on every rank);
+        ``total_steps`` is the run's optimizer step count, the length of a linear or cosine LR schedule.
         """
         if head not in HEADS:
             raise ValueError(f"head must be one of {HEADS}, got {head!r}")
         self.config, self.head, self.trainable = config, head, trainable
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(config.seed)
+            torch.manual_seed(seed)
             full_model = build_model()
         self.hf_config = full_model.config
         self._check_model_fits(full_model)
@@ -81,7 +84,8 @@ class TrainingEngine:
             self.model.requires_grad_(False)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self._tied_group, self._tied_param = self._build_tied_embedding_sync()
-        self.optimizer = build_optimizer(self.model, config.optim) if trainable else None
+        self.total_steps = total_steps
+        self.optimizer = build_optimizer(self.model, config.optim, total_steps=total_steps) if trainable else None
         self._pipeline_stage = None  # built on first use (3d layout with pp_size > 1)
         self._token_budget = None if config.micro_batch_tokens == "auto" else config.micro_batch_tokens
         self.last_batch_stats: dict[str, int] = {}
@@ -130,23 +134,26 @@ class TrainingEngine:
             stage.lm_head.weight = stage.model.embed_tokens.weight  # to_empty allocated the two separately
 
     @classmethod
-    def from_model_config(cls, config: EngineConfig, model_config, *, trainable: bool = True) -> "TrainingEngine":
-        """The engine of a ``ModelConfig``: a local checkpoint is read shard by shard onto meta-initialised
-        stages (no rank ever holds the whole model); a tiny random model is built whole (it is tiny)."""
+    def from_model_config(cls, config: EngineConfig, model_config, *, head: str = "lm", seed: int = 0,
+                          total_steps: int | None = None, trainable: bool = True) -> "TrainingEngine":
+        """The engine of a ``ModelConfig`` under ``head``: a local checkpoint is read shard by shard onto
+        meta-initialised stages (no rank ever holds the whole model); a tiny random model is built whole (it is
+        tiny). ``seed`` initialises a tiny model or a new value/score head."""
         from hybridflow.models import build_model
 
-        if model_config.path is None or not cls.meta_init_supported(config, model_config):
-            return cls(config, lambda: build_model(model_config), head=model_config.head, trainable=trainable)
-        return cls(config, lambda: build_model(model_config, device="meta"), head=model_config.head,
-                   weights_path=model_config.path, head_seed=model_config.seed, trainable=trainable)
+        runtime = dict(head=head, seed=seed, total_steps=total_steps, trainable=trainable)
+        if model_config.path is None or not cls.meta_init_supported(config, model_config, head=head):
+            return cls(config, lambda: build_model(model_config, head=head, seed=seed), **runtime)
+        return cls(config, lambda: build_model(model_config, head=head, seed=seed, device="meta"),
+                   weights_path=model_config.path, head_seed=seed, **runtime)
 
     @staticmethod
-    def meta_init_supported(config: EngineConfig, model_config) -> bool:
+    def meta_init_supported(config: EngineConfig, model_config, *, head: str = "lm") -> bool:
         """Meta init everywhere except where the layout refuses it (a tied embedding under FSDP with several
         ranks: ``FsdpLayout.meta_init_supported``): those models are built whole, then sharded."""
         from hybridflow.models.loader import hf_config_of
 
-        tied = model_config.head == "lm" and bool(getattr(hf_config_of(model_config), "tie_word_embeddings", False))
+        tied = head == "lm" and bool(getattr(hf_config_of(model_config, head=head), "tie_word_embeddings", False))
         return layout_class(config.layout).meta_init_supported(tied_embeddings=tied, world_size=world_size())
 
     def _build_tied_embedding_sync(self):
@@ -383,7 +390,7 @@ class TrainingEngine:
         outputs = self._check_outputs(outputs or OUTPUTS_OF_HEAD[self.head])
         batch, packed, num_columns = self._prepare(batch, group_size)
         normalisers = self._normalisers(batch)
-        lr = lr_at(self.step, self.config.optim)
+        lr = lr_at(self.step, self.config.optim, self.total_steps)
         set_lr(self.optimizer, lr)
         self.optimizer.zero_grad(set_to_none=True)
         records: list = []

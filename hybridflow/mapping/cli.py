@@ -1,6 +1,6 @@
 """`hybridflow plan`: search a mapping, print it, write it as a config fragment.
 
-(`hybridflow calibrate` lives in hybridflow.parallel.calibrate: it needs torch, the planner does not.)
+(`hybridflow calibrate` lives in hybridflow.calibrate: it needs torch, the planner does not.)
 """
 
 from __future__ import annotations

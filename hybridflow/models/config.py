@@ -1,14 +1,18 @@
-"""ModelConfig: which model to build (a local Hugging Face directory or a tiny random one) and with which head."""
+"""ModelConfig: which model to build (a local Hugging Face directory or a tiny random one), in which dtype."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from hybridflow.models.families import check_family
 
 HEADS = ("lm", "value", "score")
+"""What a role's model ends in (the role decides: ``build_model(config, head=...)``). "lm": causal LM (logits over
+the vocabulary). "value": scalar per token (critic). "score": scalar per token read at the last real token
+(reward/cost model). value and score share one module (``*ForTokenClassification`` with one label); they differ
+in how the engine reads it."""
 DTYPES = ("auto", "float32", "bfloat16")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
 
@@ -38,11 +42,6 @@ class ModelConfig:
     """Decoder family: llama, mistral or qwen2. Detected from config.json for ``path`` (a mismatch is an
     error); for ``tiny`` it picks the architecture (default llama)."""
 
-    head: str = field(default="lm", metadata={"derived": "the role (actor/reference: lm, critic: value, reward/cost: score)"})
-    """"lm": causal LM (logits over the vocabulary). "value": scalar per token (critic).
-    "score": scalar per token read at the last real token (reward/cost model). value and score share
-    one module (``*ForTokenClassification`` with one label); they differ in how the engine reads it."""
-
     dtype: str = "auto"
     """Parameter dtype: "float32", "bfloat16", or "auto" = float32 on every device (the engines keep fp32
     master weights; low-precision compute is the engine's ``dtype``, so checkpoints load bit-exactly)."""
@@ -52,10 +51,6 @@ class ModelConfig:
 
     trust_remote_code: bool = False
     """Passed to transformers; the supported families never need remote code."""
-
-    seed: int = field(default=0, metadata={"derived": "trainer.seed"})
-    """Seed of every random initialisation (a tiny model's weights, a new value/score head): the same
-    seed gives bit-identical weights on every rank."""
 
     def __post_init__(self) -> None:
         given = [name for name in self.ALTERNATIVES[0] if getattr(self, name) is not None]
@@ -73,8 +68,6 @@ class ModelConfig:
             object.__setattr__(self, "tiny", dict(self.tiny))
         if self.family is not None:
             check_family(self.family, source="ModelConfig.family")
-        if self.head not in HEADS:
-            raise ValueError(f"ModelConfig.head must be one of {HEADS}, got {self.head!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"ModelConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
@@ -82,5 +75,3 @@ class ModelConfig:
                 f"ModelConfig.attn_implementation must be one of {ATTN_IMPLEMENTATIONS}, "
                 f"got {self.attn_implementation!r}"
             )
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
-            raise ValueError(f"ModelConfig.seed must be an int, got {self.seed!r}")

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, PretrainedConfig
 from transformers.utils import logging as transformers_logging
 
-from hybridflow.models.config import ModelConfig
+from hybridflow.models.config import HEADS, ModelConfig
 from hybridflow.models.families import family_of
 from hybridflow.models.heads import SCALAR_HEAD, init_scalar_head
 from hybridflow.models.tiny import seeded_init, tiny_config
@@ -26,8 +26,10 @@ def load_hf_config(path: str, *, trust_remote_code: bool = False) -> PretrainedC
     return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
-def hf_config_of(config: ModelConfig) -> PretrainedConfig:
-    """The Hugging Face config ``build_model(config)`` builds (family checked, head fields set)."""
+def hf_config_of(config: ModelConfig, *, head: str = "lm") -> PretrainedConfig:
+    """The Hugging Face config ``build_model(config, head=head)`` builds (family checked, head fields set)."""
+    if head not in HEADS:
+        raise ValueError(f"head must be one of {HEADS}, got {head!r}")
     if config.tiny is not None:
         hf_config = tiny_config(config.family or "llama", **config.tiny)
         source = "tiny config"
@@ -37,7 +39,7 @@ def hf_config_of(config: ModelConfig) -> PretrainedConfig:
     family = family_of(hf_config, source=source)
     if config.family is not None and config.family != family:
         raise ValueError(f"ModelConfig.family is {config.family!r} but {source} holds a {family!r} model")
-    if config.head != "lm":
+    if head != "lm":
         hf_config.num_labels = 1
         hf_config.classifier_dropout = 0.0  # transformers defaults to 0.1; a critic/reward must be deterministic
     return hf_config
@@ -53,35 +55,37 @@ def resolve_dtype(name: str) -> torch.dtype:
     return torch.float32 if name == "auto" else getattr(torch, name)
 
 
-def build_model(config: ModelConfig, *, device: str | torch.device = "cpu") -> torch.nn.Module:
-    """Build the model ``config`` describes on ``device``, in eval mode (training engines call ``.train()``).
+def build_model(config: ModelConfig, *, head: str = "lm", seed: int = 0,
+                device: str | torch.device = "cpu") -> torch.nn.Module:
+    """Build the model ``config`` describes with ``head`` (the role's, ``HEADS``) on ``device``, in eval mode
+    (training engines call ``.train()``).
 
     - head "lm": ``*ForCausalLM``; "value"/"score": ``*ForTokenClassification`` with one label
       (a Linear(H, 1) named ``score`` on the last hidden states, dropout 0).
     - ``config.path``: weights from the directory. A value/score model loads from its own checkpoint
-      (head restored) or from a causal-LM checkpoint (new head, seeded by ``config.seed``). Weights the
+      (head restored) or from a causal-LM checkpoint (new head, seeded by ``seed``). Weights the
       head needs but the checkpoint lacks are an error, never silently random.
-    - ``config.tiny``: random weights from ``config.seed``, bit-identical on every rank.
+    - ``config.tiny``: random weights from ``seed`` (the run's), bit-identical on every rank.
     - ``device="meta"``: the architecture only, no weights read (shard it, then materialise/load).
     """
-    hf_config = hf_config_of(config)
+    hf_config = hf_config_of(config, head=head)
     dtype = resolve_dtype(config.dtype)
-    model_cls = AutoModelForCausalLM if config.head == "lm" else AutoModelForTokenClassification
+    model_cls = AutoModelForCausalLM if head == "lm" else AutoModelForTokenClassification
     kwargs = {"dtype": dtype, "attn_implementation": config.attn_implementation,
               "trust_remote_code": config.trust_remote_code}
     if torch.device(device).type == "meta":
         with torch.device("meta"):
             return model_cls.from_config(hf_config, **kwargs).eval()
     if config.tiny is not None:
-        with seeded_init(config.seed):
+        with seeded_init(seed):
             model = model_cls.from_config(hf_config, **kwargs)
-        new_head = config.head != "lm"
+        new_head = head != "lm"
     else:
-        with _quiet_transformers(config.head != "lm"):  # _check_loaded reports a new head (and raises on gaps)
+        with _quiet_transformers(head != "lm"):  # _check_loaded reports a new head (and raises on gaps)
             model, info = model_cls.from_pretrained(config.path, config=hf_config, output_loading_info=True, **kwargs)
-        new_head = _check_loaded(config, model, info["missing_keys"])
+        new_head = _check_loaded(config, model, info["missing_keys"], head=head, seed=seed)
     if new_head:
-        init_scalar_head(getattr(model, SCALAR_HEAD), seed=config.seed)
+        init_scalar_head(getattr(model, SCALAR_HEAD), seed=seed)
     return model.to(device).eval()
 
 
@@ -102,7 +106,8 @@ def _quiet_transformers(quiet: bool):
             transformers_logging.enable_progress_bar()
 
 
-def _check_loaded(config: ModelConfig, model: torch.nn.Module, missing_keys: list[str]) -> bool:
+def _check_loaded(config: ModelConfig, model: torch.nn.Module, missing_keys: list[str], *, head: str,
+                  seed: int) -> bool:
     """Raise if the checkpoint lacked weights other than a new scalar head; True if the head is new."""
     missing = set(missing_keys)
     if getattr(model.config, "tie_word_embeddings", False):
@@ -111,10 +116,10 @@ def _check_loaded(config: ModelConfig, model: torch.nn.Module, missing_keys: lis
     other = sorted(missing - head_keys)
     if other:
         shown = other[:5] + (["..."] if len(other) > 5 else [])
-        raise ValueError(f"checkpoint {config.path!r} lacks weights that head {config.head!r} needs: {shown}"
+        raise ValueError(f"checkpoint {config.path!r} lacks weights that head {head!r} needs: {shown}"
                          f" (an 'lm' model needs lm_head unless the embeddings are tied)")
-    if head_keys and config.head != "lm":
-        warnings.warn(f"{config.path!r} has no {config.head} head: initialising a new one from seed {config.seed}",
+    if head_keys and head != "lm":
+        warnings.warn(f"{config.path!r} has no {head} head: initialising a new one from seed {seed}",
                       stacklevel=3)
         return True
     return False

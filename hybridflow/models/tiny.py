@@ -66,9 +66,9 @@ def seeded_init(seed: int) -> Iterator[None]:
 
 def build_tiny_model(family: str = "llama", *, head: str = "lm", seed: int = 0,
                      dtype: str = "float32", **overrides: Any) -> torch.nn.Module:
-    """A tiny randomly initialised model (shorthand for ``build_model(ModelConfig(tiny=overrides, ...))``)."""
+    """A tiny randomly initialised model (shorthand for ``build_model(ModelConfig(tiny=overrides, ...), ...)``)."""
     # imported here: the loader itself builds tiny models from this module's config and seeding
     from hybridflow.models.config import ModelConfig
     from hybridflow.models.loader import build_model
 
-    return build_model(ModelConfig(tiny=overrides, family=family, head=head, seed=seed, dtype=dtype))
+    return build_model(ModelConfig(tiny=overrides, family=family, dtype=dtype), head=head, seed=seed)

@@ -18,6 +18,7 @@ import torch
 import torch.multiprocessing as mp
 
 from hybridflow.device import init_process_group, require_devices
+from hybridflow.ports import free_port
 
 
 def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue, timeout_s: float) -> None:
@@ -51,8 +52,6 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     require_devices(world_size, what=f"run_distributed({getattr(fn, '__name__', fn)}, {world_size})")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    from hybridflow.controller.ports import free_port  # the parent only; spawned ranks never import Ray
-
     port = free_port()
     procs = [
         ctx.Process(target=_entry, args=(rank, world_size, port, fn, args, queue, timeout_s), daemon=True)

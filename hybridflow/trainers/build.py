@@ -24,18 +24,17 @@ _BUILTIN_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden
                    "pad_token_id", "bos_token_id", "eos_token_id", "tie_word_embeddings")
 
 
-def model_config_of(source: ModelConfig, *, head: str, seed: int) -> ModelConfig:
-    """The config a role builds: ``source`` with its derived fields (head, seed) set and a ``builtin``
-    resolved into the equivalent ``tiny`` model."""
+def model_config_of(source: ModelConfig) -> ModelConfig:
+    """The config a role builds: ``source`` with a ``builtin`` resolved into the equivalent ``tiny`` model."""
     if source.builtin is None:
-        return replace(source, head=head, seed=seed)
+        return source
     if source.builtin not in BUILTIN_MODELS:
         raise ValueError(f"config key model.builtin got {source.builtin!r}; allowed: {', '.join(BUILTIN_MODELS)}")
     from hybridflow.data.builtin import builtin_model_config
 
     hf_config = builtin_model_config()
     return replace(source, builtin=None, tiny={name: getattr(hf_config, name) for name in _BUILTIN_FIELDS},
-                   family="llama", head=head, seed=seed)
+                   family="llama")
 
 
 def tokenizer_of(source: ModelConfig) -> TokenizerSource:
@@ -49,9 +48,14 @@ def tokenizer_of(source: ModelConfig) -> TokenizerSource:
     return TokenizerSource(path=source.path)
 
 
-def engine_config_of(engine: EngineConfig, *, seed: int, optimizer_steps: int) -> EngineConfig:
-    """A role's engine config with its derived fields set: the run's seed and optimizer step count."""
-    return replace(engine, seed=seed, optim=replace(engine.optim, total_steps=optimizer_steps))
+def engine_spec(model: ModelConfig, engine: EngineConfig, *, head: str, seed: int,
+                total_steps: int | None = None) -> EngineSpec:
+    """A role's model and engine sections with the run's values: the role's head, the run's seed and, for a
+    trained role, the optimizer steps of the whole run (its LR schedule is checked here, before any worker
+    starts; inference-only roles pass None and never build an optimizer)."""
+    if total_steps is not None:
+        engine.optim.check_schedule(total_steps)
+    return EngineSpec(model=model_config_of(model), engine=engine, head=head, seed=seed, total_steps=total_steps)
 
 
 def model_generation_defaults(source: ModelConfig) -> dict:
@@ -93,9 +97,8 @@ def role_specs(config: RLConfig) -> RoleSpecs:
     actor_loss = config.actor.loss
     generation, tokens = generation_config_of(config, actor_tokenizer.load())
     actor = ActorSpec(
-        engine=EngineSpec(model=model_config_of(config.actor.model, head="lm", seed=seed),
-                          engine=engine_config_of(config.actor.engine, seed=seed,
-                                                  optimizer_steps=steps * actor_loss.ppo_epochs)),
+        engine=engine_spec(config.actor.model, config.actor.engine, head="lm", seed=seed,
+                           total_steps=steps * actor_loss.ppo_epochs),
         hybrid_engine=config.actor.hybrid_engine,
         generation=generation, tokens=tokens,
         loss=replace(actor_loss, mini_batch_size=config.batch.mini_batch_size,
@@ -104,8 +107,7 @@ def role_specs(config: RLConfig) -> RoleSpecs:
     reference = critic = reward = None
     if "reference" in roles:
         source = config.reference.model or config.actor.model
-        reference = EngineSpec(model=model_config_of(source, head="lm", seed=seed),
-                               engine=engine_config_of(config.reference.engine, seed=seed, optimizer_steps=1))
+        reference = engine_spec(source, config.reference.engine, head="lm", seed=seed)
     if "critic" in roles:
         critic = _critic_specs(config, config.critic, optimizer_steps=steps)
     if "reward" in roles:
@@ -126,9 +128,8 @@ def _critic_specs(config: RLConfig, section: CriticSection, *,
     """A value model (the critic, or Safe-RLHF's cost critic): its backbone defaults to the actor's model."""
     source = section.model or config.actor.model
     seed = config.trainer.seed
-    return (EngineSpec(model=model_config_of(source, head="value", seed=seed),
-                       engine=engine_config_of(section.engine, seed=seed,
-                                               optimizer_steps=optimizer_steps * section.loss.ppo_epochs)),
+    return (engine_spec(source, section.engine, head="value", seed=seed,
+                        total_steps=optimizer_steps * section.loss.ppo_epochs),
             replace(section.loss, mini_batch_size=config.batch.mini_batch_size,
                     max_response_length=config.actor.generation.max_new_tokens))
 
@@ -137,8 +138,7 @@ def _scorer_spec(source: ModelConfig, engine: EngineConfig, *, head: str, seed: 
                  actor_tokenizer: TokenizerSource) -> RewardSpec:
     """A reward or cost model; it re-tokenizes the actor's text only when its tokenizer encodes differently."""
     tokenizer = tokenizer_of(source)
-    return RewardSpec(engine=EngineSpec(model=model_config_of(source, head=head, seed=seed),
-                                        engine=engine_config_of(engine, seed=seed, optimizer_steps=1)),
+    return RewardSpec(engine=engine_spec(source, engine, head=head, seed=seed),
                       actor_tokenizer=actor_tokenizer,
                       tokenizer=None if tokenizer.encodes_like(actor_tokenizer) else tokenizer)
 

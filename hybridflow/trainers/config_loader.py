@@ -6,7 +6,7 @@ against the field's annotation before the dataclass is built, so a typo or a wro
 the dotted key, the given value and what is allowed, before any worker starts. Each dataclass then
 validates its own values in ``__post_init__``.
 
-A field whose metadata has ``derived`` (e.g. an engine's ``seed``, a model's ``head``) is filled by
+A field whose metadata has ``derived`` (e.g. an actor loss's ``mini_batch_size``) is filled by
 the trainer from other keys; YAML may not set it, ``to_plain`` leaves it out and
 the generated reference (``config_reference``) lists it as derived.
 """

@@ -16,12 +16,11 @@ import torch
 
 from hybridflow.controller import ResourcePool, WorkerGroup, runtime_mode
 from hybridflow.data import BatchLoader, PreferenceDataset, SFTDataset
-from hybridflow.trainers.build import engine_config_of, model_config_of, tokenizer_of
+from hybridflow.trainers.build import engine_spec, tokenizer_of
 from hybridflow.trainers.metrics import MetricsLogger, StepReporter
 # the configs live in supervised_config (no torch); re-exported here for existing imports
 from hybridflow.trainers.supervised_config import (PreferenceData, RMConfig, SFTConfig, SFTData,  # noqa: F401
                                                    SupervisedData, SupervisedRun, load_supervised_config)
-from hybridflow.workers import EngineSpec
 from hybridflow.workers.supervised import PreferenceWorker, SFTWorker
 
 
@@ -94,8 +93,7 @@ def run_supervised(config: SFTConfig | RMConfig, *, mode: str | None = None, ten
     if config.max_steps:
         total_steps = min(total_steps, config.max_steps)
     head = "lm" if is_sft or config.reward_type == "likelihood" else "score"
-    spec = EngineSpec(model=model_config_of(config.model, head=head, seed=config.seed),
-                      engine=engine_config_of(config.engine, seed=config.seed, optimizer_steps=total_steps))
+    spec = engine_spec(config.model, config.engine, head=head, seed=config.seed, total_steps=total_steps)
     pool = ResourcePool(list(config.devices), mode=runtime_mode(config.runtime, [config.devices], mode=mode))
     if is_sft:
         group = WorkerGroup(pool, SFTWorker, spec, name="sft")

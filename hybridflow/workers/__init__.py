@@ -1,7 +1,20 @@
 """Role workers (one role per class): actor, reference, critic, reward and cost, and the SFT and reward-model
 trainers' workers, each a thin adapter over an engine."""
 
+from typing import TYPE_CHECKING
+
 from hybridflow._lazy import lazy_exports
+
+if TYPE_CHECKING:  # the same names for static tools (type checkers, IDEs, tests/test_layering.py)
+    from hybridflow.workers.actor import ActorWorker
+    from hybridflow.workers.base import ModelWorker
+    from hybridflow.workers.critic import CriticWorker
+    from hybridflow.workers.reference import ReferenceWorker
+    from hybridflow.workers.reward import CostWorker, RewardWorker
+    from hybridflow.workers.spec import (
+        ActorSpec, EngineSpec, PolicyLossConfig, RewardSpec, TokenizerSource, ValueLossConfig,
+    )
+    from hybridflow.workers.supervised import SFTWorker, PreferenceWorker
 
 # submodules are imported on first use: the light config modules of this package then load without
 # torch, transformers or Ray (see hybridflow/_lazy.py)

@@ -48,7 +48,8 @@ class ModelWorker(Worker):
         if spec.engine.num_threads:
             pin_num_threads(spec.engine.num_threads)  # the driver's share of the node's cores no longer applies
         # a checkpoint is read shard by shard onto meta-initialised stages: no rank holds the whole model
-        self.engine = TrainingEngine.from_model_config(spec.engine, spec.model, trainable=self.TRAINABLE)
+        self.engine = TrainingEngine.from_model_config(spec.engine, spec.model, head=spec.head, seed=spec.seed,
+                                                       total_steps=spec.total_steps, trainable=self.TRAINABLE)
         self.set_parallel_layout(self.engine.layout)
 
     @register("ONE_TO_ALL")

@@ -10,7 +10,7 @@ from hybridflow.algorithms.names import (KL_ESTIMATOR_NAMES, LOSS_AGGREGATION_NA
 from hybridflow.engine.config import EngineConfig
 from hybridflow.engine.generation_config import GenerationConfig, GenerationTokens
 from hybridflow.engine.hybrid_engine_config import HybridEngineConfig
-from hybridflow.models.config import ModelConfig
+from hybridflow.models.config import HEADS, ModelConfig
 
 OLD_LOG_PROB_SOURCES = ("auto", "recompute", "rollout")
 """Values of ``actor.loss.old_log_probs``."""
@@ -56,12 +56,27 @@ class TokenizerSource:
 
 @dataclass(frozen=True, kw_only=True)
 class EngineSpec:
-    """One model under one engine: what every role worker builds first."""
+    """One model under one engine: what every role worker builds first. ``model`` and ``engine`` are the user's
+    config sections; the other fields are the run's values the trainer derives for this role."""
 
     model: ModelConfig
-    """Which weights and which head (lm, value, score)."""
+    """Which weights (local directory, tiny or built-in model) in which dtype."""
     engine: EngineConfig
     """Layout, micro-batch budget, optimizer."""
+    head: str = "lm"
+    """What the model ends in, from the role (``hybridflow.models.config.HEADS``): lm (actor, reference,
+    likelihood reward), value (critic), score (reward and cost models)."""
+    seed: int = 0
+    """The run's seed (``trainer.seed``): a tiny model's weights and a new value/score head, the same on every
+    rank."""
+    total_steps: int | None = None
+    """Optimizer steps of the whole run (the learning-rate schedule's length); None for inference-only roles."""
+
+    def __post_init__(self) -> None:
+        if self.head not in HEADS:
+            raise ValueError(f"EngineSpec.head must be one of {HEADS}, got {self.head!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"EngineSpec.seed must be an integer, got {self.seed!r}")
 
 
 @dataclass(frozen=True, kw_only=True)

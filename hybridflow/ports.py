@@ -1,4 +1,7 @@
-"""Rendezvous ports for torch.distributed worlds the controller starts (local mode, spawned test worlds)."""
+"""Rendezvous ports for the torch.distributed worlds hybridflow starts itself (local mode, spawned test worlds).
+
+A bottom-layer module (standard library only): the controller and parallel/launch.py both import it.
+"""
 
 from __future__ import annotations
 

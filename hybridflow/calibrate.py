@@ -9,7 +9,9 @@ CPU process of a run computes with one thread; compute_units_per_node, the core 
 simulator divide the cores when processes outnumber them).
 
 The device and the collective backend come from hybridflow.device, as everywhere else; the probes
-import torch inside their functions, and hybridflow.mapping (the planner) never imports this module.
+import torch inside their functions. This module sits above both packages it joins: it measures with
+hybridflow.parallel's launcher and writes hybridflow.mapping's HardwareProfile, which the planner reads
+as data (the planner never imports torch, parallel's launcher or this module).
 """
 
 from __future__ import annotations
