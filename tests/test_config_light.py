@@ -56,10 +56,11 @@ def test_the_light_name_lists_equal_the_registries_they_name():
     assert tuple(ESTIMATOR_TRAITS) == tuple(ESTIMATORS)
     assert all(ESTIMATORS[name].traits is traits for name, traits in ESTIMATOR_TRAITS.items())
     assert STRATEGIES == tuple(TRANSITION_STRATEGIES)
-    from hybridflow.engine.config import LAYOUTS
+    from hybridflow.engine.config import LAYOUT_TRAITS, LAYOUTS
     from hybridflow.engine.layouts import TRAINING_LAYOUTS
 
-    assert LAYOUTS == tuple(TRAINING_LAYOUTS)
+    assert LAYOUTS == tuple(TRAINING_LAYOUTS) == tuple(LAYOUT_TRAITS)
+    assert all(TRAINING_LAYOUTS[name].traits is traits for name, traits in LAYOUT_TRAITS.items())
 
 
 @pytest.mark.parametrize("package", ["engine", "models", "data", "workers", "algorithms"])

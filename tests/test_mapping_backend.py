@@ -249,3 +249,12 @@ def test_auto_mapping_plans_for_the_configs_backend_and_its_vllm_kv_cache(monkey
     _, native = auto_mapping.resolve_auto_mapping(load_rl_config(None, base))
     assert calls[-1]["backend"] == "native" and calls[-1]["kv_cache_gib"] is None
     assert native.backend == "native"
+
+
+def test_the_backend_registry_says_which_kv_cache_the_planner_is_given():
+    from hybridflow.engine.generation_config import GenerationConfig
+    from hybridflow.engine.rollout import rollout_backend as engine_backend
+
+    generation = GenerationConfig(vllm_kv_cache_gib=3.5)
+    assert engine_backend("vllm").kv_cache_gib(generation) == 3.5  # vLLM allocates exactly this
+    assert engine_backend("native").kv_cache_gib(generation) is None  # the native cache takes what is left

@@ -10,7 +10,23 @@ if TYPE_CHECKING:
     import torch
 
 
-LAYOUTS = ("fsdp", "3d")
+@dataclass(frozen=True, kw_only=True)
+class LayoutTraits:
+    """What a config check needs to know of a training layout, without torch (the classes of
+    hybridflow.engine.layouts carry theirs as ``traits``)."""
+
+    data_parallel_only: bool
+    """Parameters are sharded over data parallel ranks only, so pp_size = tp_size = 1."""
+    cpu_offload: bool
+    """Sharded parameters, gradients and optimizer state can live in CPU memory (``engine.fsdp_cpu_offload``)."""
+
+
+LAYOUT_TRAITS: dict[str, LayoutTraits] = {
+    "fsdp": LayoutTraits(data_parallel_only=True, cpu_offload=True),
+    "3d": LayoutTraits(data_parallel_only=False, cpu_offload=False),
+}
+"""``engine.layout`` -> its traits; tests/test_config_light.py keeps it equal to ``TRAINING_LAYOUTS``."""
+LAYOUTS = tuple(LAYOUT_TRAITS)
 LR_SCHEDULES = ("constant", "linear", "cosine")
 PIPELINE_SCHEDULES = ("1f1b", "gpipe")
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # names only: this module stays importable without torch
@@ -122,13 +138,17 @@ class EngineConfig:
             raise ValueError(f"engine.layout must be one of {LAYOUTS}, got {self.layout!r}")
         _check_positive_int("engine.pp_size", self.pp_size)
         _check_positive_int("engine.tp_size", self.tp_size)
-        if self.layout == "fsdp" and (self.pp_size, self.tp_size) != (1, 1):
-            raise ValueError(f"engine.pp_size/tp_size must be 1 with layout='fsdp', got "
-                             f"pp_size={self.pp_size}, tp_size={self.tp_size}; use layout='3d' for them")
+        traits = LAYOUT_TRAITS[self.layout]
+        if traits.data_parallel_only and (self.pp_size, self.tp_size) != (1, 1):
+            model_parallel = " or ".join(repr(name) for name, other in LAYOUT_TRAITS.items()
+                                         if not other.data_parallel_only)
+            raise ValueError(f"engine.pp_size/tp_size must be 1 with layout={self.layout!r}, got "
+                             f"pp_size={self.pp_size}, tp_size={self.tp_size}; use layout={model_parallel} for them")
         if not isinstance(self.fsdp_cpu_offload, bool):
             raise ValueError(f"engine.fsdp_cpu_offload must be a bool, got {self.fsdp_cpu_offload!r}")
-        if self.fsdp_cpu_offload and self.layout != "fsdp":
-            raise ValueError("engine.fsdp_cpu_offload=True needs layout='fsdp', got layout='3d'")
+        if self.fsdp_cpu_offload and not traits.cpu_offload:
+            offloading = " or ".join(repr(name) for name, other in LAYOUT_TRAITS.items() if other.cpu_offload)
+            raise ValueError(f"engine.fsdp_cpu_offload=True needs layout={offloading}, got layout={self.layout!r}")
         if not isinstance(self.activation_checkpointing, bool):
             raise ValueError(f"engine.activation_checkpointing must be a bool, got {self.activation_checkpointing!r}")
         budget = self.micro_batch_tokens

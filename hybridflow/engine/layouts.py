@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from hybridflow.engine.config import LAYOUT_TRAITS, LayoutTraits
 from hybridflow.parallel.layout import ParallelLayout
 
 if TYPE_CHECKING:
@@ -35,6 +36,8 @@ class TrainingLayout(ABC):
     """One training layout: its rank arithmetic (``ranks``) and the facts in which layouts differ."""
 
     name: ClassVar[str] = ""
+    traits: ClassVar[LayoutTraits]
+    """What configs check of this layout without torch (``engine.config.LAYOUT_TRAITS[name]``)."""
     equal_micro_batch_counts: ClassVar[bool] = False
     """Every data-parallel rank must run as many micro-batches per step (the max over ranks; short ranks run
     fillers), because each forward makes collectives over the data-parallel group."""
@@ -85,6 +88,7 @@ class FsdpLayout(TrainingLayout):
     """FSDP2 over all ranks: every parameter cut along dim 0 over d data-parallel ranks (p = t = 1)."""
 
     name = "fsdp"
+    traits = LAYOUT_TRAITS[name]
     equal_micro_batch_counts = True  # FSDP all-gathers the parameters in every forward
 
     @classmethod
@@ -130,6 +134,7 @@ class ThreeDLayout(TrainingLayout):
     """Tensor (DTensor) x pipeline x data parallel; replicas hold full copies of their (pp, tp) shard."""
 
     name = "3d"
+    traits = LAYOUT_TRAITS[name]
 
     @classmethod
     def for_world(cls, config: "EngineConfig", world_size: int) -> "ThreeDLayout":
@@ -174,7 +179,7 @@ class ThreeDLayout(TrainingLayout):
 
 
 TRAINING_LAYOUTS: dict[str, type[TrainingLayout]] = {cls.name: cls for cls in (FsdpLayout, ThreeDLayout)}
-"""``engine.layout`` -> its class (the names are ``engine.config.LAYOUTS``)."""
+"""``engine.layout`` -> its class (the names and traits are ``engine.config.LAYOUT_TRAITS``)."""
 
 
 def layout_class(name: str) -> type[TrainingLayout]:

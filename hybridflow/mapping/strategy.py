@@ -5,9 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator
 
+from hybridflow.mapping.layouts import TRAINING_LAYOUTS, LayoutModel, training_layout
 from hybridflow.mapping.model_spec import ModelSpec
-
-LAYOUTS = ("fsdp", "3d")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -15,7 +14,8 @@ class RoleStrategy:
     """A role's layout on its pool; data parallelism fills the rest (d = devices / (p * t))."""
 
     layout: str = "3d"
-    """'fsdp' (all state sharded over data parallel ranks; p = t = 1) or '3d' (Megatron-style p, t, d)."""
+    """'fsdp' (all state sharded over data parallel ranks; p = t = 1) or '3d' (Megatron-style p, t, d): a name of
+    hybridflow.mapping.layouts.TRAINING_LAYOUTS (``layout_model``)."""
     pp_size: int = 1
     """Training (and inference) pipeline stages p."""
     tp_size: int = 1
@@ -26,15 +26,12 @@ class RoleStrategy:
     """Actor only: generation tensor-parallel size tg (divides t); 0 for roles that do not generate."""
 
     def __post_init__(self) -> None:
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"RoleStrategy.layout must be one of {LAYOUTS}, got {self.layout!r}")
+        layout = training_layout(self.layout)
         for name in ("pp_size", "tp_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"RoleStrategy.{name} must be a positive integer, got {value!r}")
-        if self.layout == "fsdp" and (self.pp_size, self.tp_size) != (1, 1):
-            raise ValueError(f"RoleStrategy: layout 'fsdp' needs pp_size = tp_size = 1, got "
-                             f"pp_size={self.pp_size}, tp_size={self.tp_size}")
+        layout.check(self)
         generates = (self.generation_pp_size, self.generation_tp_size)
         if generates != (0, 0):
             if min(generates) < 1:
@@ -44,6 +41,11 @@ class RoleStrategy:
                 raise ValueError(f"RoleStrategy: generation pp_size {self.generation_pp_size} must divide pp_size "
                                  f"{self.pp_size} and generation tp_size {self.generation_tp_size} must divide "
                                  f"tp_size {self.tp_size} (3D-HybridEngine)")
+
+    @property
+    def layout_model(self) -> LayoutModel:
+        """The cost model of ``layout`` (what the simulator asks instead of the name)."""
+        return TRAINING_LAYOUTS[self.layout]
 
     @property
     def model_parallel_size(self) -> int:
@@ -57,7 +59,7 @@ class RoleStrategy:
         return num_devices // self.model_parallel_size
 
     def describe(self) -> str:
-        text = "fsdp" if self.layout == "fsdp" else f"3d p{self.pp_size} t{self.tp_size}"
+        text = self.layout_model.describe(self)
         if self.generates:
             text += f" gen p{self.generation_pp_size} t{self.generation_tp_size}"
         return text

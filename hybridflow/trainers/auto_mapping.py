@@ -102,6 +102,7 @@ def resolve_auto_mapping(config: RLConfig):
     """(the config with the auto-mapped placement, the Plan); the config itself when mapping is manual."""
     if config.placement.mapping != "auto":
         return config, None
+    from hybridflow.engine.rollout import rollout_backend
     from hybridflow.mapping import Cluster, Dataflow, plan
 
     roles = config.active_roles
@@ -113,7 +114,7 @@ def resolve_auto_mapping(config: RLConfig):
                       hardware=hardware_of(config))
     generation = config.actor.generation
     # vLLM allocates exactly vllm_kv_cache_gib; the native engine's cache takes what is left
-    kv_cache_gib = generation.vllm_kv_cache_gib if generation.backend == "vllm" else None
+    kv_cache_gib = rollout_backend(generation.backend).kv_cache_gib(generation)
     best = replace(plan(flow, {role: _model_of(config, role) for role in roles}, workload, cluster,
                         backend=generation.backend, kv_cache_gib=kv_cache_gib), workload=workload)
     return apply_plan(config, best), best
