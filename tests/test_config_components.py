@@ -17,8 +17,8 @@ from hybridflow.engine.config import EngineConfig
 from hybridflow.engine.generation import GenerationConfig, SamplingConfig, process_logits, sample_tokens
 from hybridflow.engine.generation_config import GenerationTokens
 from hybridflow.models.config import ModelConfig
-from hybridflow.trainers.config import RLConfig, load_rl_config
-from hybridflow.trainers.config_loader import build_dataclass
+from hybridflow.trainers.config.rl import RLConfig, load_rl_config
+from hybridflow.trainers.config.loader import build_dataclass
 
 BASE = ["data.train_path=train.jsonl", "actor.model.builtin=arithmetic", "reward.function=pkg.mod:score"]
 
@@ -77,14 +77,14 @@ def test_supervised_configs_round_trip_through_print_config(capsys):
 
 
 def test_docs_config_md_holds_the_current_generated_key_reference():
-    from hybridflow.trainers.config_docs import DOC_PATH, with_reference
+    from hybridflow.trainers.config.docs import DOC_PATH, with_reference
 
     text = DOC_PATH.read_text()
-    assert with_reference(text) == text, "docs/config.md is stale: run python -m hybridflow.trainers.config_docs"
+    assert with_reference(text) == text, "docs/config.md is stale: run python -m hybridflow.trainers.config.docs"
 
 
 def test_the_generated_reference_lists_every_knob_with_its_role_default():
-    from hybridflow.trainers.config_docs import render_reference
+    from hybridflow.trainers.config.docs import render_reference
 
     reference = render_reference()
     for key in ("actor.engine.dtype", "actor.engine.fsdp_cpu_offload", "actor.engine.pipeline_schedule",

@@ -26,9 +26,9 @@ from hybridflow.trainers.advantage import compute_advantages
 from hybridflow.trainers.components import SafeRLHF
 from hybridflow.trainers.build import COST_CRITIC_PREFIX, model_config_of, role_specs
 from hybridflow.models.config import ModelConfig
-from hybridflow.trainers.config import AlgorithmSection, CostSection, RLConfig, load_rl_config
-from hybridflow.trainers.config_loader import build_dataclass, to_plain
-from hybridflow.trainers.ppo import RLTrainer
+from hybridflow.trainers.config.rl import AlgorithmSection, CostSection, RLConfig, load_rl_config
+from hybridflow.trainers.config.loader import build_dataclass, to_plain
+from hybridflow.trainers.rl import RLTrainer
 
 TASK = ArithmeticTaskConfig(max_digits=1)
 BASE = ["data.train_path=train.jsonl", "actor.model.builtin=arithmetic", "reward.function=pkg.mod:score",

@@ -10,7 +10,7 @@ from hybridflow.controller import ResourcePool, WorkerGroup, runtime_mode
 from hybridflow.engine.config import EngineConfig
 from hybridflow.engine.generation_config import GenerationConfig, GenerationTokens
 from hybridflow.models.config import ModelConfig
-from hybridflow.trainers.config import CriticSection, RLConfig
+from hybridflow.trainers.config.rl import CriticSection, RLConfig
 from hybridflow.workers import (ActorSpec, ActorWorker, CostWorker, CriticWorker, EngineSpec, ReferenceWorker,
                                 RewardSpec, RewardWorker, TokenizerSource, ValueLossConfig)
 

@@ -61,8 +61,8 @@ def export_checkpoint(run_dir: str | Path, *, step: int | None = None, out: str 
     from hybridflow.controller import ResourcePool, WorkerGroup
     from hybridflow.trainers.build import COST_CRITIC_PREFIX, role_specs
     from hybridflow.trainers.checkpoint import RunCheckpointer
-    from hybridflow.trainers.config import RLConfig
-    from hybridflow.trainers.config_loader import build_dataclass
+    from hybridflow.trainers.config.rl import RLConfig
+    from hybridflow.trainers.config.loader import build_dataclass
     from hybridflow.workers import ActorWorker, CriticWorker
 
     checkpointer = RunCheckpointer(Path(run_dir) / "checkpoints")
