@@ -95,9 +95,10 @@ def test_cost_roles_are_active_placed_and_size_checked_like_the_critic():
 def test_cost_specs_use_a_score_head_and_a_prefixed_value_critic_on_the_actor_backbone():
     specs = role_specs(load_rl_config(None, BASE))
     assert specs.cost.engine.head == "score" and specs.cost.tokenizer is None
-    cost_critic_model, _ = specs.cost_critic
+    cost_critic_model = specs.cost_critic.engine
     assert cost_critic_model.head == "value"
-    assert cost_critic_model.model == specs.critic[0].model  # null cost.critic.model: the actor's backbone
+    assert cost_critic_model.model == specs.critic.engine.model  # null cost.critic.model: the actor's backbone
+    assert specs.cost_critic.sizes == specs.critic.sizes == specs.actor.sizes  # one mini-batch for every update
     assert COST_CRITIC_PREFIX == "cost_"
 
 

@@ -22,7 +22,7 @@ def usage_epilog(kind: str) -> str:
     from hybridflow.trainers.config.supervised import RMConfig, SFTConfig
 
     cls = {"train": RLConfig, "sft": SFTConfig, "rm": RMConfig}[kind]
-    keys = [field.name for field in dataclasses.fields(cls) if field.init and "derived" not in field.metadata]
+    keys = [field.name for field in dataclasses.fields(cls) if field.init]
     return (f"Overrides are dotted keys parsed as YAML, anywhere on the line, e.g. {OVERRIDE_EXAMPLES[kind]}. "
             f"Keys of the config: {', '.join(keys)}. docs/config.md (section \"hybridflow {kind}\") lists every key.")
 

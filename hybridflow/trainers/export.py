@@ -73,8 +73,8 @@ def export_checkpoint(run_dir: str | Path, *, step: int | None = None, out: str 
                          f"export it from a run that saves its config")
     config = build_dataclass(RLConfig, _single_process_config(state["config"]))
     specs = role_specs(config)
-    arguments = {"actor": (ActorWorker, (specs.actor,), {}), "critic": (CriticWorker, specs.critic, {}),
-                 "cost_critic": (CriticWorker, specs.cost_critic, {"prefix": COST_CRITIC_PREFIX})}
+    arguments = {"actor": (ActorWorker, (specs.actor,), {}), "critic": (CriticWorker, (specs.critic,), {}),
+                 "cost_critic": (CriticWorker, (specs.cost_critic,), {"prefix": COST_CRITIC_PREFIX})}
     target = Path(out) if out is not None else Path(run_dir) / "export" / path.name
     written = {}
     for role in TRAINED_ROLES:

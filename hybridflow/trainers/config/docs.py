@@ -32,7 +32,9 @@ def render_reference() -> str:
 
     parts = [
         _table("`hybridflow train` (RLConfig)", RLConfig,
-               "Italic *Derived* keys are set by the trainer from the key they name and may not appear in YAML."),
+               "Every key a YAML file or a `key=value` override may set; what the trainer derives from them "
+               "(samples per step, mini-batches per epoch, data-parallel sizes) is printed by `--print-config`, never "
+               "a key."),
         _table("`hybridflow sft` (SFTConfig)", SFTConfig, "The same `model` and `engine` sections as a role above."),
         _table("`hybridflow rm` (RMConfig)", RMConfig, "The same `model` and `engine` sections as a role above."),
     ]
