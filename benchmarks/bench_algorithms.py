@@ -73,8 +73,8 @@ def run_one(name: str, policy_dir: str, files: dict, out: Path, steps: int, val_
     """``steps`` RL steps of one algorithm; held-out accuracy before, after the ``val_at`` steps and at the end;
     seconds per RL step (validation excluded)."""
     from hybridflow.controller import local_mode
-    from hybridflow.trainers.config import load_rl_config
-    from hybridflow.trainers.ppo import RLTrainer
+    from hybridflow.trainers.config.rl import load_rl_config
+    from hybridflow.trainers.rl import RLTrainer
 
     config = load_rl_config(None, [
         f"data.train_path={files['rl_prompts']}", f"data.val_path={files['prompts_eval']}",

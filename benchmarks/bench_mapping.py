@@ -304,8 +304,8 @@ def measure(path: str, *, steps: int) -> None:
     import ray
 
     from hybridflow.data.builtin import ArithmeticTaskConfig, prompt_rows
-    from hybridflow.trainers.config import load_rl_config
-    from hybridflow.trainers.ppo import RLTrainer
+    from hybridflow.trainers.config.rl import load_rl_config
+    from hybridflow.trainers.rl import RLTrainer
 
     from hybridflow.data.builtin import ASSETS_DIR
 

@@ -61,8 +61,8 @@ def rl_run(files: dict[str, Path], output_dir: Path, *, policy: str, reward: lis
            extra: list[str]) -> tuple[float, float]:
     """(held-out accuracy before, after) of one RLTrainer run."""
     from hybridflow.controller import local_mode
-    from hybridflow.trainers.config import load_rl_config
-    from hybridflow.trainers.ppo import RLTrainer
+    from hybridflow.trainers.config.rl import load_rl_config
+    from hybridflow.trainers.rl import RLTrainer
 
     config = load_rl_config(None, [
         f"data.train_path={files['prompts']}", f"data.val_path={files['eval']}", f"actor.model.path={policy}",

@@ -22,8 +22,8 @@ import torch
 
 from hybridflow.data import write_jsonl
 from hybridflow.data.builtin import ArithmeticTaskConfig, prompt_rows
-from hybridflow.trainers.config import load_rl_config
-from hybridflow.trainers.ppo import run_rl
+from hybridflow.trainers.config.rl import load_rl_config
+from hybridflow.trainers.rl import run_rl
 
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "smollm2_gsm8k"

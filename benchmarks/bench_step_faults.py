@@ -27,8 +27,8 @@ from assets import build_prompts, policy_dir  # noqa: E402
 
 from hybridflow.engine.generation import GenerationEngine  # noqa: E402
 from hybridflow.engine.training import TrainingEngine  # noqa: E402
-from hybridflow.trainers.config import load_rl_config  # noqa: E402
-from hybridflow.trainers.ppo import RLTrainer  # noqa: E402
+from hybridflow.trainers.config.rl import load_rl_config  # noqa: E402
+from hybridflow.trainers.rl import RLTrainer  # noqa: E402
 
 
 def counted(name: str, method):

@@ -314,8 +314,8 @@ def ppo_step(args, variant: str, variant_overrides: list[str]) -> None:
     from hybridflow.controller import local_mode
     from hybridflow.data import write_jsonl
     from hybridflow.data.builtin import ArithmeticTaskConfig, prompt_rows
-    from hybridflow.trainers.config import load_rl_config
-    from hybridflow.trainers.ppo import RLTrainer
+    from hybridflow.trainers.config.rl import load_rl_config
+    from hybridflow.trainers.rl import RLTrainer
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

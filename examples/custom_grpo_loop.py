@@ -20,8 +20,8 @@ import numpy as np
 from hybridflow.algorithms import grpo_advantages
 from hybridflow.data import write_jsonl
 from hybridflow.data.builtin import ArithmeticTaskConfig, prompt_rows
-from hybridflow.trainers.config import load_rl_config
-from hybridflow.trainers.ppo import RLTrainer
+from hybridflow.trainers.config.rl import load_rl_config
+from hybridflow.trainers.rl import RLTrainer
 
 EXAMPLE_CONFIG = Path(__file__).with_name("arithmetic_ppo.yaml")
 DEMO_MODEL = "runs/demo/sft/model"

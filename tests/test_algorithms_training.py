@@ -19,10 +19,10 @@ from hybridflow.controller import local_mode
 from hybridflow.data import write_jsonl
 from hybridflow.data.builtin import ArithmeticTaskConfig, prompt_rows
 from hybridflow.protocol import DataProto
-from hybridflow.trainers.config import load_rl_config
+from hybridflow.trainers.config.rl import load_rl_config
 from hybridflow.trainers.build import role_specs
 from hybridflow.trainers.components import OverlongFilter
-from hybridflow.trainers.ppo import RLTrainer, run_rl
+from hybridflow.trainers.rl import RLTrainer, run_rl
 from hybridflow.trainers.sampling import DynamicSampling, concat_rounds
 from hybridflow.trainers.step import PhaseTimer
 
@@ -185,7 +185,7 @@ def test_dynamic_sampling_fills_a_full_batch_of_varied_groups(data_dir, tmp_path
             assert isinstance(trainer.sampling, DynamicSampling)
             rollout = trainer.sampling.sample(trainer.loader.next_batch(), 1,
                                               partial(trainer.generate_and_score, timer=PhaseTimer()))
-            batch, metrics = rollout.batch, rollout.sampling_metrics
+            batch, metrics = experience.batch, experience.sampling_metrics
             scores_B = trainer.scorer.score(batch)[0]
         finally:
             trainer.shutdown()

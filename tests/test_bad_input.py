@@ -15,10 +15,10 @@ from hybridflow.cli import main
 from hybridflow.data import write_jsonl
 from hybridflow.data.builtin import ASSETS_DIR, builtin_tokenizer
 from hybridflow.data.files import read_rows
-from hybridflow.trainers import ppo
+from hybridflow.trainers import rl
 from hybridflow.trainers.checkpoint import CheckpointSaveError, RunCheckpointer
-from hybridflow.trainers.config import load_rl_config
-from hybridflow.trainers.ppo import RLTrainer
+from hybridflow.trainers.config.rl import load_rl_config
+from hybridflow.trainers.rl import RLTrainer
 
 BASE = ["data.train_path=train.jsonl", "actor.model.builtin=arithmetic", "reward.function=pkg.mod:score"]
 
@@ -129,7 +129,7 @@ def no_models(monkeypatch):
     def build_worker_groups(*args, **kwargs):
         raise AssertionError("the trainer built its models before finding the bad input")
 
-    monkeypatch.setattr(ppo, "build_worker_groups", build_worker_groups)
+    monkeypatch.setattr(rl, "build_worker_groups", build_worker_groups)
 
 
 def _trainer(tmp_path, *overrides):

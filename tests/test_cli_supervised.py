@@ -41,7 +41,7 @@ def test_train_help_lists_the_rl_sections(capsys):
 def test_a_model_source_override_replaces_the_one_in_the_shipped_example(kind, override, model, capsys):
     import yaml
 
-    from hybridflow.trainers.config_loader import load_yaml
+    from hybridflow.trainers.config.loader import load_yaml
 
     example = Path(__file__).resolve().parents[1] / "examples" / f"{kind}.yaml"
     assert set(load_yaml(example)["model"]) != set(model)

@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
-from hybridflow.trainers.config import RLConfig, load_rl_config
-from hybridflow.trainers.config_loader import apply_overrides, build_dataclass, to_plain
-from hybridflow.trainers.supervised_config import SFTConfig
+from hybridflow.trainers.config.rl import RLConfig, load_rl_config
+from hybridflow.trainers.config.loader import apply_overrides, build_dataclass, to_plain
+from hybridflow.trainers.config.supervised import SFTConfig
 
 BASE = ["data.train_path=train.jsonl", "actor.model.builtin=arithmetic", "reward.function=pkg.mod:score"]
 

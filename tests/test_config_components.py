@@ -17,8 +17,9 @@ from hybridflow.engine.config import EngineConfig
 from hybridflow.engine.generation import GenerationConfig, SamplingConfig, process_logits, sample_tokens
 from hybridflow.engine.generation_config import GenerationTokens
 from hybridflow.models.config import ModelConfig
-from hybridflow.trainers.config import RLConfig, load_rl_config
-from hybridflow.trainers.config_loader import build_dataclass
+from hybridflow.trainers.config.rl import RLConfig, load_rl_config
+from hybridflow.trainers.config.loader import build_dataclass
+from hybridflow.workers.spec import UpdateSizes
 
 BASE = ["data.train_path=train.jsonl", "actor.model.builtin=arithmetic", "reward.function=pkg.mod:score"]
 
@@ -77,14 +78,14 @@ def test_supervised_configs_round_trip_through_print_config(capsys):
 
 
 def test_docs_config_md_holds_the_current_generated_key_reference():
-    from hybridflow.trainers.config_docs import DOC_PATH, with_reference
+    from hybridflow.trainers.config.docs import DOC_PATH, with_reference
 
     text = DOC_PATH.read_text()
-    assert with_reference(text) == text, "docs/config.md is stale: run python -m hybridflow.trainers.config_docs"
+    assert with_reference(text) == text, "docs/config.md is stale: run python -m hybridflow.trainers.config.docs"
 
 
 def test_the_generated_reference_lists_every_knob_with_its_role_default():
-    from hybridflow.trainers.config_docs import render_reference
+    from hybridflow.trainers.config.docs import render_reference
 
     reference = render_reference()
     for key in ("actor.engine.dtype", "actor.engine.fsdp_cpu_offload", "actor.engine.pipeline_schedule",
@@ -96,10 +97,19 @@ def test_the_generated_reference_lists_every_knob_with_its_role_default():
     assert "| `critic.engine.optim.lr` | float | `1.0e-05` |" in reference
 
 
-def test_derived_fields_are_refused_in_yaml_with_the_key_they_come_from():
-    with pytest.raises(ValueError, match=r"config key actor\.loss\.mini_batch_size is set by the trainer \(from "
-                                         r"batch\.mini_batch_size\)"):
-        load_rl_config(None, [*BASE, "actor.loss.mini_batch_size=3"])
+@pytest.mark.parametrize("key", ["actor.loss.mini_batch_size", "actor.loss.kl_loss_coef",
+                                 "actor.loss.max_response_length", "critic.loss.mini_batch_size",
+                                 "critic.loss.max_response_length"])
+def test_the_update_sizes_and_kl_loss_weight_are_build_arguments_not_loss_keys(key):
+    # the trainer takes them from batch.mini_batch_size, algorithm.kl_coef and actor.generation.max_new_tokens
+    # (ActorSpec/CriticSpec .sizes, ActorSpec.kl_loss_coef); a YAML naming them fails as any unknown key
+    section = key.rsplit(".", 1)[0]
+    allowed = "clip_ratio, clip_ratio_high" if section == "actor.loss" else "loss_aggregation, on_non_finite"
+    with pytest.raises(ValueError, match=rf"unknown config key {re.escape(key)}; allowed keys here: .*{allowed}"):
+        load_rl_config(None, [*BASE, f"{key}=3"])
+
+
+def test_runtime_values_of_the_rollout_are_no_config_keys():
     # runtime values of the rollout (samples per prompt, seed, token ids) are no config keys at all
     with pytest.raises(ValueError, match=r"unknown config key actor\.generation\.samples_per_prompt; allowed keys "
                                          r"here: backend, greedy, max_new_tokens"):
@@ -382,10 +392,25 @@ def test_role_specs_pass_each_role_its_head_the_runs_seed_and_its_optimizer_step
     specs = role_specs(config)
     assert config.derived().mini_batches_per_epoch == 2
     assert (specs.actor.engine.head, specs.actor.engine.seed, specs.actor.engine.total_steps) == ("lm", 5, 3 * 2 * 2)
-    critic_engine, _ = specs.critic
+    critic_engine = specs.critic.engine
     assert (critic_engine.head, critic_engine.seed, critic_engine.total_steps) == ("value", 5, 3 * 2)
     assert (specs.reference.head, specs.reference.seed, specs.reference.total_steps) == ("lm", 5, None)
     assert specs.actor.engine.engine == config.actor.engine  # the user's section, as written
+    assert specs.actor.loss == config.actor.loss and specs.critic.loss == config.critic.loss  # as written, too
+    sizes = UpdateSizes(mini_batch_size=4, max_response_length=config.actor.generation.max_new_tokens)
+    assert specs.actor.sizes == specs.critic.sizes == sizes
+    assert specs.actor.kl_loss_coef == 0.0  # gae: the KL shapes the reward
+
+
+@pytest.mark.parametrize("overrides, coef", [(["algorithm.advantage_estimator=grpo"], 0.02),
+                                             (["algorithm.kl_mode=loss"], 0.02),
+                                             (["algorithm.advantage_estimator=grpo", "algorithm.kl_mode=reward"], 0.0),
+                                             (["algorithm.advantage_estimator=grpo", "algorithm.kl_mode=none"], 0.0)])
+def test_the_actor_gets_the_kl_coefficient_as_its_loss_weight_only_when_the_kl_goes_in_the_loss(overrides, coef):
+    from hybridflow.trainers.build import role_specs
+
+    config = load_rl_config(None, [*BASE, "algorithm.kl_coef=0.02", "batch.samples_per_prompt=2", *overrides])
+    assert role_specs(config).actor.kl_loss_coef == coef
 
 
 def test_a_warmup_longer_than_the_run_is_refused_before_any_worker_starts():

@@ -19,8 +19,8 @@ def _modules_after(code: str) -> set[str]:
 
 def test_importing_and_validating_every_config_imports_no_heavy_library():
     loaded = _modules_after("""
-        from hybridflow.trainers.config import load_rl_config
-        from hybridflow.trainers.supervised_config import RMConfig, SFTConfig
+        from hybridflow.trainers.config.rl import load_rl_config
+        from hybridflow.trainers.config.supervised import RMConfig, SFTConfig
         try:
             load_rl_config(None, ["data.train_path=x.jsonl", "actor.model.builtin=arithmetic",
                                   "reward.function=arithmetic", "trainer.total_steps=0"])

@@ -120,8 +120,8 @@ def test_chat_template_is_applied_when_the_tokenizer_has_one(chat_tokenizer):
 
 
 def test_the_data_config_chooses_how_every_trainer_renders_prompts(chat_tokenizer):
-    from hybridflow.trainers.config import load_rl_config
-    from hybridflow.trainers.supervised_config import SFTConfig, load_supervised_config
+    from hybridflow.trainers.config.rl import load_rl_config
+    from hybridflow.trainers.config.supervised import SFTConfig, load_supervised_config
 
     base = ["data.train_path=train.jsonl", "actor.model.builtin=arithmetic", "reward.function=pkg.mod:score"]
     raw = load_rl_config(None, base + ["data.chat_template=never"]).data.prompt_format()

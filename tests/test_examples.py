@@ -54,7 +54,7 @@ def test_the_arithmetic_ppo_example_reads_prompts_in_the_format_of_the_model_it_
     from hybridflow.cli import main
     from hybridflow.data import read_rows
     from hybridflow.data.builtin import prompt_rows
-    from hybridflow.trainers.config import load_rl_config
+    from hybridflow.trainers.config.rl import load_rl_config
     from hybridflow.trainers.demo import DemoConfig, _task
 
     path = EXAMPLES / "arithmetic_ppo.yaml"

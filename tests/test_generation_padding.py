@@ -18,7 +18,7 @@ import torch
 
 from hybridflow.data import write_jsonl
 from hybridflow.data.builtin import ArithmeticTaskConfig, prompt_rows
-from hybridflow.trainers.config import load_rl_config
+from hybridflow.trainers.config.rl import load_rl_config
 
 PROMPTS, SAMPLES, MAX_NEW_TOKENS = 3, 2, 4
 
@@ -75,7 +75,7 @@ class _Recorder:
 @pytest.mark.slow
 def test_a_grpo_step_with_prompts_padded_over_two_replicas_trains_on_each_prompts_samples_in_order(
         ray_session, tmp_path):
-    from hybridflow.trainers.ppo import RLTrainer
+    from hybridflow.trainers.rl import RLTrainer
 
     train_path = tmp_path / "train.jsonl"
     write_jsonl(train_path, prompt_rows(8, split="train", seed=0, config=ArithmeticTaskConfig(max_digits=1)))

@@ -20,7 +20,7 @@ from hybridflow.protocol import DataProto
 from hybridflow.trainers.advantage import compute_advantages
 from hybridflow.trainers.build import model_config_of, role_specs
 from hybridflow.models.config import ModelConfig
-from hybridflow.trainers.config import AlgorithmSection, RewardSection, load_rl_config
+from hybridflow.trainers.config.rl import AlgorithmSection, RewardSection, load_rl_config
 from hybridflow.trainers.scoring import RewardScorer
 from hybridflow.trainers.supervised import PreferenceData, RMConfig, load_supervised_config, run_supervised
 from hybridflow.workers import EngineSpec, RewardSpec, RewardWorker, TokenizerSource
@@ -328,8 +328,8 @@ def test_token_rewards_split_a_rule_plus_likelihood_reward_into_sequence_and_den
 
 
 def test_ppo_runs_two_steps_against_a_likelihood_reward_model_crediting_tokens_densely(tmp_path, monkeypatch):
-    from hybridflow.trainers import ppo
-    from hybridflow.trainers.ppo import run_rl
+    from hybridflow.trainers import rl
+    from hybridflow.trainers.rl import run_rl
 
     advantage_calls = []
 
@@ -337,7 +337,7 @@ def test_ppo_runs_two_steps_against_a_likelihood_reward_model_crediting_tokens_d
         advantage_calls.append(kwargs)
         return compute_advantages(**kwargs)
 
-    monkeypatch.setattr(ppo, "compute_advantages", recording_compute_advantages)
+    monkeypatch.setattr(rl, "compute_advantages", recording_compute_advantages)
 
     model_dir = tmp_path / "likelihood_rm"
     build_model(model_config_of(BUILTIN), head="lm", seed=7).save_pretrained(model_dir)

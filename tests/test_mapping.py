@@ -723,7 +723,7 @@ def test_padded_batches_let_a_48_gpu_pool_generate_without_pipeline_stages():
 
 def test_the_trainer_refuses_a_plan_with_padded_training_splits_and_accepts_padded_or_even_generation():
     from hybridflow.trainers.auto_mapping import apply_plan, workload_of
-    from hybridflow.trainers.config import load_rl_config
+    from hybridflow.trainers.config.rl import load_rl_config
 
     config = load_rl_config(None, ["data.train_path=train.jsonl", "actor.model.builtin=arithmetic",
                                    "reward.model.builtin=arithmetic", "placement.pools={cluster: [4]}",
@@ -741,7 +741,7 @@ def test_the_trainer_refuses_a_plan_with_padded_training_splits_and_accepts_padd
 
 def test_the_trainer_builds_the_96_gpu_plan_whose_generation_replicas_do_not_divide_the_prompts():
     from hybridflow.trainers.auto_mapping import apply_plan
-    from hybridflow.trainers.config import load_rl_config
+    from hybridflow.trainers.config.rl import load_rl_config
 
     config = load_rl_config(None, ["data.train_path=train.jsonl", "actor.model.builtin=arithmetic",
                                    "reward.model.builtin=arithmetic", "placement.pools={cluster: [8]}",
@@ -906,7 +906,7 @@ def test_plan_granularity_option_searches_the_finer_pools_and_refuses_an_unknown
 
 def test_the_trainer_builds_a_plan_with_a_pool_of_a_node_and_half_of_another():
     from hybridflow.trainers.auto_mapping import apply_plan
-    from hybridflow.trainers.config import load_rl_config
+    from hybridflow.trainers.config.rl import load_rl_config
 
     config = load_rl_config(None, ["data.train_path=train.jsonl", "actor.model.builtin=arithmetic",
                                    "reward.model.builtin=arithmetic", "placement.pools={cluster: [8, 8]}",

@@ -169,7 +169,7 @@ def test_plan_with_the_vllm_flag_writes_the_backend_into_the_fragment_and_its_he
 
 def test_the_trainer_refuses_a_plan_made_for_another_rollout_backend():
     from hybridflow.trainers.auto_mapping import apply_plan, workload_of
-    from hybridflow.trainers.config import load_rl_config
+    from hybridflow.trainers.config.rl import load_rl_config
 
     config = load_rl_config(None, ["data.train_path=train.jsonl", "actor.model.builtin=arithmetic",
                                    "reward.model.builtin=arithmetic", "placement.pools={cluster: [4]}",
@@ -224,7 +224,7 @@ def test_auto_mapping_plans_for_the_configs_backend_and_its_vllm_kv_cache(monkey
     import importlib.util
 
     from hybridflow.trainers import auto_mapping
-    from hybridflow.trainers.config import load_rl_config
+    from hybridflow.trainers.config.rl import load_rl_config
 
     # the config refuses backend=vllm where vLLM is not installed; the planner itself does not need it
     real_find_spec = importlib.util.find_spec

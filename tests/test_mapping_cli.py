@@ -114,7 +114,7 @@ def test_mapping_package_imports_neither_torch_nor_ray():
 
 
 def _auto_config(*overrides: str):
-    from hybridflow.trainers.config import load_rl_config
+    from hybridflow.trainers.config.rl import load_rl_config
 
     return load_rl_config(None, ["data.train_path=train.jsonl", "actor.model.builtin=arithmetic",
                                  "reward.model.builtin=arithmetic", "placement.pools={cluster: [4]}",

@@ -12,8 +12,8 @@ import pytest
 from hybridflow.data import write_jsonl
 from hybridflow.data.builtin import ArithmeticTaskConfig, prompt_rows
 from hybridflow.rewards import RewardError
-from hybridflow.trainers.config import load_rl_config
-from hybridflow.trainers.ppo import run_rl
+from hybridflow.trainers.config.rl import load_rl_config
+from hybridflow.trainers.rl import run_rl
 
 
 def slow_reward(prompt: str, response: str, **extra_fields) -> float:

@@ -26,9 +26,9 @@ from hybridflow.trainers.advantage import compute_advantages
 from hybridflow.trainers.components import SafeRLHF
 from hybridflow.trainers.build import COST_CRITIC_PREFIX, model_config_of, role_specs
 from hybridflow.models.config import ModelConfig
-from hybridflow.trainers.config import AlgorithmSection, CostSection, RLConfig, load_rl_config
-from hybridflow.trainers.config_loader import build_dataclass, to_plain
-from hybridflow.trainers.ppo import RLTrainer
+from hybridflow.trainers.config.rl import AlgorithmSection, CostSection, RLConfig, load_rl_config
+from hybridflow.trainers.config.loader import build_dataclass, to_plain
+from hybridflow.trainers.rl import RLTrainer
 
 TASK = ArithmeticTaskConfig(max_digits=1)
 BASE = ["data.train_path=train.jsonl", "actor.model.builtin=arithmetic", "reward.function=pkg.mod:score",
@@ -95,9 +95,10 @@ def test_cost_roles_are_active_placed_and_size_checked_like_the_critic():
 def test_cost_specs_use_a_score_head_and_a_prefixed_value_critic_on_the_actor_backbone():
     specs = role_specs(load_rl_config(None, BASE))
     assert specs.cost.engine.head == "score" and specs.cost.tokenizer is None
-    cost_critic_model, _ = specs.cost_critic
+    cost_critic_model = specs.cost_critic.engine
     assert cost_critic_model.head == "value"
-    assert cost_critic_model.model == specs.critic[0].model  # null cost.critic.model: the actor's backbone
+    assert cost_critic_model.model == specs.critic.engine.model  # null cost.critic.model: the actor's backbone
+    assert specs.cost_critic.sizes == specs.critic.sizes == specs.actor.sizes  # one mini-batch for every update
     assert COST_CRITIC_PREFIX == "cost_"
 
 

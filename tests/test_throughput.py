@@ -14,8 +14,8 @@ from hybridflow.controller.host import driver_thread_limit, threads_per_worker, 
 from hybridflow.controller.worker_group import _NODE_SHARES
 from hybridflow.data import write_jsonl
 from hybridflow.data.builtin import ArithmeticTaskConfig, prompt_rows
-from hybridflow.trainers.config import load_rl_config
-from hybridflow.trainers.ppo import run_rl
+from hybridflow.trainers.config.rl import load_rl_config
+from hybridflow.trainers.rl import run_rl
 from hybridflow.trainers.redundant_passes import old_log_prob_is_redundant
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the Ray workers cannot import this module

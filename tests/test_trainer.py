@@ -13,8 +13,8 @@ from hybridflow.controller import local_mode
 from hybridflow.data import write_jsonl
 from hybridflow.data.builtin import ArithmeticTaskConfig, prompt_rows, sft_rows
 from hybridflow.rewards import RewardError
-from hybridflow.trainers.config import load_rl_config
-from hybridflow.trainers.ppo import RLTrainer, run_rl
+from hybridflow.trainers.config.rl import load_rl_config
+from hybridflow.trainers.rl import RLTrainer, run_rl
 from hybridflow.trainers.step import StepComponent
 
 TASK = ArithmeticTaskConfig(max_digits=1)
@@ -133,7 +133,7 @@ class RecordingComponent(StepComponent):
         self.calls.append("adjust_scores")
         return scores_B
 
-    def estimator_inputs(self, rollout):
+    def estimator_inputs(self, experience):
         self.calls.append("estimator_inputs")
         return {}
 
@@ -291,9 +291,9 @@ class _RecordingTrainer:
 
 
 def test_run_rl_passes_mode_and_tensorboard_on_returns_the_history_and_shuts_down_after_a_failed_fit(monkeypatch):
-    from hybridflow.trainers import ppo
+    from hybridflow.trainers import rl
 
-    monkeypatch.setattr(ppo, "RLTrainer", _RecordingTrainer)
+    monkeypatch.setattr(rl, "RLTrainer", _RecordingTrainer)
     monkeypatch.setattr(_RecordingTrainer, "built", [])
     monkeypatch.setattr(_RecordingTrainer, "shut_down", [])
     assert run_rl("config", mode="local", tensorboard=False) == [{"step": 1}, {"step": 2}]

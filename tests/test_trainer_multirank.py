@@ -40,8 +40,8 @@ import torch
 from hybridflow.data import write_jsonl
 from hybridflow.data.builtin import ArithmeticTaskConfig, prompt_rows
 from hybridflow.engine.weights import read_safetensors
-from hybridflow.trainers.config import load_rl_config
-from hybridflow.trainers.ppo import RLTrainer
+from hybridflow.trainers.config.rl import load_rl_config
+from hybridflow.trainers.rl import RLTrainer
 
 TRAINED_ROLES = ("actor", "critic")
 # Actor training layouts for a two-slot pool (the critic, reference and reward stay fsdp: dp 2).

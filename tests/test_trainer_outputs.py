@@ -12,10 +12,10 @@ from safetensors.torch import load_file
 
 from hybridflow.data import write_jsonl
 from hybridflow.data.builtin import ArithmeticTaskConfig, prompt_rows
-from hybridflow.trainers.config import load_rl_config
+from hybridflow.trainers.config.rl import load_rl_config
 from hybridflow.trainers.export import export_main
 from hybridflow.trainers.metrics import StepReporter
-from hybridflow.trainers.ppo import RLTrainer, run_rl
+from hybridflow.trainers.rl import RLTrainer, run_rl
 
 TASK = ArithmeticTaskConfig(max_digits=1)
 TOKENIZER_FILES = ("tokenizer_config.json",)

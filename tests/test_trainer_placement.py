@@ -6,8 +6,8 @@ import pytest
 
 from hybridflow.data import write_jsonl
 from hybridflow.data.builtin import ArithmeticTaskConfig, prompt_rows
-from hybridflow.trainers.config import load_rl_config
-from hybridflow.trainers.ppo import RLTrainer
+from hybridflow.trainers.config.rl import load_rl_config
+from hybridflow.trainers.rl import RLTrainer
 
 
 def _run(tmp_path, name: str, *placement: str) -> list[dict]:

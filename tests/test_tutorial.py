@@ -66,7 +66,7 @@ def test_the_tutorial_runs_from_an_empty_directory_to_an_exported_evaluated_mode
 @pytest.mark.parametrize("name, kind", [("sft.yaml", "sft"), ("rm.yaml", "rm"), ("reverse_task/sft.yaml", "sft"),
                                         ("reverse_task/grpo.yaml", "train"), ("arithmetic_ppo.yaml", "train")])
 def test_every_example_config_loads(name, kind):
-    from hybridflow.trainers.config import load_rl_config
+    from hybridflow.trainers.config.rl import load_rl_config
     from hybridflow.trainers.supervised import RMConfig, SFTConfig, load_supervised_config
 
     path = REPO / "examples" / name

@@ -54,7 +54,7 @@ def _full_weights(actor: ActorWorker) -> dict[str, list[torch.Tensor]]:
 
 
 def test_backend_vllm_with_generation_pipeline_stages_is_refused_naming_the_key():
-    from hybridflow.trainers.config import load_rl_config
+    from hybridflow.trainers.config.rl import load_rl_config
 
     overrides = ["data.train_path=unused.jsonl", "actor.model.builtin=arithmetic", "reward.function=arithmetic",
                  "actor.engine.layout=3d", "actor.generation.backend=vllm", "placement.pools.global=[2]"]
@@ -219,8 +219,8 @@ def test_greedy_tokens_from_vllm_equal_the_native_engines_on_smollm2_in_fp32():
 def test_rl_training_with_backend_vllm_logs_the_rollout_transition_and_a_small_logprob_mismatch(tmp_path):
     """The driver and workers unchanged: PPO with a critic and a reference, TIS on; a second engine (slow)."""
     from hybridflow.data import write_jsonl
-    from hybridflow.trainers.config import load_rl_config
-    from hybridflow.trainers.ppo import run_rl
+    from hybridflow.trainers.config.rl import load_rl_config
+    from hybridflow.trainers.rl import run_rl
 
     task = ArithmeticTaskConfig(max_digits=1)
     write_jsonl(tmp_path / "train.jsonl", prompt_rows(16, split="train", seed=0, config=task))

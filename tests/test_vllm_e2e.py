@@ -52,7 +52,7 @@ def _assert_vllm_rollout_metrics(record: dict, *, model_dir: Path) -> None:
 
 @pytest.mark.slow
 def test_the_reduced_demo_runs_every_stage_with_vllm_generating_the_ppo_rollouts(tmp_path, monkeypatch):
-    from hybridflow.trainers import config as rl_config
+    from hybridflow.trainers.config import rl as rl_config
     from hybridflow.trainers.demo import DemoConfig, run_demo
 
     from test_demo import SMALL

@@ -191,8 +191,8 @@ def test_grpo_on_ray_with_a_tp2_actor_rolls_out_on_vllm_tg2_with_rollout_logprob
     """The driver, protocols and workers unchanged: two Ray actor ranks, one vLLM replica of tg = 2."""
     from hybridflow.data import write_jsonl
     from hybridflow.data.builtin import ArithmeticTaskConfig, prompt_rows
-    from hybridflow.trainers.config import load_rl_config
-    from hybridflow.trainers.ppo import RLTrainer
+    from hybridflow.trainers.config.rl import load_rl_config
+    from hybridflow.trainers.rl import RLTrainer
 
     write_jsonl(tmp_path / "train.jsonl", prompt_rows(8, split="train", seed=0, config=ArithmeticTaskConfig(max_digits=1)))
     config = load_rl_config(None, [

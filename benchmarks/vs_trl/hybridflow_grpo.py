@@ -31,7 +31,7 @@ def worker_usage() -> tuple[float, float]:
 def main() -> None:
     args = side_parser(runtime=True).parse_args()
 
-    from hybridflow.trainers.config import load_rl_config
+    from hybridflow.trainers.config.rl import load_rl_config
 
     samples = args.prompts_per_step * args.samples_per_prompt
     config = load_rl_config(None, [
@@ -51,7 +51,7 @@ def run_trainer(config, *, runtime: str) -> None:
     """Build RLTrainer from ``config`` with ``placement.runtime=runtime`` and print one JSON line per step."""
     from dataclasses import replace
 
-    from hybridflow.trainers.ppo import RLTrainer
+    from hybridflow.trainers.rl import RLTrainer
 
     config = replace(config, placement=replace(config.placement, runtime=runtime))
     peak = {"worker": 0.0}

@@ -21,7 +21,7 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).parent))
     from hybridflow_grpo import run_trainer
 
-    from hybridflow.trainers.config import load_rl_config
+    from hybridflow.trainers.config.rl import load_rl_config
 
     samples = args.prompts_per_step * args.samples_per_prompt
     config = load_rl_config(None, [

@@ -16,8 +16,8 @@ from pathlib import Path
 from hybridflow.data.math_prompts import math_prompt_rows
 from hybridflow.data import write_jsonl
 from hybridflow.models import smollm2_path
-from hybridflow.trainers.config import load_rl_config
-from hybridflow.trainers.ppo import RLTrainer
+from hybridflow.trainers.config.rl import load_rl_config
+from hybridflow.trainers.rl import RLTrainer
 
 CONFIG = Path(__file__).with_name("config.yaml")
 INSTRUCTION = "Think step by step, then give the final answer as \\boxed{number}."

@@ -28,7 +28,7 @@ from hybridflow.algorithms import (
     rloo_advantages,
     scores_on_last_token,
 )
-from hybridflow.trainers.algorithm_config import AlgorithmSection  # defined there (no torch), used here
+from hybridflow.trainers.config.algorithm import AlgorithmSection  # defined there (no torch), used here
 from hybridflow.trainers.estimators import ESTIMATOR_TRAITS, EstimatorTraits
 
 

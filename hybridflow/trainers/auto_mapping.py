@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from hybridflow.trainers.config import RLConfig
+from hybridflow.trainers.config.rl import RLConfig
 
 LOCAL_HARDWARE = "local"
 """``placement.hardware`` value meaning: the profile `hybridflow calibrate` measured on this machine."""

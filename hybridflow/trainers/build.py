@@ -10,9 +10,9 @@ from hybridflow.controller import ResourcePool, WorkerGroup, runtime_mode
 from hybridflow.engine.config import EngineConfig
 from hybridflow.engine.generation_config import GenerationConfig, GenerationTokens
 from hybridflow.models.config import ModelConfig
-from hybridflow.trainers.config import CriticSection, RLConfig
-from hybridflow.workers import (ActorSpec, ActorWorker, CostWorker, CriticWorker, EngineSpec, ReferenceWorker,
-                                RewardSpec, RewardWorker, TokenizerSource, ValueLossConfig)
+from hybridflow.trainers.config.rl import CriticSection, RLConfig
+from hybridflow.workers import (ActorSpec, ActorWorker, CostWorker, CriticSpec, CriticWorker, EngineSpec,
+                                ReferenceWorker, RewardSpec, RewardWorker, TokenizerSource, UpdateSizes)
 
 # Tensor-name prefix of the cost critic (Safe-RLHF): it returns ``cost_values`` and trains on ``cost_returns``.
 COST_CRITIC_PREFIX = "cost_"
@@ -82,11 +82,11 @@ class RoleSpecs:
 
     actor: ActorSpec
     reference: EngineSpec | None
-    critic: tuple[EngineSpec, ValueLossConfig] | None
+    critic: CriticSpec | None
     reward: RewardSpec | None
     actor_tokenizer: TokenizerSource
     cost: RewardSpec | None = None
-    cost_critic: tuple[EngineSpec, ValueLossConfig] | None = None
+    cost_critic: CriticSpec | None = None
 
 
 def role_specs(config: RLConfig) -> RoleSpecs:
@@ -94,16 +94,13 @@ def role_specs(config: RLConfig) -> RoleSpecs:
     seed, derived, roles = config.trainer.seed, config.derived(), config.active_roles
     actor_tokenizer = tokenizer_of(config.actor.model)
     steps = config.trainer.total_steps * derived.mini_batches_per_epoch
-    actor_loss = config.actor.loss
     generation, tokens = generation_config_of(config, actor_tokenizer.load())
     actor = ActorSpec(
         engine=engine_spec(config.actor.model, config.actor.engine, head="lm", seed=seed,
-                           total_steps=steps * actor_loss.ppo_epochs),
+                           total_steps=steps * config.actor.loss.ppo_epochs),
         hybrid_engine=config.actor.hybrid_engine,
-        generation=generation, tokens=tokens,
-        loss=replace(actor_loss, mini_batch_size=config.batch.mini_batch_size,
-                     kl_loss_coef=config.algorithm.kl_coef if config.algorithm.kl_in_loss else 0.0,
-                     max_response_length=config.actor.generation.max_new_tokens))
+        generation=generation, tokens=tokens, loss=config.actor.loss, sizes=update_sizes(config),
+        kl_loss_coef=config.algorithm.kl_coef if config.algorithm.kl_in_loss else 0.0)
     reference = critic = reward = None
     if "reference" in roles:
         source = config.reference.model or config.actor.model
@@ -123,15 +120,19 @@ def role_specs(config: RLConfig) -> RoleSpecs:
                      cost=cost, cost_critic=cost_critic)
 
 
-def _critic_specs(config: RLConfig, section: CriticSection, *,
-                  optimizer_steps: int) -> tuple[EngineSpec, ValueLossConfig]:
+def update_sizes(config: RLConfig) -> UpdateSizes:
+    """The sizes every PPO-style update of the run uses (the actor's and the critics'): the mini-batch of
+    ``batch.mini_batch_size`` and ``actor.generation.max_new_tokens`` as the response-length normaliser."""
+    return UpdateSizes(mini_batch_size=config.batch.mini_batch_size,
+                       max_response_length=config.actor.generation.max_new_tokens)
+
+
+def _critic_specs(config: RLConfig, section: CriticSection, *, optimizer_steps: int) -> CriticSpec:
     """A value model (the critic, or Safe-RLHF's cost critic): its backbone defaults to the actor's model."""
     source = section.model or config.actor.model
-    seed = config.trainer.seed
-    return (engine_spec(source, section.engine, head="value", seed=seed,
-                        total_steps=optimizer_steps * section.loss.ppo_epochs),
-            replace(section.loss, mini_batch_size=config.batch.mini_batch_size,
-                    max_response_length=config.actor.generation.max_new_tokens))
+    engine = engine_spec(source, section.engine, head="value", seed=config.trainer.seed,
+                         total_steps=optimizer_steps * section.loss.ppo_epochs)
+    return CriticSpec(engine=engine, loss=section.loss, sizes=update_sizes(config))
 
 
 def _scorer_spec(source: ModelConfig, engine: EngineConfig, *, head: str, seed: int,
@@ -158,10 +159,10 @@ def build_worker_groups(config: RLConfig, specs: RoleSpecs, *,
     """
     arguments = {"actor": (ActorWorker, (specs.actor,)),
                  "reference": (ReferenceWorker, (specs.reference,)),
-                 "critic": (CriticWorker, specs.critic),
+                 "critic": (CriticWorker, (specs.critic,)),
                  "reward": (RewardWorker, (specs.reward,)),
                  "cost": (CostWorker, (specs.cost,)),
-                 "cost_critic": (CriticWorker, specs.cost_critic, {"prefix": COST_CRITIC_PREFIX})}
+                 "cost_critic": (CriticWorker, (specs.cost_critic,), {"prefix": COST_CRITIC_PREFIX})}
     mode = resolve_runtime(config, mode)
     by_pool: dict[str, dict[str, tuple]] = {}
     for role in config.active_roles:

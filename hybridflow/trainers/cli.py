@@ -18,11 +18,11 @@ def usage_epilog(kind: str) -> str:
     """How overrides are written, with examples and the top-level keys of ``hybridflow KIND``'s config."""
     import dataclasses
 
-    from hybridflow.trainers.config import RLConfig  # config classes import no torch
-    from hybridflow.trainers.supervised_config import RMConfig, SFTConfig
+    from hybridflow.trainers.config.rl import RLConfig  # config classes import no torch
+    from hybridflow.trainers.config.supervised import RMConfig, SFTConfig
 
     cls = {"train": RLConfig, "sft": SFTConfig, "rm": RMConfig}[kind]
-    keys = [field.name for field in dataclasses.fields(cls) if field.init and "derived" not in field.metadata]
+    keys = [field.name for field in dataclasses.fields(cls) if field.init]
     return (f"Overrides are dotted keys parsed as YAML, anywhere on the line, e.g. {OVERRIDE_EXAMPLES[kind]}. "
             f"Keys of the config: {', '.join(keys)}. docs/config.md (section \"hybridflow {kind}\") lists every key.")
 
@@ -59,7 +59,7 @@ def _read_config_file(path: str | None) -> None:
     """A missing or malformed YAML file is reported before the config classes (and torch) are imported."""
     if path is None:
         return
-    from hybridflow.trainers.config_loader import load_yaml
+    from hybridflow.trainers.config.loader import load_yaml
 
     try:
         load_yaml(path)
@@ -81,8 +81,8 @@ def train_main(argv: list[str]) -> int:
         _read_config_file(args.config)
     except ValueError as error:
         return _fail("hybridflow train", error)
-    from hybridflow.trainers.config import load_rl_config
-    from hybridflow.trainers.config_loader import dump_yaml, to_plain
+    from hybridflow.trainers.config.rl import load_rl_config
+    from hybridflow.trainers.config.loader import dump_yaml, to_plain
 
     try:
         config = load_rl_config(args.config, args.overrides)
@@ -92,7 +92,7 @@ def train_main(argv: list[str]) -> int:
         derived = "\n".join(f"#   {line}" for line in json.dumps(to_plain(config.derived())).splitlines())
         print(dump_yaml(config) + "# derived sizes (not config keys):\n" + derived)
         return 0
-    from hybridflow.trainers.ppo import RLTrainer
+    from hybridflow.trainers.rl import RLTrainer
 
     try:
         trainer = RLTrainer(config, mode="local" if args.local else None)
@@ -130,8 +130,8 @@ def _supervised_main(kind: str, argv: list[str]) -> int:
         _read_config_file(args.config)
     except ValueError as error:
         return _fail(prog, error)
-    from hybridflow.trainers.config_loader import dump_yaml
-    from hybridflow.trainers.supervised_config import RMConfig, SFTConfig, load_supervised_config
+    from hybridflow.trainers.config.loader import dump_yaml
+    from hybridflow.trainers.config.supervised import RMConfig, SFTConfig, load_supervised_config
 
     try:
         config = load_supervised_config(SFTConfig if kind == "sft" else RMConfig, args.config, args.overrides)

@@ -22,9 +22,9 @@ from hybridflow.algorithms import (overlong_filter_mask, overlong_reward_penalty
 from hybridflow.algorithms.lagrangian import LagrangeController
 from hybridflow.protocol import DataProto
 from hybridflow.trainers.advantage import AdvantageResult, EstimatorInputs, estimate_advantages, token_mean
-from hybridflow.trainers.config import DerivedSizes, RLConfig
+from hybridflow.trainers.config.rl import DerivedSizes, RLConfig
 from hybridflow.trainers.redundant_passes import old_log_prob_is_redundant
-from hybridflow.trainers.step import Rollout, StepComponent, StepResults, first_rank
+from hybridflow.trainers.step import Experience, StepComponent, StepResults, first_rank
 from hybridflow.workers.actor import TRAINING_EXACT_LOGPROBS
 
 
@@ -74,8 +74,8 @@ class GreedyBaseline(StepComponent):
         """``score_B(batch)``: the scores of generated responses, as the reward scores them (model and function)."""
         self.actor, self.score_B, self.samples_per_prompt = actor, score_B, samples_per_prompt
 
-    def estimator_inputs(self, rollout: Rollout) -> dict[str, Tensor]:
-        prompts = rollout.prompts
+    def estimator_inputs(self, experience: Experience) -> dict[str, Tensor]:
+        prompts = experience.prompts
         greedy = DataProto.from_dict(tensors=dict(prompts.batch.items()), non_tensors=dict(prompts.non_tensor_batch),
                                      meta_info={**prompts.meta_info, "greedy": True, "samples_per_prompt": 1})
         baseline_B = self.score_B(self.actor.generate_sequences(greedy))

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hybridflow.trainers.config_loader import apply_overrides, build_dataclass, to_plain
+from hybridflow.trainers.config.loader import apply_overrides, build_dataclass, to_plain
 
 # Response budget of the task: at most 3 answer digits (99+99) plus EOS, and one spare token so a
 # policy that fails to stop is visible (and penalized) rather than cut at exactly the right length.
@@ -248,8 +248,8 @@ def train_reward_model(config: DemoConfig, pairs: Path, pairs_eval: Path, output
 def build_ppo_trainer(config: DemoConfig, files: dict[str, Path], root: Path, *, policy_dir: str, reward_dir: str,
                       tensorboard: bool):
     """An RLTrainer running PPO of the policy against the reward model (the checker only validates)."""
-    from hybridflow.trainers.config import load_rl_config
-    from hybridflow.trainers.ppo import RLTrainer
+    from hybridflow.trainers.config.rl import load_rl_config
+    from hybridflow.trainers.rl import RLTrainer
 
     rl_config = load_rl_config(None, [
         f"data.train_path={files['prompts']}", f"data.val_path={files['prompts_eval']}",

@@ -1,6 +1,6 @@
 """What the driver must know about each advantage estimator (its traits), importable without torch.
 
-``ESTIMATOR_TRAITS`` is the one table of these facts: config validation (``trainers/config.py``), the
+``ESTIMATOR_TRAITS`` is the one table of these facts: config validation (``trainers/config/rl.py``), the
 trainer (which roles and step components run) and auto-mapping (how many generation passes a step
 makes) ask an estimator's traits instead of comparing its name. The functions themselves are
 ``hybridflow.trainers.advantage.ESTIMATORS`` (torch); each entry there carries its traits from here, and

@@ -61,8 +61,8 @@ def export_checkpoint(run_dir: str | Path, *, step: int | None = None, out: str 
     from hybridflow.controller import ResourcePool, WorkerGroup
     from hybridflow.trainers.build import COST_CRITIC_PREFIX, role_specs
     from hybridflow.trainers.checkpoint import RunCheckpointer
-    from hybridflow.trainers.config import RLConfig
-    from hybridflow.trainers.config_loader import build_dataclass
+    from hybridflow.trainers.config.rl import RLConfig
+    from hybridflow.trainers.config.loader import build_dataclass
     from hybridflow.workers import ActorWorker, CriticWorker
 
     checkpointer = RunCheckpointer(Path(run_dir) / "checkpoints")
@@ -73,8 +73,8 @@ def export_checkpoint(run_dir: str | Path, *, step: int | None = None, out: str 
                          f"export it from a run that saves its config")
     config = build_dataclass(RLConfig, _single_process_config(state["config"]))
     specs = role_specs(config)
-    arguments = {"actor": (ActorWorker, (specs.actor,), {}), "critic": (CriticWorker, specs.critic, {}),
-                 "cost_critic": (CriticWorker, specs.cost_critic, {"prefix": COST_CRITIC_PREFIX})}
+    arguments = {"actor": (ActorWorker, (specs.actor,), {}), "critic": (CriticWorker, (specs.critic,), {}),
+                 "cost_critic": (CriticWorker, (specs.cost_critic,), {"prefix": COST_CRITIC_PREFIX})}
     target = Path(out) if out is not None else Path(run_dir) / "export" / path.name
     written = {}
     for role in TRAINED_ROLES:

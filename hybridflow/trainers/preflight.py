@@ -14,7 +14,7 @@ from pathlib import Path
 
 from hybridflow.data.files import read_rows
 from hybridflow.models.config import ModelConfig
-from hybridflow.trainers.config import RLConfig
+from hybridflow.trainers.config.rl import RLConfig
 
 # A Hugging Face tokenizer directory holds at least one of these (fast, SentencePiece or BPE/WordPiece vocabularies).
 # Roles whose tokenizer is loaded (the others read the actor's token ids).

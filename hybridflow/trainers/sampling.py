@@ -1,7 +1,7 @@
 """How a step draws its samples: one round of generate-and-score, or DAPO's dynamic sampling (more rounds until
 the step holds ``prompts_per_step`` groups whose scores are not all equal).
 
-A strategy's ``sample(prompts, seed, generate_and_score)`` returns the step's ``Rollout``; it calls
+A strategy's ``sample(prompts, seed, generate_and_score)`` returns the step's ``Experience``; it calls
 ``generate_and_score(prompts, seed=, first_uid=)`` (``RLTrainer.generate_and_score``) once per round.
 """
 
@@ -12,15 +12,15 @@ import torch
 
 from hybridflow.algorithms import dynamic_sampling_keep_mask, first_kept_groups
 from hybridflow.protocol import DataProto
-from hybridflow.trainers.config import RLConfig
-from hybridflow.trainers.step import Rollout
+from hybridflow.trainers.config.rl import RLConfig
+from hybridflow.trainers.step import Experience
 
 
 class OneRound:
     """The paper's step: the step's prompts, generated and scored once."""
 
-    def sample(self, prompts: DataProto, seed: int, generate_and_score) -> Rollout:
-        return Rollout(prompts=prompts, batch=generate_and_score(prompts, seed=seed, first_uid=0))
+    def sample(self, prompts: DataProto, seed: int, generate_and_score) -> Experience:
+        return Experience(prompts=prompts, batch=generate_and_score(prompts, seed=seed, first_uid=0))
 
 
 class DynamicSampling:
@@ -37,7 +37,7 @@ class DynamicSampling:
         self.loader, self.score_B, self.need = loader, score_B, prompts_per_step
         self.max_rounds, self.pad_token_id = max_rounds, pad_token_id
 
-    def sample(self, prompts: DataProto, seed: int, generate_and_score) -> Rollout:
+    def sample(self, prompts: DataProto, seed: int, generate_and_score) -> Experience:
         first_prompts, need = prompts, self.need
         rounds, round_scores = [], []
         for round_index in range(self.max_rounds):
@@ -60,7 +60,7 @@ class DynamicSampling:
         metrics = {"sampling/rounds": float(len(rounds)), "sampling/prompts_drawn": float(len(rounds) * need),
                    "sampling/kept_group_fraction": groups_kept / (len(rounds) * need),
                    "sampling/filled_groups": float(max(need - groups_kept, 0))}
-        return Rollout(prompts=first_prompts, batch=batch[np.asarray(rows)], sampling_metrics=metrics)
+        return Experience(prompts=first_prompts, batch=batch[np.asarray(rows)], sampling_metrics=metrics)
 
 
 def build_sampling(config: RLConfig, *, loader, score_B, pad_token_id: int) -> OneRound | DynamicSampling:

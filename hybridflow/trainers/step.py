@@ -21,7 +21,7 @@ from hybridflow.trainers.advantage import AdvantageResult, token_mean
 
 
 @dataclass
-class Rollout:
+class Experience:
     """A generated and scored batch: what the learning half of a step consumes (``RLTrainer.learn``)."""
 
     prompts: DataProto
@@ -37,7 +37,7 @@ class Rollout:
 class StepResults:
     """Everything one step produced, from which ``step_metrics`` builds its metrics."""
 
-    rollout: Rollout
+    experience: Experience
     response_mask_BT: Tensor
     """The generated tokens (before a component masked some out of the loss)."""
     batch: DataProto
@@ -79,7 +79,7 @@ class StepComponent:
         """Each response's score before the advantages (and before dynamic sampling's tie check)."""
         return scores_B
 
-    def estimator_inputs(self, rollout: Rollout) -> dict[str, Tensor]:
+    def estimator_inputs(self, experience: Experience) -> dict[str, Tensor]:
         """Keyword inputs of ``compute_advantages`` this component provides (ReMax: ``baseline_scores_B``)."""
         return {}
 
@@ -128,7 +128,7 @@ def step_metrics(results: StepResults, components: list[StepComponent]) -> dict[
     for update in results.updates:
         metrics.update(update)
     metrics.update(results.reward_metrics)
-    metrics.update(results.rollout.sampling_metrics)
+    metrics.update(results.experience.sampling_metrics)
     metrics.update({
         "kl/sequence_kl": results.sequence_kl, "kl/coef": results.kl_coef,
         "response/length_mean": float(lengths_B.mean()), "response/length_max": float(lengths_B.max()),

@@ -19,7 +19,7 @@ from hybridflow.data import BatchLoader, PreferenceDataset, SFTDataset
 from hybridflow.trainers.build import engine_spec, tokenizer_of
 from hybridflow.trainers.metrics import MetricsLogger, StepReporter
 # the configs live in supervised_config (no torch); re-exported here for existing imports
-from hybridflow.trainers.supervised_config import (PreferenceData, RMConfig, SFTConfig, SFTData,  # noqa: F401
+from hybridflow.trainers.config.supervised import (PreferenceData, RMConfig, SFTConfig, SFTData,  # noqa: F401
                                                    SupervisedData, SupervisedRun, load_supervised_config)
 from hybridflow.workers.supervised import PreferenceWorker, SFTWorker
 

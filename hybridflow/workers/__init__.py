@@ -12,7 +12,8 @@ if TYPE_CHECKING:  # the same names for static tools (type checkers, IDEs, tests
     from hybridflow.workers.reference import ReferenceWorker
     from hybridflow.workers.reward import CostWorker, RewardWorker
     from hybridflow.workers.spec import (
-        ActorSpec, EngineSpec, PolicyLossConfig, RewardSpec, TokenizerSource, ValueLossConfig,
+        ActorSpec, CriticSpec, EngineSpec, PolicyLossConfig, RewardSpec, TokenizerSource, UpdateSizes,
+        ValueLossConfig,
     )
     from hybridflow.workers.supervised import SFTWorker, PreferenceWorker
 
@@ -28,16 +29,18 @@ _EXPORTS = {
     "SFTWorker": "hybridflow.workers.supervised",
     "PreferenceWorker": "hybridflow.workers.supervised",
     "ActorSpec": "hybridflow.workers.spec",
+    "CriticSpec": "hybridflow.workers.spec",
     "EngineSpec": "hybridflow.workers.spec",
     "PolicyLossConfig": "hybridflow.workers.spec",
     "RewardSpec": "hybridflow.workers.spec",
     "TokenizerSource": "hybridflow.workers.spec",
+    "UpdateSizes": "hybridflow.workers.spec",
     "ValueLossConfig": "hybridflow.workers.spec",
 }
 __all__ = [
-    "ActorSpec", "ActorWorker", "CostWorker", "CriticWorker", "EngineSpec", "ModelWorker", "PolicyLossConfig",
-    "PreferenceWorker", "ReferenceWorker", "RewardSpec", "RewardWorker", "SFTWorker", "TokenizerSource",
-    "ValueLossConfig",
+    "ActorSpec", "ActorWorker", "CostWorker", "CriticSpec", "CriticWorker", "EngineSpec", "ModelWorker",
+    "PolicyLossConfig", "PreferenceWorker", "ReferenceWorker", "RewardSpec", "RewardWorker", "SFTWorker",
+    "TokenizerSource", "UpdateSizes", "ValueLossConfig",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -19,7 +19,7 @@ from hybridflow.engine.optim import OptimizerOffload
 from hybridflow.engine.rollout import Rollout, rollout_class
 from hybridflow.protocol import DataProto
 from hybridflow.workers.base import ROLLOUT_TEMPERATURE, SEQUENCE_KEYS, ModelWorker, step_context, tensors_of
-from hybridflow.workers.spec import ActorSpec, PolicyLossConfig
+from hybridflow.workers.spec import ActorSpec
 
 UPDATE_KEYS = SEQUENCE_KEYS + ("old_logprobs", "advantages", "ref_logprobs")
 BEHAVIOUR_KEY = "logprobs"  # the rollout's sampled log-probs (TIS)
@@ -31,47 +31,49 @@ WEIGHT_VERSION = "weight_version"
 GENERATION_OVERRIDES = ("greedy", "max_new_tokens")
 
 
-def policy_loss_fn(spec: PolicyLossConfig):
+def policy_loss_fn(spec: ActorSpec):
     """The per-micro-batch policy loss the training engine calls: the configured objective (x TIS weights),
-    aggregated as configured, - entropy bonus + KL-to-reference loss.
+    aggregated as configured, - entropy bonus + KL-to-reference loss (``spec.kl_loss_coef``).
 
     TIS reads the rollout's own sampled log-probs (``logprobs``, the behaviour policy) next to the
     recomputed ``old_logprobs``.
     """
-    objective = POLICY_LOSSES[spec.policy_loss]
+    loss_config, kl_coef = spec.loss, spec.kl_loss_coef
+    objective = POLICY_LOSSES[loss_config.policy_loss]
 
     def loss_fn(outputs: dict[str, Tensor], batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
         mask_BT = batch["response_mask"]
 
         def aggregate(loss_BT: Tensor) -> Tensor:
             # clamp: a mini-batch whose every response was filtered (overlong filter) has 0 tokens, loss 0
-            return aggregate_loss(loss_BT, mask_BT, aggregation=spec.loss_aggregation,
+            return aggregate_loss(loss_BT, mask_BT, aggregation=loss_config.loss_aggregation,
                                   num_tokens_global=batch["num_tokens_global"].clamp(min=1),
                                   num_sequences_global=batch["num_sequences_global"],
-                                  constant_normalizer=spec.max_response_length)
+                                  constant_normalizer=spec.sizes.max_response_length)
 
         # no old log-probs: the trainer skipped their pass as redundant (they equal the current ones)
         old_logprobs_BT = batch["old_logprobs"] if "old_logprobs" in batch else outputs["logprobs"].detach()
         policy = objective(outputs["logprobs"], old_logprobs_BT, batch["advantages"],
-                           clip_ratio_low=spec.clip_low, clip_ratio_high=spec.clip_high, mask_BT=mask_BT)
+                           clip_ratio_low=loss_config.clip_low, clip_ratio_high=loss_config.clip_high,
+                           mask_BT=mask_BT)
         loss_BT = policy.loss_BT
         metrics = {}
-        if spec.tis_cap is not None:
-            tis = truncated_importance_weights(old_logprobs_BT, batch["logprobs"], mask_BT, cap=spec.tis_cap)
+        if loss_config.tis_cap is not None:
+            tis = truncated_importance_weights(old_logprobs_BT, batch["logprobs"], mask_BT, cap=loss_config.tis_cap)
             loss_BT = loss_BT * tis.weights_BT
             metrics["tis_cap_fraction"] = tis.cap_fraction
         loss = aggregate(loss_BT)
         metrics.update({"pg_loss": loss.detach(),
                         "clip_fraction": masked_mean(policy.clipped_BT.float(), mask_BT),
                         "approx_kl": masked_mean(policy.approx_kl_BT, mask_BT)})
-        if spec.entropy_coef > 0:
-            loss = loss - spec.entropy_coef * aggregate(outputs["entropy"])
+        if loss_config.entropy_coef > 0:
+            loss = loss - loss_config.entropy_coef * aggregate(outputs["entropy"])
             metrics["entropy"] = masked_mean(outputs["entropy"].detach(), mask_BT)
-        if spec.kl_loss_coef > 0:
-            kl_BT = kl_estimate(outputs["logprobs"], batch["ref_logprobs"], estimator=spec.kl_loss_estimator,
+        if kl_coef > 0:
+            kl_BT = kl_estimate(outputs["logprobs"], batch["ref_logprobs"], estimator=loss_config.kl_loss_estimator,
                                 mask_BT=mask_BT)
             kl = aggregate(kl_BT)
-            loss = loss + spec.kl_loss_coef * kl
+            loss = loss + kl_coef * kl
             metrics["kl_loss"] = kl.detach()
         return loss, metrics
 
@@ -193,15 +195,15 @@ class ActorWorker(ModelWorker):
     @register("DP_METRICS")
     def update_actor(self, data: DataProto) -> dict[str, float]:
         """PPO epochs over the step's samples in mini-batches; ``meta_info['seed']`` seeds the shuffling."""
-        spec = self.actor_spec.loss
-        outputs = ("logprobs", "entropy") if spec.entropy_coef > 0 else ("logprobs",)
-        keys = UPDATE_KEYS + (BEHAVIOUR_KEY,) if spec.tis_cap is not None else UPDATE_KEYS
-        if spec.tis_cap is not None and BEHAVIOUR_KEY not in data:
+        loss = self.actor_spec.loss
+        outputs = ("logprobs", "entropy") if loss.entropy_coef > 0 else ("logprobs",)
+        keys = UPDATE_KEYS + (BEHAVIOUR_KEY,) if loss.tis_cap is not None else UPDATE_KEYS
+        if loss.tis_cap is not None and BEHAVIOUR_KEY not in data:
             raise ValueError("actor.loss.tis_cap needs the rollout's sampled log-probs ('logprobs') in the batch; "
                              f"got keys {data.keys()}")
-        metrics = self._train_epochs(data, keys=keys, loss_fn=policy_loss_fn(spec), outputs=outputs,
-                                     ppo_epochs=spec.ppo_epochs, mini_batch_size=spec.mini_batch_size,
-                                     seed=int(data.meta_info.get("seed", 0)), on_non_finite=spec.on_non_finite,
+        metrics = self._train_epochs(data, keys=keys, loss_fn=policy_loss_fn(self.actor_spec), outputs=outputs,
+                                     ppo_epochs=loss.ppo_epochs, mini_batch_size=self.actor_spec.sizes.mini_batch_size,
+                                     seed=int(data.meta_info.get("seed", 0)), on_non_finite=loss.on_non_finite,
                                      context=step_context("actor", data))
         return {f"actor/{name}": value for name, value in metrics.items()}
 

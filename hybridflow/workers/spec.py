@@ -121,12 +121,6 @@ class PolicyLossConfig:
     drops that optimizer step (logged as ``actor/skipped_non_finite``). The weights are never written."""
     ptx_coef: float = 0.0
     """Weight of the pretraining (ptx) next-token loss step (``update_actor_ptx``); needs ``data.ptx_path``."""
-    mini_batch_size: int = field(default=8, metadata={"derived": "batch.mini_batch_size"})
-    """Samples per optimizer update (global; each data-parallel rank takes its share)."""
-    kl_loss_coef: float = field(default=0.0, metadata={"derived": "algorithm.kl_coef when the KL goes in the loss"})
-    """Weight of the KL to the reference added to the loss (``kl_mode: loss``, GRPO's default)."""
-    max_response_length: int | None = field(default=None, metadata={"derived": "actor.generation.max_new_tokens"})
-    """The constant normaliser of ``seq-mean-token-sum-norm`` (null: the batch's response width)."""
 
     def __post_init__(self) -> None:
         _require(isinstance(self.ppo_epochs, int) and self.ppo_epochs >= 1, "ppo_epochs", self.ppo_epochs,
@@ -152,9 +146,6 @@ class PolicyLossConfig:
         _require(self.on_non_finite in NON_FINITE_ACTIONS, "on_non_finite", self.on_non_finite,
                  ", ".join(NON_FINITE_ACTIONS))
         _require(self.ptx_coef >= 0, "ptx_coef", self.ptx_coef, "a float >= 0")
-        _require(self.mini_batch_size >= 1, "mini_batch_size", self.mini_batch_size, "an integer >= 1")
-        _require(self.max_response_length is None or self.max_response_length >= 1, "max_response_length",
-                 self.max_response_length, "an integer >= 1 or null")
 
     @property
     def clip_low(self) -> float:
@@ -180,10 +171,6 @@ class ValueLossConfig:
     """How per-token value losses become one number (as ``actor.loss.loss_aggregation``)."""
     on_non_finite: Literal["raise", "skip"] = "raise"
     """A NaN/inf loss or gradient norm: ``raise`` (naming the role and RL step) or ``skip`` the optimizer step."""
-    mini_batch_size: int = field(default=8, metadata={"derived": "batch.mini_batch_size"})
-    """Samples per optimizer update (global)."""
-    max_response_length: int | None = field(default=None, metadata={"derived": "actor.generation.max_new_tokens"})
-    """The constant normaliser of ``seq-mean-token-sum-norm`` (null: the batch's response width)."""
 
     def __post_init__(self) -> None:
         _require(isinstance(self.ppo_epochs, int) and self.ppo_epochs >= 1, "ppo_epochs", self.ppo_epochs,
@@ -193,14 +180,32 @@ class ValueLossConfig:
                  ", ".join(LOSS_AGGREGATION_NAMES))
         _require(self.on_non_finite in NON_FINITE_ACTIONS, "on_non_finite", self.on_non_finite,
                  ", ".join(NON_FINITE_ACTIONS))
-        _require(self.mini_batch_size >= 1, "mini_batch_size", self.mini_batch_size, "an integer >= 1")
-        _require(self.max_response_length is None or self.max_response_length >= 1, "max_response_length",
-                 self.max_response_length, "an integer >= 1 or null")
 
 
 def _require(condition: bool, key: str, value, allowed: str) -> None:
     if not condition:
         raise ValueError(f"config key {key} got {value!r}; allowed: {allowed}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class UpdateSizes:
+    """The sizes of a PPO-style update (the actor's and the critics') that come from the run, not from the
+    role's loss section: the trainer takes them from ``batch`` and ``actor.generation``."""
+
+    mini_batch_size: int = 8
+    """Samples per optimizer update, global (``batch.mini_batch_size``): each data-parallel rank takes its
+    share."""
+    max_response_length: int | None = None
+    """The constant normaliser of ``seq-mean-token-sum-norm`` (``actor.generation.max_new_tokens``); None: the
+    batch's response width."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.mini_batch_size, int) or self.mini_batch_size < 1:
+            raise ValueError(f"UpdateSizes.mini_batch_size must be an integer >= 1, got {self.mini_batch_size!r}")
+        if self.max_response_length is not None and (not isinstance(self.max_response_length, int)
+                                                     or self.max_response_length < 1):
+            raise ValueError(f"UpdateSizes.max_response_length must be an integer >= 1 or None, got "
+                             f"{self.max_response_length!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -217,7 +222,28 @@ class ActorSpec:
     tokens: GenerationTokens = field(default_factory=GenerationTokens)
     """The actor tokenizer's EOS and pad ids and the encoded stop strings (built from the tokenizer)."""
     loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
-    """PPO update knobs."""
+    """PPO update knobs (the user's ``actor.loss``)."""
+    sizes: UpdateSizes = field(default_factory=UpdateSizes)
+    """The update's mini-batch size and response-length normaliser."""
+    kl_loss_coef: float = 0.0
+    """Weight of the KL to the reference added to the policy loss: ``algorithm.kl_coef`` when the KL goes in the
+    loss (``algorithm.kl_mode`` loss, or auto for GRPO), else 0."""
+
+    def __post_init__(self) -> None:
+        if not self.kl_loss_coef >= 0:
+            raise ValueError(f"ActorSpec.kl_loss_coef must be a float >= 0, got {self.kl_loss_coef!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CriticSpec:
+    """Everything a CriticWorker builds: a value model (the critic, or Safe-RLHF's cost critic) and its update."""
+
+    engine: EngineSpec
+    """The value-head model and its training engine."""
+    loss: ValueLossConfig = field(default_factory=ValueLossConfig)
+    """Value-loss knobs (the user's ``critic.loss`` or ``cost.critic.loss``)."""
+    sizes: UpdateSizes = field(default_factory=UpdateSizes)
+    """The update's mini-batch size and response-length normaliser (the actor's)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -30,14 +30,14 @@ from hybridflow.trainers.auto_mapping import resolve_auto_mapping
 from hybridflow.trainers.build import build_worker_groups, role_specs
 from hybridflow.trainers.checkpoint import RunCheckpointer, config_changes
 from hybridflow.trainers.components import build_components
-from hybridflow.trainers.config import RLConfig
-from hybridflow.trainers.config_loader import dump_yaml, to_plain
+from hybridflow.trainers.config.rl import RLConfig
+from hybridflow.trainers.config.loader import dump_yaml, to_plain
 from hybridflow.trainers.export import export_roles
 from hybridflow.trainers.metrics import MetricsLogger, StepReporter
 from hybridflow.trainers.preflight import check_sequence_length, preflight
 from hybridflow.trainers.sampling import build_sampling
 from hybridflow.trainers.scoring import RewardScorer
-from hybridflow.trainers.step import PhaseTimer, Rollout, StepResults, first_rank, step_metrics
+from hybridflow.trainers.step import PhaseTimer, Experience, StepResults, first_rank, step_metrics
 
 
 class RLTrainer:
@@ -184,8 +184,8 @@ class RLTrainer:
         timer = PhaseTimer()
         seed = self.config.trainer.seed * 1_000_003 + self.step
         # 1. generate, 2. score (one round; DAPO's dynamic sampling draws more)
-        rollout = self.sampling.sample(prompts, seed, partial(self.generate_and_score, timer=timer))
-        return self.learn(rollout, seed=seed, timer=timer)  # 3. advantages, 4. updates, 5. metrics
+        experience = self.sampling.sample(prompts, seed, partial(self.generate_and_score, timer=timer))
+        return self.learn(experience, seed=seed, timer=timer)  # 3. advantages, 4. updates, 5. metrics
 
     def generate_and_score(self, prompts: DataProto, *, seed: int, first_uid: int, timer: PhaseTimer) -> DataProto:
         """``samples_per_prompt`` responses per prompt, scored; the samples of one prompt form a group (``uid``)."""
@@ -205,13 +205,13 @@ class RLTrainer:
             batch = batch.union(future.get())
         return batch
 
-    def learn(self, rollout: Rollout, *, seed: int, timer: PhaseTimer) -> dict[str, float]:
+    def learn(self, experience: Experience, *, seed: int, timer: PhaseTimer) -> dict[str, float]:
         """Advantages, the critic's and actor's updates and the step's metrics, from a generated and scored batch
         (the half of a step that an asynchronous trainer runs on a batch its rollout pool made)."""
-        batch = rollout.batch
+        batch = experience.batch
         response_mask_BT = batch["response_mask"]  # the generated tokens; a component may drop some from the loss
         scores_B, dense_rewards_BT, reward_metrics = self.rewards(batch)
-        advantages = self.advantages(rollout, scores_B, dense_rewards_BT)  # 3. advantages
+        advantages = self.advantages(experience, scores_B, dense_rewards_BT)  # 3. advantages
         for key, tensor_BT in {"advantages": advantages.advantages_BT, "returns": advantages.returns_BT,
                                **advantages.extra_BT}.items():
             batch[key] = tensor_BT
@@ -227,7 +227,7 @@ class RLTrainer:
         for component in self.components:
             component.after_step(batch)
         return step_metrics(StepResults(  # 5. the metrics, built in one place
-            rollout=rollout, response_mask_BT=response_mask_BT, batch=batch, reward_metrics=reward_metrics,
+            experience=experience, response_mask_BT=response_mask_BT, batch=batch, reward_metrics=reward_metrics,
             advantages=advantages, sequence_kl=kl, kl_coef=self.kl_controller.value, transition=transition,
             updates=updates, timing=timer.seconds), self.components)
 
@@ -239,13 +239,13 @@ class RLTrainer:
             scores_B = component.adjust_scores(batch, scores_B)
         return scores_B, dense_rewards_BT, metrics
 
-    def advantages(self, rollout: Rollout, scores_B: torch.Tensor,
+    def advantages(self, experience: Experience, scores_B: torch.Tensor,
                    dense_rewards_BT: torch.Tensor | None) -> AdvantageResult:
         """KL-shaped rewards -> the estimator's advantages and returns (with the inputs components provide, such as
         ReMax's baseline), then the components' transforms (Safe-RLHF's cost advantages and lambda)."""
-        batch = rollout.batch
+        batch = experience.batch
         inputs = {name: value for component in self.components
-                  for name, value in component.estimator_inputs(rollout).items()}
+                  for name, value in component.estimator_inputs(experience).items()}
         result = compute_advantages(
             algorithm=self.config.algorithm, scores_B=scores_B, dense_rewards_BT=dense_rewards_BT,
             response_mask_BT=batch["response_mask"],

@@ -24,8 +24,8 @@ from hybridflow.engine.generation_config import GenerationConfig
 from hybridflow.engine.hybrid_engine_config import HybridEngineConfig
 from hybridflow.engine.rollout import rollout_backend
 from hybridflow.models.config import ModelConfig
-from hybridflow.trainers.algorithm_config import AlgorithmSection
-from hybridflow.trainers.config_loader import apply_overrides, build_dataclass, load_yaml
+from hybridflow.trainers.config.algorithm import AlgorithmSection
+from hybridflow.trainers.config.loader import apply_overrides, build_dataclass, load_yaml
 from hybridflow.trainers.estimators import estimators_with
 from hybridflow.workers.spec import PolicyLossConfig, ValueLossConfig
 

@@ -1,6 +1,6 @@
 """The key reference of docs/config.md, generated from the config dataclasses so it cannot drift.
 
-``python -m hybridflow.trainers.config_docs`` rewrites the generated part of docs/config.md (between
+``python -m hybridflow.trainers.config.docs`` rewrites the generated part of docs/config.md (between
 the BEGIN/END markers); ``tests/test_config_docs.py`` fails when the file is stale.
 """
 
@@ -9,11 +9,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from hybridflow.trainers.config_loader import config_reference
+from hybridflow.trainers.config.loader import config_reference
 
-BEGIN = "<!-- BEGIN GENERATED KEY REFERENCE: python -m hybridflow.trainers.config_docs -->"
+BEGIN = "<!-- BEGIN GENERATED KEY REFERENCE: python -m hybridflow.trainers.config.docs -->"
 END = "<!-- END GENERATED KEY REFERENCE -->"
-DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "config.md"
+DOC_PATH = Path(__file__).resolve().parents[3] / "docs" / "config.md"
 
 
 def _table(title: str, cls, note: str) -> str:
@@ -27,12 +27,14 @@ def _table(title: str, cls, note: str) -> str:
 
 def render_reference() -> str:
     """The generated markdown: one table per command's config, every leaf key with its type and default."""
-    from hybridflow.trainers.config import RLConfig
+    from hybridflow.trainers.config.rl import RLConfig
     from hybridflow.trainers.supervised import RMConfig, SFTConfig
 
     parts = [
         _table("`hybridflow train` (RLConfig)", RLConfig,
-               "Italic *Derived* keys are set by the trainer from the key they name and may not appear in YAML."),
+               "Every key a YAML file or a `key=value` override may set; what the trainer derives from them "
+               "(samples per step, mini-batches per epoch, data-parallel sizes) is printed by `--print-config`, never "
+               "a key."),
         _table("`hybridflow sft` (SFTConfig)", SFTConfig, "The same `model` and `engine` sections as a role above."),
         _table("`hybridflow rm` (RMConfig)", RMConfig, "The same `model` and `engine` sections as a role above."),
     ]

@@ -6,9 +6,9 @@ against the field's annotation before the dataclass is built, so a typo or a wro
 the dotted key, the given value and what is allowed, before any worker starts. Each dataclass then
 validates its own values in ``__post_init__``.
 
-A field whose metadata has ``derived`` (e.g. an actor loss's ``mini_batch_size``) is filled by
-the trainer from other keys; YAML may not set it, ``to_plain`` leaves it out and
-the generated reference (``config_reference``) lists it as derived.
+Every field of a config dataclass is a key the user may set: what the trainer derives from the keys
+(seeds, step counts, token ids, the updates' mini-batch sizes) is passed to the components as build
+arguments and never stored in a config.
 """
 
 from __future__ import annotations
@@ -120,14 +120,9 @@ def build_dataclass(cls: type[ConfigT], data: dict[str, Any] | None, *, path: st
         raise ValueError(f"{path or 'config'} must be a mapping of keys to values, got {data!r}")
     fields = {field.name: field for field in dataclasses.fields(cls) if field.init}
     unknown = sorted(set(data) - set(fields))
-    derived = sorted(name for name in data if name in fields and "derived" in fields[name].metadata)
-    if derived:
-        raise ValueError(f"config key {_join(path, derived[0])} is set by the trainer (from "
-                         f"{fields[derived[0]].metadata['derived']}); remove it from the config")
     if unknown:
         where = f"{path}." if path else ""
-        knobs = sorted(name for name, field in fields.items() if "derived" not in field.metadata)
-        raise ValueError(f"unknown config key {where}{unknown[0]}; allowed keys here: {', '.join(knobs)}")
+        raise ValueError(f"unknown config key {where}{unknown[0]}; allowed keys here: {', '.join(sorted(fields))}")
     hints = typing.get_type_hints(cls)
     kwargs = {name: _coerce(hints[name], value, _join(path, name)) for name, value in data.items()}
     missing = sorted(name for name, field in fields.items() if name not in kwargs
@@ -152,23 +147,20 @@ def build_dataclass(cls: type[ConfigT], data: dict[str, Any] | None, *, path: st
         raise
 
 
-def to_plain(config: Any, *, with_derived: bool = False) -> Any:
-    """A config dataclass as nested dicts/lists (for logging, checkpoints and YAML dumps).
-
-    Derived fields are left out unless ``with_derived``: the result loads back as an equal config.
-    """
+def to_plain(config: Any) -> Any:
+    """A config dataclass as nested dicts/lists (for logging, checkpoints and YAML dumps): the result loads back
+    as an equal config."""
     if dataclasses.is_dataclass(config):
-        return {field.name: to_plain(getattr(config, field.name), with_derived=with_derived)
-                for field in dataclasses.fields(config) if with_derived or "derived" not in field.metadata}
+        return {field.name: to_plain(getattr(config, field.name)) for field in dataclasses.fields(config)}
     if isinstance(config, dict):
-        return {key: to_plain(value, with_derived=with_derived) for key, value in config.items()}
+        return {key: to_plain(value) for key, value in config.items()}
     if isinstance(config, (list, tuple)):
-        return [to_plain(value, with_derived=with_derived) for value in config]
+        return [to_plain(value) for value in config]
     return config
 
 
 def dump_yaml(config: Any) -> str:
-    """The config's knobs as YAML (derived fields left out): loading it back gives an equal config."""
+    """The config's knobs as YAML: loading it back gives an equal config."""
     return yaml.safe_dump(to_plain(config), sort_keys=False, default_flow_style=None, width=100)
 
 
@@ -208,7 +200,7 @@ def config_reference(cls: type, *, prefix: str = "", instance: Any = None) -> li
         annotation = hints[field.name]
         section = _section_type(annotation)
         default = _default_of(field, instance)
-        if section is not None and "derived" not in field.metadata:
+        if section is not None:
             rows.append({"key": key, "type": "section" + (" or null" if section is not annotation else ""),
                          "default": "required" if default is dataclasses.MISSING else
                          ("null" if default is None else "(below)"), "doc": docs.get(field.name, "")})
@@ -216,8 +208,6 @@ def config_reference(cls: type, *, prefix: str = "", instance: Any = None) -> li
                                          else None))
             continue
         doc = docs.get(field.name, "")
-        if "derived" in field.metadata:
-            doc = f"*Derived, set by the trainer from {field.metadata['derived']}.* {doc}"
         shown = "required" if default is dataclasses.MISSING else yaml.safe_dump(to_plain(default),
                                                                                    default_flow_style=True).strip()
         shown = shown.removesuffix("\n...").strip()

@@ -8,8 +8,8 @@ from typing import Literal
 from hybridflow.data.config import PromptFiles
 from hybridflow.engine.config import EngineConfig
 from hybridflow.models.config import ModelConfig
-from hybridflow.trainers.config import RUNTIMES, default_engine, require
-from hybridflow.trainers.config_loader import apply_overrides, build_dataclass, load_yaml
+from hybridflow.trainers.config.rl import RUNTIMES, default_engine, require
+from hybridflow.trainers.config.loader import apply_overrides, build_dataclass, load_yaml
 
 
 @dataclass(frozen=True, kw_only=True)
