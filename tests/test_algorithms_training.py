@@ -183,8 +183,8 @@ def test_dynamic_sampling_fills_a_full_batch_of_varied_groups(data_dir, tmp_path
         trainer = RLTrainer(config, tensorboard=False)
         try:
             assert isinstance(trainer.sampling, DynamicSampling)
-            rollout = trainer.sampling.sample(trainer.loader.next_batch(), 1,
-                                              partial(trainer.generate_and_score, timer=PhaseTimer()))
+            experience = trainer.sampling.sample(trainer.loader.next_batch(), 1,
+                                                 partial(trainer.generate_and_score, timer=PhaseTimer()))
             batch, metrics = experience.batch, experience.sampling_metrics
             scores_B = trainer.scorer.score(batch)[0]
         finally:
