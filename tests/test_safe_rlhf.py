@@ -312,8 +312,13 @@ def test_cost_roles_on_their_own_ray_pool_match_the_single_process_run(assets, t
     split = run("ray", "ray", recompute, "placement.pools={policy: [1], safety: [1]}",
                 "placement.roles={actor: policy, reference: policy, critic: policy, reward: safety, cost: safety, "
                 "cost_critic: safety}")
+    # the rollout-vs-training mismatch metrics are that rounding itself (~1e-7, thread-count dependent): each run's
+    # must be rounding-sized, not equal to the other's
+    rounding = ("rollout/logprob_abs_diff_mean", "rollout/logprob_abs_diff_max", "rollout/sequence_kl")
     for step_single, step_split in zip(single, split, strict=True):
         assert step_split.keys() == step_single.keys()
         for name, value in step_single.items():
-            if not name.startswith("time/"):
+            if name in rounding:
+                assert abs(value) < 1e-5 and abs(step_split[name]) < 1e-5, name
+            elif not name.startswith("time/"):
                 assert step_split[name] == pytest.approx(value, rel=1e-6, abs=1e-7), name
