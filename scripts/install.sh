@@ -39,7 +39,7 @@ quiet_pip "torch 2.13.0" install "torch==2.13.0"
 # Every later step is constrained to the torch build just installed (2.13.0+cpu, or a CUDA build).
 CONSTRAINTS=$(mktemp -t hybridflow-constraints.XXXXXX.txt)
 "$VENV/bin/python" -c 'import importlib.metadata as m; print("torch==" + m.version("torch"))' >"$CONSTRAINTS"
-EXTRAS="test,math"
+EXTRAS="test,math,lora,agents,loggers"
 if [ "$VLLM" = 1 ]; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     EXTRAS="$EXTRAS,vllm"
