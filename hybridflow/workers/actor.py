@@ -122,20 +122,56 @@ class ActorWorker(ModelWorker):
         ``prompts.meta_info`` may override ``greedy`` and ``max_new_tokens`` of the spec's sampling defaults and
         sets ``samples_per_prompt`` (default 1) and ``seed`` (default 0).
         """
-        meta = prompts.meta_info
+        config = self._call_config(prompts.meta_info)
+        output, self.last_transition = self._offloaded_rollout(prompts, config, lambda rollout: rollout.generate(
+            prompts["input_ids"], prompts["attention_mask"], config))
+        samples = config.samples_per_prompt
+        non_tensors = {key: np.repeat(values, samples) for key, values in prompts.non_tensor_batch.items()}
+        return self._generated(prompts, config, output, non_tensors)
+
+    @register("3D_ALL_MICRO_DP")
+    def generate_episodes(self, prompts: DataProto) -> DataProto:
+        """Multi-turn episodes for this replica's prompts, ``samples_per_prompt`` per prompt (prompt-major), run by
+        ``prompts.meta_info["episode_job"]`` (an ``hybridflow.agents.EpisodeJob``) on this rank's rollout requests:
+        the batch conventions of ``generate_sequences`` with ``response_mask`` 1 only on sampled tokens, plus each
+        episode's record (``episode``) and its turn rewards (``episode_turn_rewards``)."""
+        config = self._call_config(prompts.meta_info)
+        job = prompts.meta_info["episode_job"]
+        result, self.last_transition = self._offloaded_rollout(prompts, config,
+                                                               lambda rollout: job.run(rollout, prompts, config))
+        samples = config.samples_per_prompt
+        non_tensors = {key: np.repeat(values, samples) for key, values in prompts.non_tensor_batch.items()}
+        output = self._generated(prompts, config, result.tensors, {**non_tensors, "episode": result.records})
+        output.meta_info["episode_generation_s"] = result.generation_seconds
+        return output
+
+    def _call_config(self, meta: dict):
+        """The sampling config of one generation call: the spec's defaults with ``meta``'s overrides."""
         overrides = {key: meta[key] for key in GENERATION_OVERRIDES if key in meta}
         # replicas draw different noise for their different prompts; ranks of one replica the same
         config = self.actor_spec.generation.for_call(
             self.actor_spec.tokens, seed=int(meta.get("seed", 0)) * 1_000_003 + self.hybrid.replica,
             samples_per_prompt=int(meta.get("samples_per_prompt", 1)))
-        config = dataclasses.replace(config, **overrides)
+        return dataclasses.replace(config, **overrides)
+
+    def _generated(self, prompts: DataProto, config, tensors: dict, non_tensors: dict) -> DataProto:
+        """A rollout's output with what it was generated under (temperature, weight version) in its meta_info."""
+        temperature = 1.0 if config.greedy else float(config.temperature)
+        return DataProto.from_dict(tensors={k: v.cpu() for k, v in tensors.items()}, non_tensors=non_tensors,
+                                   meta_info={**prompts.meta_info, ROLLOUT_TEMPERATURE: temperature,
+                                              TRAINING_EXACT_LOGPROBS: self.rollout.logprobs_match_training,
+                                              WEIGHT_VERSION: self.rollout.version})
+
+    def _offloaded_rollout(self, prompts: DataProto, config, produce):
+        """``_rollout`` with the optimizer state offloaded around it (``actor.hybrid_engine.offload_optimizer``);
+        returns (what ``produce(rollout)`` returned, the transition's metrics)."""
         offloaded_bytes = self.optimizer_offload.offload() if self.optimizer_offload is not None else 0
         try:
-            output, to_generation, to_training, load = self._rollout(prompts, config)
+            output, to_generation, to_training, load = self._rollout(prompts, config, produce)
         finally:  # the optimizer state comes back once generation is over
             if self.optimizer_offload is not None:
                 self.optimizer_offload.reload()
-        self.last_transition = {
+        return output, {
             "to_generation_s": to_generation.seconds, "to_training_s": to_training.seconds,
             "bytes_received": to_generation.bytes_received,
             # during generation: the training shards and the shard's pieces (kept by a backend that reads them in
@@ -149,18 +185,12 @@ class ActorWorker(ModelWorker):
             # 0 when the option is off or the state already lives on the CPU (a CPU run, FSDP CPU offload)
             "optimizer_offloaded": float(offloaded_bytes > 0), "optimizer_offloaded_bytes": offloaded_bytes,
             **self.rollout.transition_metrics()}
-        samples = config.samples_per_prompt
-        non_tensors = {key: np.repeat(values, samples) for key, values in prompts.non_tensor_batch.items()}
-        temperature = 1.0 if config.greedy else float(config.temperature)
-        return DataProto.from_dict(tensors={k: v.cpu() for k, v in output.items()}, non_tensors=non_tensors,
-                                   meta_info={**prompts.meta_info, ROLLOUT_TEMPERATURE: temperature,
-                                              TRAINING_EXACT_LOGPROBS: self.rollout.logprobs_match_training,
-                                              WEIGHT_VERSION: self.rollout.version})
 
-    def _rollout(self, prompts: DataProto, config):
+    def _rollout(self, prompts: DataProto, config, produce):
         """One rollout's lifecycle, whatever the backend: to generation, load the shard (a backend that copied it
-        lets training have the gathered pieces back at once), generate, release, back to training.
-        Returns (output, to_generation stats, to_training stats, the load's stats)."""
+        lets training have the gathered pieces back at once), ``produce(rollout)`` (the batched call, or episodes on
+        its requests), release, back to training.
+        Returns (what ``produce`` returned, to_generation stats, to_training stats, the load's stats)."""
         to_generation = self.hybrid.to_generation(self.engine.local_shards())
         to_training = None
         try:
@@ -170,7 +200,7 @@ class ActorWorker(ModelWorker):
                 load = rollout.load(self.hybrid.shard, version=self.engine.step)
                 if not rollout.reads_shard_in_place:
                     to_training = self.hybrid.to_training()
-                output = rollout.generate(prompts["input_ids"], prompts["attention_mask"], config)
+                output = produce(rollout)
             finally:
                 rollout.release()  # KV cache, weight copies and references to the pieces back to training
         finally:
