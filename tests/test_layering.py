@@ -22,6 +22,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("trainers", "calibrate"),
     ("workers",),
     ("controller",),
+    ("agents",),
     ("engine", "mapping"),
     ("parallel", "rewards"),
     ("algorithms", "models", "data"),
