@@ -134,7 +134,7 @@ class EpisodeRunner:
         if result.done:
             episode.done = True
             return False
-        if episode.turns >= pending.env.max_turns:
+        if episode.turns >= (self.limits.max_turns or pending.env.max_turns):
             episode.truncated = "max_turns"
             return False
         observation = self.chat.observation_ids(result.messages, episode.tools, closed_by=self._closed_by(output))
@@ -233,6 +233,8 @@ class EpisodeJob:
     """Where the actor's tokenizer comes from (a ``TokenizerSource``: ``load()``)."""
     tool_format: str = "auto"
     """The tool-call format parsed from the model's turns ("auto": the chat template's)."""
+    tool_timeout_s: float = 30.0
+    """Seconds one tool call may take, given to environments that run tools (a ``tool_timeout_s`` attribute)."""
     on_env_error: str = "drop"
     """What a failed episode trains (``episode_tensors``)."""
 
@@ -270,7 +272,14 @@ class EpisodeJob:
 
         kwargs = dict(self.env_kwargs)
         env_class = load_environment(self.env_class, kwargs)
-        return lambda: make_environment(env_class, kwargs, max_turns=self.limits.max_turns)
+
+        def make():
+            environment = make_environment(env_class, kwargs, max_turns=self.limits.max_turns)
+            if hasattr(environment, "tool_timeout_s"):  # ToolEnvironment: the config's default timeout
+                environment.tool_timeout_s = self.tool_timeout_s
+            return environment
+
+        return make
 
     def _parser(self, tokenizer):
         from hybridflow.agents.tool_calls import make_parser

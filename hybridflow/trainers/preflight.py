@@ -41,10 +41,24 @@ def preflight(config: RLConfig) -> None:
         except ValueError as error:
             raise ValueError(f"config key reward.function: {error}") from None
     limit = max_positions(config.actor.model)
+    if config.env is not None:
+        _check_env(config, limit)
     max_new_tokens = config.actor.generation.max_new_tokens
     if limit is not None and max_new_tokens >= limit:
         raise ValueError(f"config key actor.generation.max_new_tokens got {max_new_tokens}; allowed: an integer "
                          f"below the actor model's max_position_embeddings = {limit} (the prompt needs positions too)")
+
+
+def _check_env(config: RLConfig, limit: int | None) -> None:
+    """The environment class loads and is well defined (ValueError naming the class and method), and an episode's
+    token budget fits the actor's positions."""
+    from hybridflow.agents.loading import load_environment
+
+    env = config.env
+    load_environment(env.class_path, dict(env.kwargs))
+    if limit is not None and env.max_episode_tokens is not None and env.max_episode_tokens > limit:
+        raise ValueError(f"config key env.max_episode_tokens got {env.max_episode_tokens}; allowed: at most the actor "
+                         f"model's max_position_embeddings = {limit}")
 
 
 def check_sequence_length(config: RLConfig, longest_prompt: int) -> None:

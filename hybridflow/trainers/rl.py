@@ -34,7 +34,7 @@ from hybridflow.trainers.config.rl import RLConfig
 from hybridflow.trainers.config.loader import dump_yaml, to_plain
 from hybridflow.trainers.export import export_roles
 from hybridflow.trainers.metrics import MetricsLogger, StepReporter
-from hybridflow.trainers.preflight import check_sequence_length, preflight
+from hybridflow.trainers.preflight import check_sequence_length, max_positions, preflight
 from hybridflow.trainers.sampling import build_sampling
 from hybridflow.trainers.scoring import RewardScorer
 from hybridflow.trainers.step import PhaseTimer, Experience, StepResults, first_rank, step_metrics
@@ -100,8 +100,28 @@ class RLTrainer:
         generation = self.specs.actor.generation.for_call(self.specs.actor.tokens)
         self.components = build_components(self.config, derived=self.derived, generation=generation,
                                            groups=self.groups, score_B=self.response_scores, ptx_loader=ptx_loader)
+        self.episode_job = self._episode_job()
+        # one response per prompt, or multi-turn episodes on the rollout's requests (env)
+        self.generate = self.actor.generate_sequences if self.episode_job is None else self.actor.generate_episodes
         self.sampling = build_sampling(self.config, loader=self.loader, score_B=self.sample_scores,
-                                       pad_token_id=generation.pad_token_id)
+                                       pad_token_id=generation.pad_token_id, episode_job=self.episode_job,
+                                       current_step=lambda: self.step)
+
+    def _episode_job(self):
+        """What the actor needs to run the step's episodes (``env``), or None for single-turn RL."""
+        env = self.config.env
+        if env is None:
+            return None
+        from hybridflow.agents.runner import EpisodeJob, EpisodeLimits
+
+        # unbounded by the config, an episode is still bounded by the actor's positions
+        budget = env.max_episode_tokens or max_positions(self.config.actor.model)
+        limits = EpisodeLimits(max_turns=env.max_turns, max_episode_tokens=budget,
+                               decode_chunk_tokens=env.decode_chunk_tokens, env_threads=env.env_threads)
+        kwargs = dict(env.kwargs)
+        return EpisodeJob(env_class=env.class_path, env_kwargs=kwargs, limits=limits,
+                          tokenizer=self.specs.actor_tokenizer, tool_format=env.tool_format,
+                          tool_timeout_s=env.tool_timeout_s, on_env_error=env.on_env_error)
 
     def _dataset(self, path: str) -> PromptDataset:
         return PromptDataset(path, self.tokenizer, max_prompt_tokens=self.config.data.max_prompt_tokens,
@@ -192,7 +212,7 @@ class RLTrainer:
         prompts.meta_info.update(seed=seed, samples_per_prompt=self.config.batch.samples_per_prompt)
         prompts["uid"] = np.arange(len(prompts)) + first_uid
         with timer("generate"):
-            batch = self.actor.generate_sequences(prompts)  # 3D-HybridEngine: reshard, sample, reshard back
+            batch = self.generate(prompts)  # 3D-HybridEngine: reshard, sample (or run episodes), reshard back
         with timer("score"):
             return self.score(batch)
 
@@ -285,8 +305,8 @@ class RLTrainer:
         assert self.val_data is not None
         columns: dict[str, list[torch.Tensor]] = defaultdict(list)
         for prompts in self.val_data.batches_in_order(self.config.batch.prompts_per_step):
-            prompts.meta_info.update(greedy=True, samples_per_prompt=1)
-            batch = self.actor.generate_sequences(prompts)
+            prompts.meta_info.update(greedy=True, samples_per_prompt=1, episode_job=self.episode_job)
+            batch = self.generate(prompts)
             columns["val/score_mean"].append(self.response_scores(batch))
             columns["val/response_length_mean"].append(batch["response_mask"].sum(-1).float())
             if self.val_rule is not None:

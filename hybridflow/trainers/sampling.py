@@ -1,11 +1,14 @@
-"""How a step draws its samples: one round of generate-and-score, or DAPO's dynamic sampling (more rounds until
-the step holds ``prompts_per_step`` groups whose scores are not all equal).
+"""How a step draws its samples: one round of generate-and-score, DAPO's dynamic sampling (more rounds until
+the step holds ``prompts_per_step`` groups whose scores are not all equal), or multi-turn episodes (``env``).
 
 A strategy's ``sample(prompts, seed, generate_and_score)`` returns the step's ``Experience``; it calls
 ``generate_and_score(prompts, seed=, first_uid=)`` (``RLTrainer.generate_and_score``) once per round.
 """
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -63,8 +66,49 @@ class DynamicSampling:
         return Experience(prompts=first_prompts, batch=batch[np.asarray(rows)], sampling_metrics=metrics)
 
 
-def build_sampling(config: RLConfig, *, loader, score_B, pad_token_id: int) -> OneRound | DynamicSampling:
-    """The sampling strategy of an ``RLConfig`` (``algorithm.dynamic_sampling``)."""
+class EpisodeSampling:
+    """Multi-turn episodes (``env``): the step's prompts, ``samples_per_prompt`` episodes each (a group per prompt),
+    run by the actor's ``generate_episodes`` and scored like responses. An episode whose environment failed trains
+    nothing under ``env.on_env_error: drop`` (its loss mask is 0) and is taken out of its group (a group of its own,
+    so it moves no baseline); under ``zero_reward`` it trains with reward 0. The ``agent/*`` metrics come from the
+    episodes' records; every ``env.record_every`` steps a few episodes go to ``output_dir/episodes.jsonl``."""
+
+    def __init__(self, *, job, env, output_dir: Path, current_step) -> None:
+        """``job``: the ``EpisodeJob`` the actor runs; ``current_step()``: the step being sampled."""
+        self.job, self.env, self.path, self.current_step = job, env, Path(output_dir) / "episodes.jsonl", current_step
+
+    def sample(self, prompts: DataProto, seed: int, generate_and_score) -> Experience:
+        from hybridflow.agents.episode_batch import episode_metrics
+
+        prompts.meta_info["episode_job"] = self.job
+        batch = generate_and_score(prompts, seed=seed, first_uid=0)
+        failed_B = batch["episode_failed"].numpy()
+        if self.env.on_env_error == "drop" and failed_B.any():
+            uids = np.asarray(batch["uid"]).copy()
+            uids[failed_B] = uids.max() + 1 + np.arange(int(failed_B.sum()))  # each a group of its own
+            batch["uid"] = uids
+        records = list(batch["episode"])
+        self.record(records)
+        return Experience(prompts=prompts, batch=batch, sampling_metrics=episode_metrics(
+            records, generation_seconds=float(batch.meta_info.get("episode_generation_s", 0.0))))
+
+    def record(self, records: list[dict]) -> None:
+        """Append the first ``env.record_episodes`` episodes to ``episodes.jsonl`` on every ``record_every``-th step."""
+        step = self.current_step()
+        if not self.env.record_every or step % self.env.record_every:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a") as file:
+            for record in records[:self.env.record_episodes]:
+                file.write(json.dumps({"step": step, **record}, default=str) + "\n")
+
+
+def build_sampling(config: RLConfig, *, loader, score_B, pad_token_id: int, episode_job=None,
+                   current_step=None) -> OneRound | DynamicSampling | EpisodeSampling:
+    """The sampling strategy of an ``RLConfig`` (``env``, ``algorithm.dynamic_sampling``)."""
+    if config.env is not None:
+        return EpisodeSampling(job=episode_job, env=config.env, output_dir=Path(config.trainer.output_dir),
+                               current_step=current_step)
     algorithm = config.algorithm
     if not algorithm.dynamic_sampling:
         return OneRound()

@@ -1,7 +1,9 @@
 """The step's reward: a reward model's scores and/or a rule-based function on the decoded text, weighted.
 
 A likelihood reward model also hands over its per-token terms (``rm_token_scores``); the RL step
-then credits each token with its own term (``token_rewards``) instead of the whole score at the end.
+then credits each token with its own term (``token_rewards``) instead of the whole score at the end. Multi-turn
+episodes (``env``) bring their environment's rewards as ``episode_turn_rewards``, each turn's on its last sampled
+token, credited the same way.
 Shape legend: B = samples, T = response tokens.
 """
 
@@ -46,11 +48,16 @@ class RewardScorer:
             rule_B = self.rule_scores(data)
             sequence_B += self.function_weight * rule_B
             metrics["reward/function_mean"] = float(rule_B.mean())
+        if "episode_turn_rewards" in data.batch:  # multi-turn episodes: each turn's reward on its last token
+            turn_BT = data["episode_turn_rewards"].float()
+            metrics["reward/env_mean"] = float(turn_BT.sum(dim=-1).mean())
+            dense_BT = turn_BT if dense_BT is None else dense_BT + turn_BT
         if self.uses_model:
             model_B = data["rm_scores"].float()
             metrics["reward/model_mean"] = float(model_B.mean())
             if "rm_token_scores" in data.batch:
-                dense_BT = self.model_weight * data["rm_token_scores"].float()
+                model_BT = self.model_weight * data["rm_token_scores"].float()
+                dense_BT = model_BT if dense_BT is None else dense_BT + model_BT
             else:
                 sequence_B += self.model_weight * model_B
         total_B = sequence_B if dense_BT is None else sequence_B + dense_BT.sum(dim=-1)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from hybridflow.agents.config import EnvConfig
 from hybridflow.data.config import PromptFiles
 from hybridflow.engine.config import EngineConfig, OptimConfig
 from hybridflow.engine.generation_config import GenerationConfig
@@ -127,8 +128,6 @@ class RewardSection:
     """Inference layout, micro-batch budget and precision of the reward model (its ``optim`` is unused)."""
 
     def __post_init__(self) -> None:
-        require(self.model is not None or self.function is not None, "model", None,
-                 "a reward model, a reward function, or both (reward.model / reward.function)")
         require(self.model_type in ("score_head", "likelihood"), "model_type", self.model_type,
                 "'score_head' or 'likelihood'")
         if self.function is not None:
@@ -136,6 +135,31 @@ class RewardSection:
                      "'package.module:function', 'file.py:function' or a built-in name (math, code, arithmetic)")
         require(_finite_positive(self.function_timeout_s), "function_timeout_s", self.function_timeout_s,
                 "a number of seconds > 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EnvSection(EnvConfig):
+    """Multi-turn episodes (docs/agents.md): the environment's keys plus how the RL step runs and records them."""
+
+    record_every: int = 0
+    """Every N steps, append ``record_episodes`` of the step's episodes (the whole conversation, the token ids
+    and the loss mask) to ``output_dir/episodes.jsonl``; 0: never."""
+    record_episodes: int = 4
+    """Episodes recorded per recording step (the first ones of the batch)."""
+    decode_chunk_tokens: int = 32
+    """Tokens the rollout decodes between two looks at the environments: smaller lets an episode whose tool
+    returned start its next turn sooner, larger decodes longer batches (the native backend prefills again each
+    chunk)."""
+    env_threads: int = 16
+    """Threads that run the environments' ``start`` and ``step`` (and so their tools) concurrently."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name, least in (("record_every", 0), ("record_episodes", 1), ("decode_chunk_tokens", 1),
+                            ("env_threads", 1)):
+            value = getattr(self, name)
+            require(isinstance(value, int) and not isinstance(value, bool) and value >= least, name, value,
+                    f"an integer >= {least}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -347,8 +371,11 @@ class RLConfig:
     """Loop, logging, checkpoints."""
     cost: CostSection | None = None
     """Safe-RLHF's cost model, cost critic and Lagrange multiplier; null for plain (unconstrained) RL."""
+    env: EnvSection | None = None
+    """Multi-turn episodes with tools (docs/agents.md); null: one response per prompt, scored by ``reward``."""
 
     def __post_init__(self) -> None:
+        self._check_reward_source()
         if self.actor.loss.ptx_coef > 0:
             require(self.data.ptx_path is not None, "actor.loss.ptx_coef", self.actor.loss.ptx_coef,
                      "0 unless data.ptx_path is set")
@@ -376,6 +403,27 @@ class RLConfig:
                 self.algorithm.overlong_buffer_length,
                 f"an integer <= actor.generation.max_new_tokens = {max_new_tokens}")
         self.derived()  # raises on inconsistent sizes before any worker starts
+
+    def _check_reward_source(self) -> None:
+        """The reward comes from a reward model and/or function, or from the environment (``env``)."""
+        reward = self.reward
+        if self.env is None:
+            require(reward.model is not None or reward.function is not None, "reward.model", None,
+                    "a reward model, a reward function, or both (reward.model / reward.function), or an env.class_path")
+            return
+        require(reward.function is None, "reward.function", reward.function,
+                "null with env.class_path: the environment gives the episode's rewards (a reward function "
+                "becomes a one-turn environment with hybridflow.agents.RewardFunctionEnvironment)")
+        backend = self.actor.generation.backend
+        require(backend == "native", "actor.generation.backend", backend,
+                "'native' with env.class_path (episodes run on the rollout's requests, which only the native "
+                "backend implements so far)")
+        hybrid = self.actor.hybrid_engine
+        require(hybrid.tp_size == 1 and hybrid.pp_size == 1, "actor.hybrid_engine.tp_size", hybrid.tp_size,
+                "1 (and pp_size 1) with env.class_path: every rank of a generation replica would run the "
+                "environments, whose tools need not agree across ranks")
+        require(not self.algorithm.dynamic_sampling, "algorithm.dynamic_sampling", True,
+                "false with env.class_path (dynamic sampling draws single-turn rounds)")
 
     @property
     def active_roles(self) -> tuple[str, ...]:
