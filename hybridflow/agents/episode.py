@@ -103,6 +103,8 @@ class Episode:
     """Seconds from each turn's submission to its output (shared with the other requests it was batched with)."""
     finished_at: float = 0.0
     """perf_counter() when the episode ended."""
+    placeholder: bool = False
+    """Its only sampled token is a placeholder (it sampled nothing); it is never trained."""
 
     def add_sampled(self, token_ids, logprobs) -> None:
         self.segments.append(Segment("sampled", list(token_ids), list(logprobs)))
@@ -157,4 +159,5 @@ class Episode:
                 "reward": self.reward, "turns": self.turns, "done": self.done, "truncated": self.truncated,
                 "failed": self.failed, "tool_calls": self.tool_records,
                 "sampled_tokens": self.num_tokens("sampled"), "observation_tokens": self.num_tokens("observation"),
-                "tool_seconds": self.tool_seconds, "generation_seconds": self.generation_seconds}
+                "tool_seconds": self.tool_seconds, "generation_seconds": self.generation_seconds,
+                "placeholder": self.placeholder}

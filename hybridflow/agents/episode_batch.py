@@ -5,6 +5,10 @@ right-padded, ``input_ids`` = prompts + responses. An episode's response is ever
 turns and observations, in order); ``attention_mask`` is 1 on all of them (observations take part in attention)
 while ``response_mask``, the loss mask, is 1 only on sampled tokens. ``logprobs`` holds the sampled log-probs (0
 on observations). ``episode_turn_rewards`` places each turn's reward on that turn's last sampled token.
+``episode_trainable`` says which episodes the updates may train: not one whose environment failed under
+``on_env_error="drop"``, nor one that sampled nothing (its environment failed to start, or its prompt filled the
+token budget), which holds one placeholder end-of-sequence token so that its reward has a token to sit on; the
+RL step takes those rows out of the loss once the advantages are computed (``EpisodeLossMask``).
 Shape legend: B episodes, P prompt tokens, T response tokens.
 """
 
@@ -15,14 +19,17 @@ import torch
 from hybridflow.agents.episode import Episode
 
 
-def episode_tensors(episodes: list[Episode], *, pad_token_id: int,
+def episode_tensors(episodes: list[Episode], *, pad_token_id: int, eos_token_id: int,
                     on_env_error: str = "drop") -> dict[str, torch.Tensor]:
-    """The batch tensors of ``episodes`` (see the module docstring). A failed episode trains nothing under
-    ``on_env_error="drop"`` (its loss mask is all 0); under ``"zero_reward"`` its sampled tokens train with
-    reward 0."""
+    """The batch tensors of ``episodes`` (see the module docstring). A failed episode is not trainable under
+    ``on_env_error="drop"``; under ``"zero_reward"`` its sampled tokens train with reward 0."""
+    for episode in episodes:
+        if not episode.num_tokens("sampled"):  # a placeholder for the reward to sit on; never trained
+            episode.add_sampled([eos_token_id], [0.0])
+            episode.placeholder = True
     B = len(episodes)
     P = max(len(episode.prompt_ids) for episode in episodes)
-    T = max(1, max(len(episode.response_ids) for episode in episodes))
+    T = max(len(episode.response_ids) for episode in episodes)
     prompts_BP = torch.full((B, P), pad_token_id, dtype=torch.long)
     prompt_mask_BP = torch.zeros((B, P), dtype=torch.long)
     responses_BT = torch.full((B, T), pad_token_id, dtype=torch.long)
@@ -38,8 +45,7 @@ def episode_tensors(episodes: list[Episode], *, pad_token_id: int,
             responses_BT[row, :len(response)] = torch.tensor(response, dtype=torch.long)
             real_BT[row, :len(response)] = 1
             logprobs_BT[row, :len(response)] = torch.tensor(episode.sampled_logprobs, dtype=torch.float32)
-            if not (episode.failed and on_env_error == "drop"):
-                loss_mask_BT[row, :len(response)] = torch.tensor(episode.loss_mask, dtype=torch.long)
+            loss_mask_BT[row, :len(response)] = torch.tensor(episode.loss_mask, dtype=torch.long)
         if not episode.failed:  # a failed episode's reward is 0 (zero_reward) or irrelevant (drop: nothing trains)
             for position, reward in episode.turn_reward_positions():
                 turn_rewards_BT[row, position] += reward
@@ -50,6 +56,8 @@ def episode_tensors(episodes: list[Episode], *, pad_token_id: int,
         "position_ids": (attention_mask_BS.cumsum(dim=1) - 1).clamp(min=0), "logprobs": logprobs_BT,
         "episode_turn_rewards": turn_rewards_BT,
         "episode_failed": torch.tensor([episode.failed is not None for episode in episodes]),
+        "episode_trainable": torch.tensor([not (episode.placeholder or (episode.failed and on_env_error == "drop"))
+                                           for episode in episodes]),
     }
 
 

@@ -258,9 +258,11 @@ class EpisodeJob:
             fallback += [prompts["input_ids"][index][mask].tolist()] * samples
         started = time.perf_counter()
         episodes = runner.run(rows, fallback)
+        eos = (*runner.options.eos_token_ids, runner.options.pad_token_id)[0]
+        tensors = episode_tensors(episodes, pad_token_id=runner.options.pad_token_id, eos_token_id=eos,
+                                  on_env_error=self.on_env_error)
         records = [{**episode.record(), "finished_s": episode.finished_at - started} for episode in episodes]
-        return EpisodeResult(episode_tensors(episodes, pad_token_id=runner.options.pad_token_id,
-                                             on_env_error=self.on_env_error), records, runner.generation_seconds)
+        return EpisodeResult(tensors, records, runner.generation_seconds)
 
     def _tokenizer(self):
         if self.tokenizer not in _TOKENIZERS:

@@ -35,7 +35,7 @@ from hybridflow.trainers.config.loader import dump_yaml, to_plain
 from hybridflow.trainers.export import export_roles
 from hybridflow.trainers.metrics import MetricsLogger, StepReporter
 from hybridflow.trainers.preflight import check_sequence_length, max_positions, preflight
-from hybridflow.trainers.sampling import build_sampling
+from hybridflow.trainers.sampling import EpisodeLossMask, build_sampling
 from hybridflow.trainers.scoring import RewardScorer
 from hybridflow.trainers.step import PhaseTimer, Experience, StepResults, first_rank, step_metrics
 
@@ -101,6 +101,8 @@ class RLTrainer:
         self.components = build_components(self.config, derived=self.derived, generation=generation,
                                            groups=self.groups, score_B=self.response_scores, ptx_loader=ptx_loader)
         self.episode_job = self._episode_job()
+        if self.episode_job is not None:
+            self.components.append(EpisodeLossMask())
         # one response per prompt, or multi-turn episodes on the rollout's requests (env)
         self.generate = self.actor.generate_sequences if self.episode_job is None else self.actor.generate_episodes
         self.sampling = build_sampling(self.config, loader=self.loader, score_B=self.sample_scores,

@@ -16,7 +16,7 @@ import torch
 from hybridflow.algorithms import dynamic_sampling_keep_mask, first_kept_groups
 from hybridflow.protocol import DataProto
 from hybridflow.trainers.config.rl import RLConfig
-from hybridflow.trainers.step import Experience
+from hybridflow.trainers.step import Experience, StepComponent
 
 
 class OneRound:
@@ -69,8 +69,7 @@ class DynamicSampling:
 class EpisodeSampling:
     """Multi-turn episodes (``env``): the step's prompts, ``samples_per_prompt`` episodes each (a group per prompt),
     run by the actor's ``generate_episodes`` and scored like responses. An episode whose environment failed trains
-    nothing under ``env.on_env_error: drop`` (its loss mask is 0) and is taken out of its group (a group of its own,
-    so it moves no baseline); under ``zero_reward`` it trains with reward 0. The ``agent/*`` metrics come from the
+    nothing under ``env.on_env_error: drop`` (``EpisodeLossMask``); under ``zero_reward`` it trains with reward 0. The ``agent/*`` metrics come from the
     episodes' records; every ``env.record_every`` steps a few episodes go to ``output_dir/episodes.jsonl``."""
 
     def __init__(self, *, job, env, output_dir: Path, current_step) -> None:
@@ -82,11 +81,6 @@ class EpisodeSampling:
 
         prompts.meta_info["episode_job"] = self.job
         batch = generate_and_score(prompts, seed=seed, first_uid=0)
-        failed_B = batch["episode_failed"].numpy()
-        if self.env.on_env_error == "drop" and failed_B.any():
-            uids = np.asarray(batch["uid"]).copy()
-            uids[failed_B] = uids.max() + 1 + np.arange(int(failed_B.sum()))  # each a group of its own
-            batch["uid"] = uids
         records = list(batch["episode"])
         self.record(records)
         return Experience(prompts=prompts, batch=batch, sampling_metrics=episode_metrics(
@@ -101,6 +95,33 @@ class EpisodeSampling:
         with self.path.open("a") as file:
             for record in records[:self.env.record_episodes]:
                 file.write(json.dumps({"step": step, **record}, default=str) + "\n")
+
+
+class EpisodeLossMask(StepComponent):
+    """Takes the episodes that must not train (``episode_trainable`` false: failed under ``env.on_env_error: drop``,
+    or nothing sampled) out of the loss once the advantages are computed: their rows keep the batch's size
+    (mini-batches stay whole) and count as sequences in the loss's normaliser, with no token in it; their score is
+    their group's mean, so they leave a group estimator's mean baseline as it is."""
+
+    def adjust_scores(self, batch: DataProto, scores_B: torch.Tensor) -> torch.Tensor:
+        """An untrained episode scores its group's mean (over the trained members; 0 if none), so that it leaves
+        the group's mean baseline as the trained episodes make it."""
+        trainable_B = batch["episode_trainable"]
+        if bool(trainable_B.all()):
+            return scores_B
+        totals_B = scores_B + batch["episode_turn_rewards"].to(scores_B.dtype).sum(dim=-1)
+        groups = np.asarray(batch["uid"])
+        scores_B = scores_B.clone()
+        for row in np.flatnonzero(~trainable_B.numpy()):
+            members_B = torch.from_numpy(groups == groups[row]) & trainable_B
+            scores_B[row] = totals_B[members_B].mean() if bool(members_B.any()) else 0.0
+        return scores_B
+
+    def loss_mask(self, batch: DataProto, mask_BT: torch.Tensor) -> torch.Tensor:
+        return mask_BT * batch["episode_trainable"].to(mask_BT.dtype)[:, None]
+
+    def metrics(self, results) -> dict[str, float]:
+        return {"agent/untrained_episodes": float((~results.batch["episode_trainable"]).sum())}
 
 
 def build_sampling(config: RLConfig, *, loader, score_B, pad_token_id: int, episode_job=None,
