@@ -227,7 +227,7 @@ def test_an_environment_that_raises_fails_only_its_episode_which_then_trains_not
     assert zero["response_mask"][0].sum() == 5 and zero["episode_turn_rewards"][0].sum() == 0
     metrics = episode_metrics([{**episode.record(), "finished_s": 0.0} for episode in episodes],
                               generation_seconds=0.0)
-    assert metrics["agent/failed_episodes"] == 1.0 and metrics["agent/turns_mean"] == 2.0
+    assert metrics["agent/env_failures"] == 1.0 and metrics["agent/turns_mean"] == 2.0
 
 
 # ----- concurrency on the native rollout ----------------------------------------------------------------------
@@ -359,7 +359,7 @@ def test_a_multi_turn_step_trains_exactly_the_recorded_episodes(run_inputs, tmp_
                                              f"algorithm.advantage_estimator={estimator}",
                                              "actor.loss.old_log_probs=recompute"))
     metrics = history[-1]
-    assert metrics["agent/turns_mean"] > 1.5 and metrics["agent/failed_episodes"] == 2.0
+    assert metrics["agent/turns_mean"] > 1.5 and metrics["agent/env_failures"] == 2.0
     assert metrics["agent/observation_tokens_mean"] > 0 and metrics["agent/sampled_tokens_mean"] > 0
     assert metrics["actor/pg_loss"] == metrics["actor/pg_loss"]  # finite: the step trained
     if estimator == "gae":  # PPO: the critic's values over the episodes, trained on the sampled tokens

@@ -79,7 +79,7 @@ def episode_metrics(records: list[dict], *, generation_seconds: float) -> dict[s
         "agent/done_fraction": mean("done"), "agent/reward_mean": mean("reward"),
         "agent/truncated_max_turns": float(sum(record["truncated"] == "max_turns" for record in records)),
         "agent/truncated_token_budget": float(sum(record["truncated"] == "token_budget" for record in records)),
-        "agent/failed_episodes": float(sum(record["failed"] is not None for record in records)),
+        "agent/env_failures": float(sum(record["failed"] is not None for record in records)),
         "agent/tool_calls_per_episode": len(calls) / count,
         "time/agent_env_s": sum(record["tool_seconds"] for record in records),
         "time/agent_generation_s": generation_seconds,
