@@ -206,15 +206,17 @@ def default_executor() -> ThreadPoolExecutor:
 
 
 def _timed_call(tool: Tool, arguments: dict) -> tuple[str, float]:
+    """(the tool's text, seconds it ran), measured on the thread that ran it."""
     started = time.monotonic()
-    return tool.call(arguments), started
+    content = tool.call(arguments)
+    return content, time.monotonic() - started
 
 
 def _finished(call: ToolCall, future, deadline: float, timeout_s: float) -> ToolOutcome:
     """The outcome of one submitted call, waiting for it until ``deadline``."""
     submitted = deadline - timeout_s
     try:
-        content, started = future.result(timeout=max(deadline - time.monotonic(), 0.0))
+        content, seconds = future.result(timeout=max(deadline - time.monotonic(), 0.0))
     except FutureTimeout:
         future.cancel()  # not started yet: never runs; running: abandoned (Python cannot stop a thread)
         return ToolOutcome(call.name, f"error: tool {call.name} did not finish within {timeout_s:g} s",
@@ -225,7 +227,7 @@ def _finished(call: ToolCall, future, deadline: float, timeout_s: float) -> Tool
     except Exception as error:  # noqa: BLE001 - whatever a tool raises is reported to the model
         return ToolOutcome(call.name, f"error: {call.name} raised {type(error).__name__}: {error}", "raised",
                            time.monotonic() - submitted, call.id)
-    return ToolOutcome(call.name, content, None, time.monotonic() - started, call.id)
+    return ToolOutcome(call.name, content, None, seconds, call.id)
 
 
 def run_tool_calls(calls: Sequence[ToolCall], tools: Sequence[Tool], timeout_s: float,
