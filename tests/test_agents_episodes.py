@@ -5,12 +5,13 @@ holds back only its episode), failed environments, and GRPO and PPO steps on the
 from __future__ import annotations
 
 import json
+import runpy
 import time
+from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, LlamaConfig
 
 from hybridflow.agents import AssistantTurn, Environment, EpisodeStart, ToolEnvironment, TurnResult, tool
 from hybridflow.agents.episode import ChatTokens
@@ -26,9 +27,11 @@ from hybridflow.trainers.config.rl import load_rl_config
 from hybridflow.trainers.rl import RLTrainer
 from hybridflow.trainers.step import StepComponent
 
-CHARS = [chr(code) for code in range(32, 127)] + ["\n"]
-SPECIALS = ["<pad>", "<bos>", "<eos>", "<|im_start|>", "<|im_end|>"]
-EOS, IM_END = 2, 4
+EXAMPLE = runpy.run_path(str(Path(__file__).resolve().parents[1] / "examples" / "episodes" / "make_chat_model.py"))
+chat_tokenizer = EXAMPLE["chat_tokenizer"]
+"""A character BPE (vocab < 256: the tiny model's) with a chat template; ``merge_newlines``: every character merges
+with a following newline into one token, so re-tokenizing a turn with the glue after it changes ids."""
+EOS, IM_END = 2, 4  # <eos>, <|im_end|>
 TOOLS_HEADER = ("{% if tools %}<|im_start|>system\nCall a tool as <tool_call>{\"name\": ..., \"arguments\": ...}"
                 "</tool_call>. Tools: {% for t in tools %}{{ t.function.name }} {% endfor %}<|im_end|>\n{% endif %}")
 REASONING_TEMPLATE = (  # ChatML that keeps only what follows </think> of an assistant turn in the history
@@ -38,24 +41,6 @@ REASONING_TEMPLATE = (  # ChatML that keeps only what follows </think> of an ass
 PLAIN_TEMPLATE = (  # no special end of turn: a turn's last character meets the "\n" that follows it
     "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}assistant:"
     "{% endif %}")
-
-
-def chat_tokenizer(template: str, *, merge_newlines: bool) -> PreTrainedTokenizerFast:
-    """A character BPE (vocab < 256: the tiny model's) with a chat template; ``merge_newlines``: every character
-    merges with a following newline into one token, so re-tokenizing a turn with the glue after it changes ids."""
-    vocab = {token: index for index, token in enumerate(SPECIALS + CHARS)}
-    merges = []
-    if merge_newlines:
-        for char in CHARS[:-1]:
-            merges.append((char, "\n"))
-            vocab[char + "\n"] = len(vocab)
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges))
-    backend.add_special_tokens(SPECIALS)
-    backend.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>",
-                                        pad_token="<pad>")
-    tokenizer.chat_template = template
-    return tokenizer
 
 
 @tool

@@ -98,7 +98,7 @@ class Episode:
     tool_records: list[dict] = field(default_factory=list)
     """One ``ToolOutcome.record()`` per tool call the environment ran (``TurnResult.info["tool_calls"]``)."""
     tool_seconds: float = 0.0
-    """Seconds this episode's environment steps (tools) took."""
+    """Seconds this episode's environment steps (and so its tools) took, measured in the thread that ran them."""
     generation_seconds: float = 0.0
     """Seconds from each turn's submission to its output (shared with the other requests it was batched with)."""
     finished_at: float = 0.0

@@ -75,8 +75,8 @@ class EpisodeRunner:
             self._pool = pool
             for episode, row in zip(episodes, rows):
                 env = self.make_env()  # an environment or the failure of its constructor
-                self._env_calls[pool.submit(_start, checked_start, env, row)] = ("start", _Pending(episode, env, 0.0),
-                                                                                  None)
+                self._env_calls[pool.submit(_timed, _start, checked_start, env, row)] = (
+                    "start", _Pending(episode, env, 0.0), None)
             while self._env_calls or self.rollout.pending() or ready:
                 ready += self._collect_env_calls()
                 if ready:
@@ -98,11 +98,12 @@ class EpisodeRunner:
         ready = []
         for future in [future for future in self._env_calls if future.done()]:
             kind, pending, turn = self._env_calls.pop(future)
-            pending.episode.tool_seconds += time.perf_counter() - pending.started if kind == "step" else 0.0
+            result, seconds = future.result()
             if kind == "start":
-                continues = self._on_start(pending, future.result())
+                continues = self._on_start(pending, result)
             else:
-                continues = self._on_step(pending, turn, future.result())
+                pending.episode.tool_seconds += seconds
+                continues = self._on_step(pending, turn, result)
             if continues:
                 ready.append(pending)
             else:
@@ -195,8 +196,7 @@ class EpisodeRunner:
         if parsed.calls:
             message["tool_calls"] = [call.message_entry() for call in parsed.calls]
         episode.messages.append(message)
-        pending.started = time.perf_counter()
-        self._env_calls[self._pool.submit(checked_step, pending.env, turn)] = ("step", pending, output)
+        self._env_calls[self._pool.submit(_timed, checked_step, pending.env, turn)] = ("step", pending, output)
 
     def _closed_by(self, output: RolloutOutput) -> str | None:
         """The text of the end-of-turn token a turn stopped at (None: cut by its length)."""
@@ -287,6 +287,12 @@ class EpisodeJob:
         from hybridflow.agents.tool_calls import make_parser
 
         return make_parser(self.tool_format, tokenizer.chat_template)
+
+
+def _timed(function, *arguments):
+    """(``function(*arguments)``, the seconds it took), measured in the thread that runs it."""
+    started = time.perf_counter()
+    return function(*arguments), time.perf_counter() - started
 
 
 def _start(checked_start, env, row):
