@@ -338,7 +338,7 @@ def _train(config):
     return history, capture.batch
 
 
-@pytest.mark.parametrize("estimator", ["grpo", "gae"])
+@pytest.mark.parametrize("estimator", ["grpo", "gae", "remax"])
 def test_a_multi_turn_step_trains_exactly_the_recorded_episodes(run_inputs, tmp_path, estimator):
     history, batch = _train(_agent_config(run_inputs, tmp_path / estimator,
                                              f"algorithm.advantage_estimator={estimator}",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import re
 import runpy
 import shlex
@@ -52,7 +53,8 @@ def test_the_tutorial_runs_from_an_empty_directory_to_an_exported_evaluated_mode
     commands = tutorial_commands()
     assert [shlex.split(line)[:2] for line in commands] == [
         ["python", "examples/reverse_task/make_task.py"], ["hybridflow", "sft"],
-        ["hybridflow", "train"], ["python", "examples/reverse_task/evaluate.py"], ["hybridflow", "export"]]
+        ["hybridflow", "train"], ["python", "examples/reverse_task/evaluate.py"], ["hybridflow", "export"],
+        ["python", "examples/episodes/make_chat_model.py"], ["hybridflow", "train"]]
     outputs = [_run_command(line) for line in commands]
     size = re.search(r"(\d\.\d\dM)-parameter", TUTORIAL.read_text()).group(1)
     assert f"a 15-token tokenizer and a {size}-parameter Llama" in outputs[0]  # the size the tutorial states
@@ -61,10 +63,13 @@ def test_the_tutorial_runs_from_an_empty_directory_to_an_exported_evaluated_mode
     for directory in (run / "final" / "actor", tmp_path / "runs" / "reverse" / "exported" / "actor"):
         assert {"config.json", "model.safetensors", "tokenizer.json"} <= {path.name for path in directory.iterdir()}
     assert sorted(path.name for path in (run / "checkpoints").glob("step_*")) == ["step_000002"]  # keep_last: 1
+    episodes = [json.loads(line) for line in (tmp_path / "runs" / "episodes" / "grpo" / "metrics.jsonl").open()]
+    assert episodes[-1]["step"] == 2 and episodes[-1]["agent/turns_mean"] >= 1
 
 
 @pytest.mark.parametrize("name, kind", [("sft.yaml", "sft"), ("rm.yaml", "rm"), ("reverse_task/sft.yaml", "sft"),
-                                        ("reverse_task/grpo.yaml", "train"), ("arithmetic_ppo.yaml", "train")])
+                                        ("reverse_task/grpo.yaml", "train"), ("arithmetic_ppo.yaml", "train"),
+                                        ("episodes/calculator_grpo.yaml", "train")])
 def test_every_example_config_loads(name, kind):
     from hybridflow.trainers.config.rl import load_rl_config
     from hybridflow.trainers.supervised import RMConfig, SFTConfig, load_supervised_config

@@ -78,7 +78,10 @@ class GreedyBaseline(StepComponent):
         prompts = experience.prompts
         greedy = DataProto.from_dict(tensors=dict(prompts.batch.items()), non_tensors=dict(prompts.non_tensor_batch),
                                      meta_info={**prompts.meta_info, "greedy": True, "samples_per_prompt": 1})
-        baseline_B = self.score_B(self.actor.generate_sequences(greedy))
+        # with an environment (env) the baseline is the greedy episode's reward
+        generate = (self.actor.generate_episodes if prompts.meta_info.get("episode_job") is not None
+                    else self.actor.generate_sequences)
+        baseline_B = self.score_B(generate(greedy))
         return {"baseline_scores_B": baseline_B.repeat_interleave(self.samples_per_prompt)}
 
 
