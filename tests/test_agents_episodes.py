@@ -365,3 +365,24 @@ def test_a_multi_turn_step_trains_exactly_the_recorded_episodes(run_inputs, tmp_
         if not record["failed"]:  # observation tokens get no advantage
             assert batch["advantages"][row][~batch["response_mask"][row].bool()].abs().sum() == 0
     assert [bool(record["failed"]) for record in records] == [False, False, True, True, False, False, False, False]
+
+
+def test_the_env_section_is_refused_where_episodes_cannot_run(run_inputs, tmp_path):
+    def config(*overrides):
+        return _agent_config(run_inputs, tmp_path, *overrides)
+
+    with pytest.raises(ValueError, match=r"reward.function got 'math'; allowed: null with env.class_path"):
+        config("reward.function=math")
+    with pytest.raises(ValueError, match=r"actor.hybrid_engine.tp_size got 2; allowed: 1 \(and pp_size 1\)"):
+        config("actor.engine.layout=3d", "actor.engine.tp_size=2", "actor.hybrid_engine.tp_size=2",
+               "placement.pools.global=[2]")
+    with pytest.raises(ValueError, match=r"algorithm.dynamic_sampling got True; allowed: false with env"):
+        config("algorithm.advantage_estimator=grpo", "algorithm.dynamic_sampling=true")
+    assert config("actor.generation.backend=vllm").env.class_path.endswith(":CountingEnv")
+    with pytest.raises(ValueError, match="does not define step"):  # a bad class is refused before any model
+        RLTrainer(config(f"env.class_path={__file__}:NoStep"), tensorboard=False)
+
+
+class NoStep(Environment):
+    def start(self, row):
+        return EpisodeStart([{"role": "user", "content": "hi"}])

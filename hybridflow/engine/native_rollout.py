@@ -18,32 +18,17 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass, field
 
 import torch
 
 from hybridflow.engine.decoder import DecoderSpec, DecoderStage, TensorParallelGroup
 from hybridflow.engine.generation import GenerationEngine, PipelinePeers
 from hybridflow.engine.generation_config import GenerationConfig, SamplingConfig
-from hybridflow.engine.rollout import (GenerationShard, RequestHandle, Rollout, RolloutOutput, RolloutRequest,
-                                       RolloutStats, SamplingOptions, cut_at_stop_sequence)
+from hybridflow.engine.rollout import (GenerationShard, QueuedRequest, RequestHandle, Rollout, RolloutOutput,
+                                       RolloutRequest, RolloutStats, SamplingOptions, cut_at_stop_sequence)
 
 ROUND_SEED_STRIDE = 7919
 """A request's round seed is its options' seed + this x the tokens it already has: rounds draw fresh noise."""
-
-
-@dataclass
-class _Queued:
-    """A submitted request and its response so far."""
-
-    handle: RequestHandle
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-
-    @property
-    def request(self) -> RolloutRequest:
-        return self.handle.request
 
 
 class NativeRollout(Rollout):
@@ -56,7 +41,7 @@ class NativeRollout(Rollout):
         super().__init__(hf_config, dtype=dtype, config=config)
         self.spec = DecoderSpec.from_hf(hf_config)
         self.engine: GenerationEngine | None = None
-        self._queue: dict[str, _Queued] = {}
+        self._queue: dict[str, QueuedRequest] = {}
 
     @property
     def logprobs_match_training(self) -> bool:
@@ -99,10 +84,8 @@ class NativeRollout(Rollout):
     def submit(self, request: RolloutRequest) -> RequestHandle:
         if request.request_id in self._queue:
             raise ValueError(f"request {request.request_id!r} is already queued")
-        handle = RequestHandle(request)
-        self._queue[request.request_id] = _Queued(handle, list(request.prefix_ids), list(request.prefix_logprobs),
-                                                  list(request.prefix_versions))
-        return handle
+        queued = self._queue[request.request_id] = QueuedRequest.of(request)
+        return queued.handle
 
     def pending(self) -> int:
         return len(self._queue)
@@ -111,13 +94,13 @@ class NativeRollout(Rollout):
         """Finish a queued request now with its tokens so far (reason "abort"); unknown or finished ids: no-op."""
         queued = self._queue.pop(request_id, None)
         if queued is not None:
-            self._finish(queued, "abort")
+            queued.finish("abort")
 
     def step(self, *, max_tokens: int | None = None) -> list[RolloutOutput]:
         if max_tokens is not None and max_tokens < 1:
             raise ValueError(f"step(max_tokens=) must be None or >= 1, got {max_tokens!r}")
         self._engine()
-        groups: dict[tuple[SamplingOptions, int], list[_Queued]] = {}
+        groups: dict[tuple[SamplingOptions, int], list[QueuedRequest]] = {}
         for queued in self._queue.values():
             groups.setdefault((queued.request.options, len(queued.tokens)), []).append(queued)
         finished = []
@@ -129,10 +112,10 @@ class NativeRollout(Rollout):
                 reason = _finish_reason(queued, options)
                 if reason is not None:
                     del self._queue[queued.request.request_id]
-                    finished.append(self._finish(queued, reason))
+                    finished.append(queued.finish(reason))
         return finished
 
-    def _round(self, members: list[_Queued], options: SamplingOptions, progress: int, tokens: int) -> None:
+    def _round(self, members: list[QueuedRequest], options: SamplingOptions, progress: int, tokens: int) -> None:
         """Decode up to ``tokens`` more tokens for ``members`` (same options and progress) as one batch."""
         contexts = [list(queued.request.prompt_ids) + queued.tokens for queued in members]
         P = max(len(context) for context in contexts)
@@ -154,15 +137,8 @@ class NativeRollout(Rollout):
             queued.logprobs += output["logprobs"][row][mask_T].tolist()
             queued.versions += [self.version] * len(new)
 
-    def _finish(self, queued: _Queued, reason: str) -> RolloutOutput:
-        request = queued.request
-        output = RolloutOutput(request.request_id, request.prompt_ids, tuple(queued.tokens), tuple(queued.logprobs),
-                               tuple(queued.versions), reason, request.options)
-        queued.handle.future.set_result(output)
-        return output
 
-
-def _finish_reason(queued: _Queued, options: SamplingOptions) -> str | None:
+def _finish_reason(queued: QueuedRequest, options: SamplingOptions) -> str | None:
     """"stop" (an end token or stop sequence ends the tokens; cut after it), "length", or None (goes on)."""
     tokens = queued.tokens
     end = cut_at_stop_sequence(tokens, options.stop_sequences)

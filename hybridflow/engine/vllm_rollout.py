@@ -40,6 +40,7 @@ from hybridflow.engine.generation_config import GenerationConfig, SamplingConfig
 from hybridflow.engine.hybrid_engine import parameter_shapes, storage_bytes
 from hybridflow.engine.rollout import (GenerationShard, Rollout, RolloutStats, batch_output,
                                        cut_at_stop_sequence)
+from hybridflow.engine.vllm_requests import VllmRequests, vllm_sampling_params
 from hybridflow.parallel.sharding import tp_shard_dim
 
 WEIGHTS_NOTE = ("vLLM's CPU build prepacks linear weights for its GEMM kernels and frees the tensors; the rollout "
@@ -105,37 +106,12 @@ def copy_pieces(target: torch.Tensor, hf_name: str, pieces: list[torch.Tensor]) 
     return sum(p.numel() for p in pieces) * target.element_size()
 
 
-def vllm_sampling_params(config: SamplingConfig, *, vocab_size: int, seed: int):
-    """``vllm.SamplingParams`` with the same meaning as ``config`` has for the native engine.
-
-    End tokens (EOS and stop ids) are stop ids, kept in the response; suppressed tokens are left out of
-    ``allowed_token_ids`` (exact, where ``logit_bias`` would clamp at -100); stop strings are applied by the
-    caller on tokens (``stop_sequences``) because vLLM runs without a tokenizer here. One request per
-    response row (vLLM refuses n > 1 when greedy; the prefix cache shares a prompt's samples' prefill).
-    """
-    from vllm import SamplingParams
-
-    config = config.resolved()
-    allowed = None
-    if config.suppress_tokens:
-        banned = set(config.suppress_tokens)
-        allowed = [token for token in range(vocab_size) if token not in banned]
-    return SamplingParams(
-        max_tokens=config.max_new_tokens, min_tokens=config.min_new_tokens,
-        temperature=0.0 if config.greedy else config.temperature,
-        top_p=1.0 if config.greedy else config.top_p, top_k=0 if config.greedy else config.top_k,
-        repetition_penalty=config.repetition_penalty, seed=seed,
-        # vLLM's own EOS (from config.json) is ignored: the config's end ids are the only ones, as natively
-        stop_token_ids=sorted(set(config.eos_token_ids) | set(config.stop_token_ids)) or None, ignore_eos=True,
-        logprobs=0, detokenize=False, allowed_token_ids=allowed)
-
-
-class VllmRollout(Rollout):
+class VllmRollout(VllmRequests, Rollout):
     """One vLLM engine inside this process for this rank's generation replica (tg >= 1, pg = 1).
 
     It copies the shard into its own parameters in ``load`` (``reads_shard_in_place`` False): the hybrid engine
-    returns to training before ``generate``. Requests (``submit``/``step``/``abort``) are not implemented here:
-    they raise NotImplementedError naming the backend.
+    returns to training before ``generate``. Requests (``submit``/``step``/``abort``) run on the same engine with
+    continuous batching (``hybridflow.engine.vllm_requests``); ``release`` aborts the ones still queued.
     """
 
     name = "vllm"
@@ -303,7 +279,10 @@ class VllmRollout(Rollout):
 
     # ----- memory between rollouts -------------------------------------------------------------------
     def release(self) -> None:
-        """Free the KV cache and the weight copy for training (refilled by the next ``load_weights``)."""
+        """Free the KV cache and the weight copy for training (refilled by the next ``load_weights``); requests still
+        queued finish with reason "abort" (``continue_request`` resumes them after the next load)."""
+        for request_id in list(self._request_state()[1]):
+            self.abort(request_id)
         if self.sleeps:
             self.llm.sleep(level=2)  # weights and KV cache discarded; the next load refills the weights
             self._asleep = True

@@ -23,7 +23,7 @@ from hybridflow.data.config import PromptFiles
 from hybridflow.engine.config import EngineConfig, OptimConfig
 from hybridflow.engine.generation_config import GenerationConfig
 from hybridflow.engine.hybrid_engine_config import HybridEngineConfig
-from hybridflow.engine.rollout import rollout_backend
+from hybridflow.engine.rollout import ROLLOUT_BACKENDS, rollout_backend
 from hybridflow.models.config import ModelConfig
 from hybridflow.trainers.config.algorithm import AlgorithmSection
 from hybridflow.trainers.config.loader import apply_overrides, build_dataclass, load_yaml
@@ -415,9 +415,9 @@ class RLConfig:
                 "null with env.class_path: the environment gives the episode's rewards (a reward function "
                 "becomes a one-turn environment with hybridflow.agents.RewardFunctionEnvironment)")
         backend = self.actor.generation.backend
-        require(backend == "native", "actor.generation.backend", backend,
-                "'native' with env.class_path (episodes run on the rollout's requests, which only the native "
-                "backend implements so far)")
+        require(rollout_backend(backend).requests, "actor.generation.backend", backend,
+                "a backend that implements requests with env.class_path (episodes run on them): "
+                + ", ".join(name for name, entry in ROLLOUT_BACKENDS.items() if entry.requests))
         hybrid = self.actor.hybrid_engine
         require(hybrid.tp_size == 1 and hybrid.pp_size == 1, "actor.hybrid_engine.tp_size", hybrid.tp_size,
                 "1 (and pp_size 1) with env.class_path: every rank of a generation replica would run the "
