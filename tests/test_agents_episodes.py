@@ -166,7 +166,8 @@ def test_trained_ids_are_prompt_plus_sampled_plus_observation_ids_and_the_mask_m
                   ("observation", encode(tokenizer, glue[1])), ("sampled", sampled[2])]
         assert_token_exact(tensors, index, prompt, pieces)
         # each turn was sampled from exactly the ids before it (token in), and its log-probs are kept
-        contexts = [request.prompt_ids for request in rollout.requests if request.request_id.startswith(f"episode-{index}-")]
+        contexts = [request.prompt_ids for request in rollout.requests
+                    if request.request_id.startswith(f"episode-{index}-")]
         assert [list(context) for context in contexts] == [
             prompt, prompt + pieces[0][1] + pieces[1][1], prompt + [t for _, ids in pieces[:4] for t in ids]]
         response = episode.response_ids
@@ -206,7 +207,8 @@ def test_an_environment_that_raises_fails_only_its_episode_which_then_trains_not
     assert "RaisingEnv.step raised RuntimeError: the environment broke" in episodes[0].failed
     assert episodes[1].done and episodes[1].failed is None
     dropped = episode_tensors(episodes, pad_token_id=0, eos_token_id=EOS, on_env_error="drop")
-    assert dropped["episode_trainable"].tolist() == [False, True] and dropped["episode_failed"].tolist() == [True, False]
+    assert dropped["episode_trainable"].tolist() == [False, True]
+    assert dropped["episode_failed"].tolist() == [True, False]
     zero = episode_tensors(episodes, pad_token_id=0, eos_token_id=EOS, on_env_error="zero_reward")
     assert zero["episode_trainable"].tolist() == [True, True]
     assert zero["response_mask"][0].sum() == 5 and zero["episode_turn_rewards"][0].sum() == 0
@@ -312,7 +314,8 @@ def _agent_config(directory, output_dir, *overrides):
         f"data.train_path={directory / 'train.jsonl'}", "actor.model.tiny={}",
         f"actor.model.tokenizer_path={directory / 'tokenizer'}", f"env.class_path={__file__}:CountingEnv",
         "env.max_episode_tokens=160", "env.record_every=1", "env.record_episodes=8", "env.decode_chunk_tokens=4",
-        "actor.generation.max_new_tokens=6", "data.shuffle=false", "actor.engine.optim.lr=1e-3", "critic.engine.optim.lr=1e-3",
+        "actor.generation.max_new_tokens=6", "data.shuffle=false", "actor.engine.optim.lr=1e-3",
+        "critic.engine.optim.lr=1e-3",
         "actor.engine.dtype=float32", "reference.engine.dtype=float32", "critic.engine.dtype=float32",
         "batch.prompts_per_step=4", "batch.samples_per_prompt=2", "batch.mini_batch_size=4",
         "trainer.total_steps=1", "trainer.progress_bar=false", f"trainer.output_dir={output_dir}", *overrides])
@@ -364,7 +367,8 @@ def test_a_multi_turn_step_trains_exactly_the_recorded_episodes(run_inputs, tmp_
         assert batch["response_mask"][row][~response_real].sum() == 0
         if not record["failed"]:  # observation tokens get no advantage
             assert batch["advantages"][row][~batch["response_mask"][row].bool()].abs().sum() == 0
-    assert [bool(record["failed"]) for record in records] == [False, False, True, True, False, False, False, False]
+    failed = [bool(record["failed"]) for record in records]
+    assert failed == [False, False, True, True, False, False, False, False]  # row 1 (samples 2, 3) is poisoned
 
 
 def test_the_env_section_is_refused_where_episodes_cannot_run(run_inputs, tmp_path):
@@ -386,3 +390,19 @@ def test_the_env_section_is_refused_where_episodes_cannot_run(run_inputs, tmp_pa
 class NoStep(Environment):
     def start(self, row):
         return EpisodeStart([{"role": "user", "content": "hi"}])
+
+
+@pytest.mark.slow
+def test_a_multi_turn_step_on_the_vllm_backend_trains_the_sampled_tokens(run_inputs, tmp_path):
+    pytest.importorskip("vllm")
+    tiny = "actor.model.tiny={hidden_size: 128, intermediate_size: 256, num_attention_heads: 4}"  # vLLM: head dim 32
+    history, batch = _train(_agent_config(run_inputs, tmp_path / "vllm", tiny, "actor.generation.backend=vllm",
+                                          "actor.generation.vllm_kv_cache_gib=0.0625",
+                                          "actor.loss.old_log_probs=recompute"))
+    metrics = history[-1]
+    assert metrics["agent/turns_mean"] > 1.5 and metrics["agent/observation_tokens_mean"] > 0
+    assert metrics["rollout/logprob_abs_diff_max"] < 1e-3  # vLLM's kernels, not the training forward's
+    records = [json.loads(line) for line in (tmp_path / "vllm" / "episodes.jsonl").read_text().splitlines()]
+    for row, record in enumerate(records):
+        real = batch["attention_mask"][row].bool()
+        assert batch["input_ids"][row][real].tolist() == record["prompt_ids"] + record["response_ids"]

@@ -75,7 +75,8 @@ def episode_metrics(records: list[dict], *, generation_seconds: float) -> dict[s
 
     metrics = {
         "agent/turns_mean": mean("turns"), "agent/turns_max": float(max(record["turns"] for record in records)),
-        "agent/sampled_tokens_mean": mean("sampled_tokens"), "agent/observation_tokens_mean": mean("observation_tokens"),
+        "agent/sampled_tokens_mean": mean("sampled_tokens"),
+        "agent/observation_tokens_mean": mean("observation_tokens"),
         "agent/done_fraction": mean("done"), "agent/reward_mean": mean("reward"),
         "agent/truncated_max_turns": float(sum(record["truncated"] == "max_turns" for record in records)),
         "agent/truncated_token_budget": float(sum(record["truncated"] == "token_budget" for record in records)),

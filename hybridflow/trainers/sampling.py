@@ -69,8 +69,9 @@ class DynamicSampling:
 class EpisodeSampling:
     """Multi-turn episodes (``env``): the step's prompts, ``samples_per_prompt`` episodes each (a group per prompt),
     run by the actor's ``generate_episodes`` and scored like responses. An episode whose environment failed trains
-    nothing under ``env.on_env_error: drop`` (``EpisodeLossMask``); under ``zero_reward`` it trains with reward 0. The ``agent/*`` metrics come from the
-    episodes' records; every ``env.record_every`` steps a few episodes go to ``output_dir/episodes.jsonl``."""
+    nothing under ``env.on_env_error: drop`` (``EpisodeLossMask``); under ``zero_reward`` it trains with reward 0.
+    The ``agent/*`` metrics come from the episodes' records; every ``env.record_every`` steps a few episodes go to
+    ``output_dir/episodes.jsonl``."""
 
     def __init__(self, *, job, env, output_dir: Path, current_step) -> None:
         """``job``: the ``EpisodeJob`` the actor runs; ``current_step()``: the step being sampled."""
