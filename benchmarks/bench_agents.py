@@ -93,6 +93,8 @@ def main() -> None:
     rollout = build_rollout(tokenizer)
     ends = tuple(tokenizer.convert_tokens_to_ids(token) for token in ("<|im_end|>", "<eos>"))
     options = SamplingOptions(max_new_tokens=args.tokens, suppress_tokens=ends, eos_token_ids=ends, seed=1)
+    run_episodes(rollout, tokenizer, options, episodes=args.episodes, turns=1, sleep_s=0.0, chunk=args.chunk)  # warm-up
+    single_turn(rollout, tokenizer, options, episodes=args.episodes, tokens=args.tokens)
     print(f"load average {os.getloadavg()[0]:.2f}; {args.episodes} episodes, {args.tokens} tokens per turn")
     print("| turns | episodes/s | sampled tok/s | single-turn, same tokens: episodes/s | tok/s | ratio |")
     print("|---|---|---|---|---|---|")

@@ -3,7 +3,8 @@ in a thread pool, so a slow tool holds back only its own episode.
 
 The loop (``EpisodeRunner.run``), until no episode is left: hand the environment steps that finished their
 results (append the observation ids, submit the next turn); submit the turns that became ready together as one
-wave of requests (one sampling seed per wave, so they decode as one batch); advance the rollout by a chunk of
+wave of requests (one sampling seed per wave, so they decode as one batch; an idle rollout first waits
+``WAVE_GRACE_S`` for the environment steps about to finish); advance the rollout by a chunk of
 tokens (``decode_chunk_tokens``) and hand each finished turn to its environment's ``step`` in the pool; when the
 rollout has nothing queued, wait for the first environment step to finish. Token ids are kept as sampled
 (``Episode``); the text of a turn is decoded only for the environment.
@@ -20,6 +21,9 @@ from typing import Callable
 from hybridflow.agents.episode import ChatTokens, Episode
 from hybridflow.engine.rollout import Rollout, RolloutOutput, RolloutRequest, SamplingOptions
 
+WAVE_GRACE_S = 0.02
+"""While the rollout is idle, a wave of ready turns waits this long for the environment steps still running (most
+return in microseconds): turns decode in fewer, larger batches; a slow tool delays the others by at most this."""
 WAVE_SEED_STRIDE = 7919
 """Wave w of a step samples with the step's seed + w x this: turns submitted at different times draw fresh noise."""
 
@@ -79,6 +83,10 @@ class EpisodeRunner:
                     "start", _Pending(episode, env, 0.0), None)
             while self._env_calls or self.rollout.pending() or ready:
                 ready += self._collect_env_calls()
+                if ready and self._env_calls and not self.rollout.pending():
+                    # the rollout is idle: let environment steps that are about to finish join this wave
+                    wait(list(self._env_calls), timeout=WAVE_GRACE_S)
+                    ready += self._collect_env_calls()
                 if ready:
                     self._submit_wave(ready)
                     ready = []
