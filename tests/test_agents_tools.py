@@ -100,7 +100,8 @@ def test_arguments_are_checked_against_the_schema_before_the_function_runs():
     weather = tool(lookup)
     assert json.loads(weather.call({"city": "Oslo", "days": [1, 2]})) == {"city": "Oslo", "units": "metric",
                                                                          "days": [1, 2]}
-    for arguments, message in (({}, "requires the argument 'city'"), ({"city": "Oslo", "wind": 1}, "no parameter 'wind'"),
+    for arguments, message in (({}, "requires the argument 'city'"),
+                               ({"city": "Oslo", "wind": 1}, "no parameter 'wind'"),
                                ({"city": 3}, "'city' of lookup must be string, got integer 3"),
                                ({"city": "Oslo", "units": "kelvin"}, r"'units' of lookup must be \['metric'"),
                                ({"city": "Oslo", "days": [1, "2"]}, "'days'"),
@@ -275,6 +276,8 @@ def test_document_search_ranks_by_bm25_and_reads_a_jsonl_collection(tmp_path):
         DocumentSearch(tmp_path / "missing.jsonl")
     with pytest.raises(ValueError, match="at least one document"):
         DocumentSearch([])
+    with pytest.raises(ValueError, match="no searchable words"):
+        DocumentSearch(["a b c", "the of"])
 
 
 def _sandbox_available() -> bool:
