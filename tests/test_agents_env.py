@@ -93,6 +93,8 @@ def test_an_environment_class_loads_from_a_file_or_a_module_with_its_kwargs(tmp_
      "    def step(self): pass", r"MyEnv\.step has the signature step\(self\); allowed: step\(self, turn\)"),
     ("from hybridflow.agents import Environment\nclass MyEnv(Environment):\n    def start(self, row): pass\n"
      "    async def step(self, turn): pass", r"MyEnv\.step is async"),
+    ("from hybridflow.agents import ToolEnvironment\nclass MyEnv(ToolEnvironment):\n    async def start(self, row): "
+     "pass\n    def reward(self, row, messages): return 0.0", r"MyEnv\.start is async"),
     ("from hybridflow.agents import Environment\nclass MyEnv(Environment):\n    max_turns = 0\n"
      "    def start(self, row): pass\n    def step(self, turn): pass", r"MyEnv\.max_turns is 0"),
     ("from hybridflow.agents import Environment\nclass MyEnv(Environment):\n    def __init__(self, size): pass\n"
@@ -287,12 +289,17 @@ def test_a_tool_call_on_the_last_turn_ends_the_episode_unrun_and_scores_it():
     assert last.info == {"ended_by": "tool call on the last turn"}
 
 
-def test_the_calculator_rows_have_two_to_four_operands_and_their_answers():
+def _calculator_module():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("calculator_env_rows", EXAMPLES / "calculator_env.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def test_the_calculator_rows_have_two_to_four_operands_and_their_answers():
+    module = _calculator_module()
     rows = module.make_rows(200, seed=3)
     assert rows == module.make_rows(200, seed=3)
     counts = {row["expression"].count(" ") // 2 + 1 for row in rows}
@@ -300,6 +307,26 @@ def test_the_calculator_rows_have_two_to_four_operands_and_their_answers():
     for row in rows[:20]:
         assert int(row["answer"]) == eval(row["expression"])  # noqa: S307 - checking the example's own arithmetic
         assert row["prompt"] == f"What is {row['expression']}?"
+
+
+@pytest.mark.parametrize("tool_format", ["hermes", "llama3"])
+def test_the_calculator_demonstrations_replayed_through_the_environment_score_one(tool_format):
+    from hybridflow.agents import make_parser
+
+    module = _calculator_module()
+    cls = load_environment(module.CalculatorEnvironment)
+    parser = make_parser(tool_format)
+    for row in module.make_rows(5, seed=1):
+        demonstration = module.demonstration(row, tool_format=tool_format)
+        environment = make_environment(cls)
+        assert checked_start(environment, row).messages == demonstration[:2]
+        turns = [message["content"] for message in demonstration if message["role"] == "assistant"]
+        for index, text in enumerate(turns):
+            parsed = parser.parse(text, id_prefix=f"turn{index}")
+            result = checked_step(environment, AssistantTurn(text, parsed.calls, parsed.errors, index))
+        assert result.done and result.reward == 1.0
+        assert [message["content"] for message in environment.messages if message["role"] == "tool"] == [
+            demonstration[3]["content"]]
 
 
 def test_a_tool_environment_written_with_only_a_reward_opens_with_the_rows_chat():
@@ -361,4 +388,5 @@ def test_the_coding_environment_runs_the_models_code_and_grades_the_final_soluti
     assert final.done and final.reward == 1.0
     half = make_environment(cls, {"timeout_s": 20.0})
     checked_start(half, rows[1])
-    assert checked_step(half, _turn("```python\ndef is_even(n):\n    return n == 4\n```")).reward == pytest.approx(2 / 3)
+    partial = checked_step(half, _turn("```python\ndef is_even(n):\n    return n == 4\n```"))
+    assert partial.reward == pytest.approx(2 / 3)  # is_even(7) and is_even(4) pass, is_even(0) fails

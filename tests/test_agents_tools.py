@@ -100,7 +100,8 @@ def test_arguments_are_checked_against_the_schema_before_the_function_runs():
     weather = tool(lookup)
     assert json.loads(weather.call({"city": "Oslo", "days": [1, 2]})) == {"city": "Oslo", "units": "metric",
                                                                          "days": [1, 2]}
-    for arguments, message in (({}, "requires the argument 'city'"), ({"city": "Oslo", "wind": 1}, "no parameter 'wind'"),
+    for arguments, message in (({}, "requires the argument 'city'"),
+                               ({"city": "Oslo", "wind": 1}, "no parameter 'wind'"),
                                ({"city": 3}, "'city' of lookup must be string, got integer 3"),
                                ({"city": "Oslo", "units": "kelvin"}, r"'units' of lookup must be \['metric'"),
                                ({"city": "Oslo", "days": [1, "2"]}, "'days'"),
@@ -202,11 +203,21 @@ def _fail(reason: str) -> str:
     raise RuntimeError(reason)
 
 
+def _exit(code: int) -> str:
+    """Exit the process (a tool must not be able to).
+
+    Args:
+        code: The exit status.
+    """
+    raise SystemExit(code)
+
+
 def test_unknown_tools_bad_arguments_raising_and_slow_tools_become_error_messages_and_the_others_still_return():
-    tools = [tool(_sleepy, name="sleep"), tool(_fail, name="fail"), calculator]
+    tools = [tool(_sleepy, name="sleep"), tool(_fail, name="fail"), calculator, tool(_exit, name="exit")]
     calls = [ToolCall("sleep", {"seconds": 3.0}, id="c0"), ToolCall("calculator", {"expression": "6*7"}, id="c1"),
              ToolCall("fail", {"reason": "disk on fire"}, id="c2"), ToolCall("nope", {}, id="c3"),
-             ToolCall("calculator", {"expr": "1"}, id="c4"), ToolCall("sleep", {"seconds": 0.05}, id="c5")]
+             ToolCall("calculator", {"expr": "1"}, id="c4"), ToolCall("sleep", {"seconds": 0.05}, id="c5"),
+             ToolCall("exit", {"code": 3}, id="c6")]
     executor = ThreadPoolExecutor(8)
     started = time.monotonic()
     outcomes = run_tool_calls(calls, tools, 0.5, executor, parse_errors=["invalid JSON in tool call: {x"])
@@ -215,17 +226,18 @@ def test_unknown_tools_bad_arguments_raising_and_slow_tools_become_error_message
     assert elapsed < 2.0  # the 3 s sleeper is abandoned at its timeout; nothing waits for it
     assert [(outcome.tool, outcome.error_kind) for outcome in outcomes] == [
         ("sleep", "timeout"), ("calculator", None), ("fail", "raised"), ("nope", "unknown_tool"),
-        ("calculator", "bad_arguments"), ("sleep", None), ("<unparsed>", "parse")]
+        ("calculator", "bad_arguments"), ("sleep", None), ("exit", "raised"), ("<unparsed>", "parse")]
     assert outcomes[0].content == "error: tool sleep did not finish within 0.5 s" and outcomes[0].seconds == 0.5
     assert outcomes[1].content == "42" and outcomes[5].content == "slept 0.05"
     assert outcomes[2].content == "error: fail raised RuntimeError: disk on fire"
-    assert outcomes[3].content == "error: unknown tool 'nope'; the tools are: calculator, fail, sleep"
+    assert outcomes[3].content == "error: unknown tool 'nope'; the tools are: calculator, exit, fail, sleep"
     assert "calculator has no parameter 'expr'" in outcomes[4].content
-    assert outcomes[6].content == "error: could not parse a tool call: invalid JSON in tool call: {x"
+    assert outcomes[6].content == "error: exit raised SystemExit: 3"
+    assert outcomes[7].content == "error: could not parse a tool call: invalid JSON in tool call: {x"
     assert outcomes[1].message() == {"role": "tool", "name": "calculator", "content": "42", "tool_call_id": "c1"}
-    assert 0.04 < outcomes[5].seconds < 0.5
+    assert 0.04 < outcomes[5].seconds < 0.5 and outcomes[2].seconds < 0.5  # each measured on its own thread
     metrics = tool_metrics([outcome.record() for outcome in outcomes])
-    assert metrics["agent/tool_calls"] == 7 and metrics["agent/tool_errors"] == 5
+    assert metrics["agent/tool_calls"] == 8 and metrics["agent/tool_errors"] == 6
     assert metrics["agent/tool_calls/calculator"] == 2 and metrics["agent/tool_errors/calculator"] == 1
     assert metrics["agent/tool_calls/<unknown>"] == 1 and "agent/tool_calls/nope" not in metrics
     assert metrics["agent/tool_errors_timeout"] == 1 and metrics["agent/tool_errors_parse"] == 1
@@ -275,6 +287,8 @@ def test_document_search_ranks_by_bm25_and_reads_a_jsonl_collection(tmp_path):
         DocumentSearch(tmp_path / "missing.jsonl")
     with pytest.raises(ValueError, match="at least one document"):
         DocumentSearch([])
+    with pytest.raises(ValueError, match="no searchable words"):
+        DocumentSearch(["a b c", "the of"])
 
 
 def _sandbox_available() -> bool:

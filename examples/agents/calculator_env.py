@@ -40,6 +40,22 @@ def final_answer(text: str) -> str | None:
     return marked[-1] if marked else None
 
 
+def demonstration(row: dict, *, tool_format: str = "hermes") -> list[dict]:
+    """The ideal episode of a row as chat messages (for a short SFT before RL): one calculator call written in
+    ``tool_format`` (hermes or llama3), its result, then ``Answer: <number>``."""
+    arguments = {"expression": row["expression"]}
+    if tool_format == "hermes":
+        call = f'<tool_call>\n{json.dumps({"name": "calculator", "arguments": arguments})}\n</tool_call>'
+    elif tool_format == "llama3":
+        call = json.dumps({"name": "calculator", "parameters": arguments})
+    else:
+        raise ValueError(f"tool_format got {tool_format!r}; allowed: hermes, llama3")
+    return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": row["prompt"]},
+            {"role": "assistant", "content": call},
+            {"role": "tool", "name": "calculator", "content": calculator.call(arguments)},
+            {"role": "assistant", "content": f"Answer: {row['answer']}"}]
+
+
 class CalculatorEnvironment(ToolEnvironment):
     """The question as the user turn, the calculator as the tool; 1.0 when the final answer is right."""
 

@@ -112,7 +112,11 @@ class DocumentSearch(Tool):
         self.top_k, self.max_chars = min(top_k, len(self.texts)), max_chars_per_document
         self._bm25s = bm25s
         self._index = bm25s.BM25()
-        self._index.index(bm25s.tokenize(self.texts, stopwords="en", show_progress=False), show_progress=False)
+        tokens = bm25s.tokenize(self.texts, stopwords="en", show_progress=False)
+        if not tokens.vocab:
+            raise ValueError("DocumentSearch: the documents have no searchable words (words of two or more letters "
+                             "that are not English stopwords)")
+        self._index.index(tokens, show_progress=False)
         self._lock = threading.Lock()  # one retrieval at a time: calls of several episodes share the index
         super().__init__(self.search, name=name)
 

@@ -20,6 +20,7 @@ import re
 import threading
 import time
 import warnings
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -48,13 +49,14 @@ class ParsedTurn:
     errors: list[str]
 
 
-class ToolCallParser:
+class ToolCallParser(ABC):
     """Reads the tool calls out of a turn's text; one subclass per format."""
 
     format_name = ""
 
+    @abstractmethod
     def parse(self, text: str, *, id_prefix: str = "call") -> ParsedTurn:
-        raise NotImplementedError
+        """The turn's calls, numbered ``<id_prefix>_<i>``, and a description of each call that cannot be parsed."""
 
 
 def _call_from_json(body: str, argument_keys: tuple[str, ...]) -> ToolCall | str:
@@ -205,28 +207,29 @@ def default_executor() -> ThreadPoolExecutor:
         return _DEFAULT_EXECUTOR
 
 
-def _timed_call(tool: Tool, arguments: dict) -> tuple[str, float]:
-    """(the tool's text, seconds it ran), measured on the thread that ran it."""
+def _timed_call(tool: Tool, arguments: dict) -> tuple[str | None, BaseException | None, float]:
+    """(the tool's text or None, what it raised or None, seconds it ran), measured on the thread that ran it."""
     started = time.monotonic()
-    content = tool.call(arguments)
-    return content, time.monotonic() - started
+    try:
+        return tool.call(arguments), None, time.monotonic() - started
+    except (Exception, SystemExit) as error:  # noqa: BLE001 - whatever a tool raises is reported to the model
+        return None, error, time.monotonic() - started
 
 
 def _finished(call: ToolCall, future, deadline: float, timeout_s: float) -> ToolOutcome:
     """The outcome of one submitted call, waiting for it until ``deadline``."""
-    submitted = deadline - timeout_s
     try:
-        content, seconds = future.result(timeout=max(deadline - time.monotonic(), 0.0))
+        content, error, seconds = future.result(timeout=max(deadline - time.monotonic(), 0.0))
     except FutureTimeout:
         future.cancel()  # not started yet: never runs; running: abandoned (Python cannot stop a thread)
         return ToolOutcome(call.name, f"error: tool {call.name} did not finish within {timeout_s:g} s",
                            "timeout", timeout_s, call.id)
-    except ToolArgumentError as error:
-        return ToolOutcome(call.name, f"error: bad arguments for {call.name}: {error}", "bad_arguments",
-                           time.monotonic() - submitted, call.id)
-    except Exception as error:  # noqa: BLE001 - whatever a tool raises is reported to the model
+    if isinstance(error, ToolArgumentError):
+        return ToolOutcome(call.name, f"error: bad arguments for {call.name}: {error}", "bad_arguments", seconds,
+                           call.id)
+    if error is not None:
         return ToolOutcome(call.name, f"error: {call.name} raised {type(error).__name__}: {error}", "raised",
-                           time.monotonic() - submitted, call.id)
+                           seconds, call.id)
     return ToolOutcome(call.name, content, None, seconds, call.id)
 
 

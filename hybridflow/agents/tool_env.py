@@ -10,6 +10,7 @@ Torch-free.
 from __future__ import annotations
 
 import functools
+import inspect
 from abc import abstractmethod
 from concurrent.futures import Executor
 
@@ -68,6 +69,8 @@ class ToolEnvironment(Environment):
 
 
 def _recording(start):
+    if inspect.iscoroutinefunction(start):
+        return start  # left as written, so that load_environment refuses it by name
     @functools.wraps(start)
     def recorded_start(self: ToolEnvironment, row: dict) -> EpisodeStart:
         opening = start(self, row)

@@ -34,7 +34,9 @@ class ToolCall:
     """One call the model wrote: the tool's name and its arguments, with the text it was parsed from."""
 
     name: str
+    """The tool the model named."""
     arguments: dict
+    """The arguments it gave (a JSON object)."""
     raw: str = ""
     """The text of the call as the model wrote it."""
     id: str = ""
@@ -61,10 +63,15 @@ class Tool:
     """
 
     function: Callable[..., Any]
+    """What runs when the model calls the tool (keyword arguments from the model's JSON)."""
     name: str = ""
+    """The name the model calls it by (default: the function's name)."""
     description: str = ""
+    """What the model reads about it (default: the docstring's first paragraph)."""
     timeout_s: float | None = None
-    parameters: list[_Parameter] = field(default_factory=list, repr=False)
+    """Seconds one call may take; None: the environment's ``tool_timeout_s``."""
+    parameters: list[_Parameter] = field(default_factory=list, init=False, repr=False)
+    """The parameters read from the signature, with their JSON schemas."""
 
     def __post_init__(self) -> None:
         if not callable(self.function):
