@@ -194,18 +194,36 @@ def test_an_observation_that_overflows_the_token_budget_ends_the_episode_truncat
 
 
 class RaisingEnv(ScriptedEnv):
+    def start(self, row):
+        self.row = row
+        if row["prompt"] == "question 2":
+            raise ValueError("no such task")
+        return super().start(row)
+
     def step(self, turn):
         if "boom" in turn.text:
             raise RuntimeError("the environment broke")
         return super().step(turn)
 
+    def close(self):
+        if self.row["prompt"] == "question 3":
+            raise OSError("cannot clean up")
+
 
 def test_an_environment_that_raises_fails_only_its_episode_which_then_trains_nothing_under_drop():
     tokenizer = chat_tokenizer(REASONING_TEMPLATE, merge_newlines=False)
-    turns = {0: [encode(tokenizer, "boom") + [IM_END]], 1: [encode(tokenizer, "fine") + [IM_END]] * 3}
+    fine = [encode(tokenizer, "fine") + [IM_END]] * 3
+    turns = {0: [encode(tokenizer, "boom") + [IM_END]], 1: fine, 2: fine, 3: fine}
     episodes, _ = run_scripted(tokenizer, turns, env=RaisingEnv)
     assert "RaisingEnv.step raised RuntimeError: the environment broke" in episodes[0].failed
     assert episodes[1].done and episodes[1].failed is None
+    assert "RaisingEnv.start raised ValueError: no such task" in episodes[2].failed and episodes[2].turns == 0
+    assert "RaisingEnv.close raised OSError: cannot clean up" in episodes[3].failed and episodes[3].turns == 3
+    # an episode that sampled nothing holds one placeholder token (its reward needs a place) and never trains
+    every = episode_tensors(episodes, pad_token_id=0, eos_token_id=EOS, on_env_error="zero_reward")
+    assert every["episode_trainable"].tolist() == [True, True, False, True] and episodes[2].placeholder
+    assert every["response_mask"][2].sum() == 1 and every["responses"][2, 0] == EOS
+    episodes = episodes[:2]
     dropped = episode_tensors(episodes, pad_token_id=0, eos_token_id=EOS, on_env_error="drop")
     assert dropped["episode_trainable"].tolist() == [False, True]
     assert dropped["episode_failed"].tolist() == [True, False]

@@ -157,9 +157,12 @@ class EpisodeRunner:
         from hybridflow.agents.env import EnvironmentFailure
         from hybridflow.agents.loading import checked_close
 
-        pending.episode.finished_at = time.perf_counter()
+        episode = pending.episode
+        episode.finished_at = time.perf_counter()
         if not isinstance(pending.env, EnvironmentFailure):
-            checked_close(pending.env)  # best effort: the episode's data is complete
+            failure = checked_close(pending.env)
+            if failure is not None and episode.failed is None:  # a close that raises fails the episode too
+                episode.failed = failure.describe()
 
     # ----- turns -----------------------------------------------------------------------------------
     def _has_room(self, episode: Episode) -> bool:
