@@ -180,22 +180,10 @@ def test_sampling_options_come_from_the_actors_config_and_a_backend_without_requ
     options = sampling_options(config, seed=7)
     assert (options.max_new_tokens, options.temperature, options.eos_token_ids, options.pad_token_id,
             options.seed) == (9, 0.5, (2,), 1, 7)
-
-    class BatchedOnly(Rollout):  # a backend with the batched call only
-        name = "batched_only"
-
-        def load(self, shard, *, version):
-            pass
-
-        def release(self):
-            pass
-
-        def generate(self, prompts_BP, prompt_mask_BP, config):
-            raise NotImplementedError
-
-    bare = BatchedOnly(None, dtype=torch.float32, config=None)
-    with pytest.raises(NotImplementedError, match="the 'batched_only' rollout backend does not implement submit"):
-        bare.submit(RolloutRequest("r", (1, 2), options))
+    # the base class's answer, what a backend without request methods of its own gives (no engine needed)
+    bare = object.__new__(NativeRollout)
+    with pytest.raises(NotImplementedError, match="the 'native' rollout backend does not implement submit"):
+        Rollout.submit(bare, RolloutRequest("r", (1, 2), options))
     # the registry says which backends serve requests (multi-turn episodes need one)
     assert ROLLOUT_BACKENDS["native"].requests and ROLLOUT_BACKENDS["vllm"].requests
     assert not BackendEntry("x:Y").requests
