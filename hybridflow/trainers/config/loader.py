@@ -122,6 +122,9 @@ def build_dataclass(cls: type[ConfigT], data: dict[str, Any] | None, *, path: st
     unknown = sorted(set(data) - set(fields))
     if unknown:
         where = f"{path}." if path else ""
+        refused = getattr(cls, "REFUSED_KEYS", {})
+        if unknown[0] in refused:
+            raise ValueError(f"config key {where}{unknown[0]} is not allowed here: {refused[unknown[0]]}")
         raise ValueError(f"unknown config key {where}{unknown[0]}; allowed keys here: {', '.join(sorted(fields))}")
     hints = typing.get_type_hints(cls)
     kwargs = {name: _coerce(hints[name], value, _join(path, name)) for name, value in data.items()}
