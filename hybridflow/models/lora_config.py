@@ -32,21 +32,21 @@ class LoraConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
-            raise ValueError(f"config key lora.rank got {self.rank!r}; allowed: an integer >= 1")
+            raise ValueError(f"config key rank got {self.rank!r}; allowed: an integer >= 1")
         if (not isinstance(self.alpha, (int, float)) or isinstance(self.alpha, bool) or not math.isfinite(self.alpha)
                 or self.alpha <= 0):
-            raise ValueError(f"config key lora.alpha got {self.alpha!r}; allowed: a finite number > 0")
+            raise ValueError(f"config key alpha got {self.alpha!r}; allowed: a finite number > 0")
         if (not isinstance(self.dropout, (int, float)) or isinstance(self.dropout, bool)
                 or not 0 <= self.dropout < 1):
-            raise ValueError(f"config key lora.dropout got {self.dropout!r}; allowed: a number in [0, 1)")
+            raise ValueError(f"config key dropout got {self.dropout!r}; allowed: a number in [0, 1)")
         targets = self.target_modules
         if isinstance(targets, str) or not isinstance(targets, (tuple, list)) or not targets or not all(
                 isinstance(name, str) and name and not name.startswith(".") for name in targets):
-            raise ValueError(f"config key lora.target_modules got {targets!r}; allowed: a non-empty list of module "
+            raise ValueError(f"config key target_modules got {targets!r}; allowed: a non-empty list of module "
                              f"names such as {list(DEFAULT_TARGETS)}")
         object.__setattr__(self, "target_modules", tuple(targets))
         if not isinstance(self.export_merged, bool):
-            raise ValueError(f"config key lora.export_merged got {self.export_merged!r}; allowed: true or false")
+            raise ValueError(f"config key export_merged got {self.export_merged!r}; allowed: true or false")
 
     @property
     def scale(self) -> float:

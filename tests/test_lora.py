@@ -1,0 +1,205 @@
+"""LoRA (actor.lora, critic.lora): only the adapters train and are saved, the reference is the base model with the
+adapters off, generation and export see W + scale B A, layouts equal one process (tiny model, CPU)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+
+from hybridflow.engine import EngineConfig, OptimConfig, TrainingEngine
+from hybridflow.engine.decoder import DecoderStage
+from hybridflow.engine.generation import GenerationEngine, SamplingConfig
+from hybridflow.models import build_tiny_model
+from hybridflow.models.lora import is_adapter_parameter
+from hybridflow.models.lora_config import LoraConfig
+from hybridflow.parallel.launch import run_distributed
+from hybridflow.parallel.sharding import tp_shard_dim
+from test_engine_layouts import GLOBAL_ROWS, make_batch, token_nll_loss
+
+OPTIM = OptimConfig(lr=1e-2, eps=1e-4)
+LORA = LoraConfig(rank=4, alpha=8.0)
+
+
+def lora_engine(lora: LoraConfig = LORA, head: str = "lm", **layout) -> TrainingEngine:
+    return TrainingEngine(EngineConfig(micro_batch_tokens=24, optim=OPTIM, **layout),
+                          lambda: build_tiny_model(head=head), head=head, lora=lora, total_steps=8)
+
+
+def base_engine() -> TrainingEngine:
+    return TrainingEngine(EngineConfig(micro_batch_tokens=24, optim=OPTIM), lambda: build_tiny_model(), trainable=False)
+
+
+def parameters(engine: TrainingEngine) -> dict[str, torch.Tensor]:
+    return {name: param.detach().clone() for name, param in engine.model.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """A LoRA engine before and after two steps (the second moves A too: after the first B is no longer 0)."""
+    engine = lora_engine()
+    before = parameters(engine)
+    losses = [engine.train_step(make_batch(), token_nll_loss)["loss"] for _ in range(2)]
+    return engine, before, losses
+
+
+def test_only_adapter_parameters_require_grad_reach_the_optimizer_and_change(trained):
+    engine, before, losses = trained
+    trainable = {name for name, param in engine.model.named_parameters() if param.requires_grad}
+    adapters = {name for name in before if is_adapter_parameter(name)}
+    # A and B on the 7 projections of every layer
+    assert trainable == adapters and len(adapters) == 2 * 7 * engine.hf_config.num_hidden_layers
+    optimized = {id(param) for group in engine.optimizer.param_groups for param in group["params"]}
+    assert optimized == {id(param) for name, param in engine.model.named_parameters() if name in adapters}
+    after = parameters(engine)
+    assert all(not torch.equal(after[name], before[name]) for name in adapters)
+    assert all(torch.equal(after[name], before[name]) for name in before if name not in adapters)
+    assert losses[1] < losses[0]
+
+
+def test_adapters_start_as_lora_init_the_base_model_exactly(trained):
+    engine = lora_engine()
+    batch = make_batch()
+    torch.testing.assert_close(engine.forward(batch)["logprobs"], base_engine().forward(batch)["logprobs"],
+                               atol=0, rtol=0)
+    lora_B = [param for name, param in engine.model.named_parameters() if name.endswith("lora_B.weight")]
+    assert lora_B and all(float(param.detach().abs().max()) == 0 for param in lora_B)
+
+
+def test_reference_log_probs_with_adapters_off_equal_the_base_models(trained):
+    engine, _, _ = trained
+    batch = make_batch()
+    with engine.adapters_disabled():
+        reference = engine.forward(batch)["logprobs"]
+    torch.testing.assert_close(reference, base_engine().forward(batch)["logprobs"], atol=0, rtol=0)
+    assert (engine.forward(batch)["logprobs"] - reference).abs().max() > 1e-3  # the adapters are back on
+
+
+def peft_merged(engine: TrainingEngine, directory) -> torch.nn.Module:
+    """The base model with ``engine``'s adapter exported and loaded by PEFT."""
+    from peft import PeftModel
+
+    engine.export_adapter(str(directory))
+    return PeftModel.from_pretrained(build_tiny_model(), str(directory)).eval()
+
+
+def test_export_writes_peft_adapter_files_that_peft_loads_to_the_same_log_probs(trained, tmp_path):
+    engine, _, _ = trained
+    model = peft_merged(engine, tmp_path / "adapter")
+    assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == ["adapter_config.json",
+                                                                       "adapter_model.safetensors"]
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["peft_type"]) == (4, 8.0, "LORA")
+    batch = make_batch()
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    response_logits = logits[:, -batch["responses"].shape[1] - 1:-1].float()
+    logprobs = torch.log_softmax(response_logits, -1).gather(-1, batch["responses"][..., None])[..., 0]
+    mask = batch["response_mask"].bool()
+    ours = engine.forward(batch)["logprobs"]
+    torch.testing.assert_close(ours[mask], logprobs[mask], atol=2e-5, rtol=0)
+
+
+def test_merged_export_loads_with_from_pretrained_as_peft_merges_it(trained, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    engine, _, _ = trained
+    engine.export_hf(str(tmp_path / "merged"))
+    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).state_dict()
+    expected = peft_merged(engine, tmp_path / "adapter").merge_and_unload().state_dict()
+    assert exported.keys() == expected.keys()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(exported[name], tensor, atol=1e-6, rtol=0)
+
+
+def test_generation_shards_hold_merged_weights_and_greedy_decode_equals_peft_merged_generate(trained, tmp_path):
+    engine, before, _ = trained
+    shards = engine.local_shards()
+    assert not any(is_adapter_parameter(name) for name in shards)
+    merged_model = peft_merged(engine, tmp_path / "adapter").merge_and_unload()
+    expected_state = merged_model.state_dict()
+    for name, shard in shards.items():
+        torch.testing.assert_close(shard, expected_state[name], atol=1e-6, rtol=0)
+    assert all(torch.equal(param, before[name]) for name, param in engine.model.named_parameters()
+               if not is_adapter_parameter(name))  # merging never writes the trained base weights
+    prompts_BP = make_batch()["input_ids"][:, :6]
+    mask_BP = torch.ones_like(prompts_BP)
+    out = GenerationEngine(DecoderStage.from_state_dict(engine.hf_config, shards)).generate(
+        prompts_BP, mask_BP, SamplingConfig(max_new_tokens=5, greedy=True))
+    with torch.no_grad():
+        expected = merged_model.generate(prompts_BP, attention_mask=mask_BP, max_new_tokens=5, do_sample=False,
+                                         pad_token_id=0, eos_token_id=None)[:, 6:]
+    assert torch.equal(out["responses"], expected)
+
+
+def test_checkpoint_holds_only_adapter_tensors_and_resume_is_exact(tmp_path):
+    engine = lora_engine()
+    batch = make_batch()
+    engine.train_step(batch, token_nll_loss)
+    engine.save_checkpoint(str(tmp_path / "ckpt"))
+    straight = [engine.train_step(batch, token_nll_loss)["loss"] for _ in range(2)]
+    keys = FileSystemReader(str(tmp_path / "ckpt")).read_metadata().state_dict_metadata
+    model_keys = {key.removeprefix("model.") for key in keys if key.startswith("model.")}
+    assert model_keys == {name for name, _ in engine.model.named_parameters() if is_adapter_parameter(name)}
+    assert all(is_adapter_parameter(key.removeprefix("optim.").rsplit(".", 1)[0]) for key in keys
+               if key.startswith("optim."))
+    resumed = lora_engine()
+    resumed.load_checkpoint(str(tmp_path / "ckpt"))
+    assert resumed.step == 1
+    assert [resumed.train_step(batch, token_nll_loss)["loss"] for _ in range(2)] == straight
+    final, again = parameters(engine), parameters(resumed)
+    assert all(torch.equal(final[name], again[name]) for name in final)
+    with pytest.raises(ValueError, match="holds LoRA adapters but this engine trains full weights"):
+        TrainingEngine(EngineConfig(micro_batch_tokens=24, optim=OPTIM), lambda: build_tiny_model()).load_checkpoint(
+            str(tmp_path / "ckpt"))
+
+
+def test_a_critic_with_lora_trains_its_adapters_and_its_new_value_head():
+    engine = lora_engine(head="value")
+    trainable = {name for name, param in engine.model.named_parameters() if param.requires_grad}
+    head = {name for name, _ in engine.model.named_parameters() if name.startswith("score.")}
+    assert head and {name for name in trainable if not is_adapter_parameter(name)} == head
+
+
+# ----- layouts -----------------------------------------------------------------------------------------
+LAYOUTS = {"fsdp2": dict(layout="fsdp"), "tp2": dict(layout="3d", tp_size=2), "pp2": dict(layout="3d", pp_size=2)}
+
+
+def train_lora_layouts(rank, world_size):
+    """Per layout: the two losses, the full adapter state and this rank's merged local shards."""
+    from hybridflow.models.lora import adapter_state
+
+    batch = make_batch()
+    results = {}
+    for name, layout in LAYOUTS.items():
+        engine = lora_engine(**layout)
+        rows = GLOBAL_ROWS // engine.layout.dp_size
+        local = {key: value[engine.coords.dp_rank * rows:(engine.coords.dp_rank + 1) * rows]
+                 for key, value in batch.items()}
+        losses = [engine.train_step(local, token_nll_loss)["loss"] for _ in range(2)]
+        results[name] = (losses, adapter_state(engine.model), engine.local_shards())
+    return results
+
+
+def test_fsdp_tensor_and_pipeline_parallel_lora_equal_one_process():
+    from hybridflow.models.lora import adapter_state
+
+    engine = lora_engine()
+    expected_losses = [engine.train_step(make_batch(), token_nll_loss)["loss"] for _ in range(2)]
+    expected_adapters, expected_shards = adapter_state(engine.model), engine.local_shards()
+    ranks = run_distributed(train_lora_layouts, 2, timeout_s=600)
+    for name in LAYOUTS:
+        losses = ranks[0][name][0]
+        adapters = {**ranks[0][name][1], **ranks[1][name][1]}  # pp2: each stage holds its layers' adapters
+        assert losses == pytest.approx(expected_losses, rel=1e-5), name
+        assert adapters.keys() == expected_adapters.keys(), name
+        for key, tensor in expected_adapters.items():
+            torch.testing.assert_close(adapters[key], tensor, atol=1e-5, rtol=1e-4, msg=f"{name} {key}")
+    for name, cut in (("fsdp2", lambda key: 0), ("tp2", tp_shard_dim)):
+        shards = [ranks[rank][name][2] for rank in range(2)]
+        for key, tensor in expected_shards.items():
+            dim = cut(key)
+            full = shards[0][key] if dim is None else torch.cat([part[key] for part in shards], dim=dim)
+            torch.testing.assert_close(full, tensor, atol=1e-5, rtol=1e-4, msg=f"{name} {key}")
