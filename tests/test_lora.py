@@ -203,3 +203,120 @@ def test_fsdp_tensor_and_pipeline_parallel_lora_equal_one_process():
             dim = cut(key)
             full = shards[0][key] if dim is None else torch.cat([part[key] for part in shards], dim=dim)
             torch.testing.assert_close(full, tensor, atol=1e-5, rtol=1e-4, msg=f"{name} {key}")
+
+
+# ----- the RL run ------------------------------------------------------------------------------------------
+def _grpo_config(data_dir, output_dir, *overrides):
+    from test_trainer import _config
+
+    return _config(data_dir, output_dir, "algorithm.advantage_estimator=grpo", "actor.lora.rank=4",
+                   "actor.lora.alpha=8", "actor.engine.dtype=float32", *overrides)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    from hybridflow.data import write_jsonl
+    from hybridflow.data.builtin import prompt_rows
+    from test_trainer import TASK
+
+    directory = tmp_path_factory.mktemp("lora_data")
+    write_jsonl(directory / "train.jsonl", prompt_rows(32, split="train", seed=0, config=TASK))
+    write_jsonl(directory / "val.jsonl", prompt_rows(4, split="eval", seed=0, config=TASK))
+    return directory
+
+
+def test_grpo_train_with_actor_lora_scores_against_the_base_model_and_exports_a_peft_adapter(data_dir, tmp_path):
+    from peft import PeftModel
+
+    from hybridflow.controller import local_mode
+    from hybridflow.models import build_model
+    from hybridflow.protocol import DataProto
+    from hybridflow.trainers.build import model_config_of
+    from hybridflow.trainers.rl import RLTrainer
+    from hybridflow.workers import AdapterReferenceWorker
+
+    config = _grpo_config(data_dir, tmp_path / "run", "actor.lora.export_merged=true")
+    assert config.active_roles == ("actor", "reference")
+    base = TrainingEngine(EngineConfig(micro_batch_tokens=64, dtype="float32"),
+                          lambda: build_model(model_config_of(config.actor.model)), trainable=False)
+    rows = {key: value % base.hf_config.vocab_size if key in ("input_ids", "responses") else value
+            for key, value in make_batch().items()}
+    with local_mode():
+        trainer = RLTrainer(config, tensorboard=False)
+        try:
+            assert trainer.groups["reference"].worker_cls is AdapterReferenceWorker
+            history = trainer.fit()
+            reference = trainer.groups["reference"].compute_ref_log_prob(DataProto.from_dict(tensors=rows))
+        finally:
+            trainer.shutdown()
+    # step 1 samples from the base model itself (B = 0): its KL to the reference is 0 up to the rollout's
+    # rounding; then the adapters move the policy away
+    assert abs(history[0]["kl/sequence_kl"]) < 1e-5 and history[1]["actor/kl_loss"] > 1e-5
+    assert history[0]["rollout/lora_sync_bytes_adapter"] < history[0]["rollout/lora_sync_bytes_merged"] / 10
+    # after training, the reference role still scores with the base model, bit for bit
+    torch.testing.assert_close(reference["ref_logprobs"], base.forward(rows)["logprobs"], atol=0, rtol=0)
+    final = tmp_path / "run" / "final" / "actor"
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in final.iterdir()}
+    assert (final / "merged" / "model.safetensors").is_file()
+    PeftModel.from_pretrained(build_model(model_config_of(config.actor.model)), str(final))
+
+
+def test_a_lora_run_resumes_from_its_adapter_checkpoint_identically(data_dir, tmp_path):
+    from test_trainer import _run
+
+    straight = _run(_grpo_config(data_dir, tmp_path / "straight", "trainer.total_steps=3"))
+    _run(_grpo_config(data_dir, tmp_path / "resumed", "trainer.total_steps=2", "trainer.save_every=2"))
+    saved = FileSystemReader(str(tmp_path / "resumed" / "checkpoints" / "step_000002" / "actor")).read_metadata()
+    assert all(is_adapter_parameter(key.split(".", 1)[1].rsplit(".", 1)[0] if key.startswith("optim.")
+                                    else key.split(".", 1)[1]) for key in saved.state_dict_metadata)
+    resumed = _run(_grpo_config(data_dir, tmp_path / "resumed", "trainer.total_steps=3"))
+    assert [record["step"] for record in resumed] == [1, 2, 3]
+    for name, value in straight[2].items():
+        if not name.startswith("time/"):
+            assert resumed[2][name] == pytest.approx(value, rel=1e-6, abs=1e-9), name
+
+
+# ----- bad input -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("override", "message"), [
+    ("actor.lora.rank=0", r"config key actor.lora.rank got 0; allowed: an integer >= 1"),
+    ("actor.lora.alpha=-1", r"config key actor.lora.alpha got -1.0; allowed: a finite number > 0"),
+    ("actor.lora.dropout=1.0", r"config key actor.lora.dropout got 1.0; allowed: a number in \[0, 1\)"),
+    ("critic.lora.rank=-2", r"config key critic.lora.rank got -2"),
+    ("reference.lora.rank=8", r"config key reference.lora is not allowed here: the reference is frozen"),
+    ("reward.lora.rank=8", r"config key reward.lora is not allowed here: the reward model is frozen"),
+])
+def test_bad_lora_configs_are_refused_naming_the_key(data_dir, tmp_path, override, message):
+    with pytest.raises(ValueError, match=message):
+        _grpo_config(data_dir, tmp_path, override)
+
+
+def test_a_lora_actor_refuses_a_separate_reference_model_or_pool(data_dir, tmp_path):
+    with pytest.raises(ValueError, match=r"config key reference.model got '<set>'; allowed: null with actor.lora"):
+        _grpo_config(data_dir, tmp_path, "reference.model.builtin=arithmetic")
+    with pytest.raises(ValueError, match=r"config key placement.roles.reference got 'ref'; allowed: the actor's pool "
+                                         r"'global' with actor.lora"):
+        _grpo_config(data_dir, tmp_path, "placement.pools={global: [1], ref: [1]}", "placement.roles.reference=ref")
+
+
+def test_a_target_matching_no_module_is_refused_before_any_model_is_built_naming_the_modules_there(data_dir,
+                                                                                                   tmp_path):
+    from hybridflow.trainers.preflight import preflight
+
+    config = _grpo_config(data_dir, tmp_path, "actor.lora.target_modules=[q_proj, qkv_proj]")
+    with pytest.raises(ValueError, match=r"config key actor.lora.target_modules: 'qkv_proj' matches no module of the "
+                                         r"model; the linear layers that can be adapted are named \['down_proj', "
+                                         r"'gate_proj', 'k_proj', 'o_proj', 'q_proj', 'up_proj', 'v_proj'\]"):
+        preflight(config)
+    with pytest.raises(ValueError, match=r"'embed_tokens' matches only \['model.embed_tokens'\], which are not linear"):
+        preflight(_grpo_config(data_dir, tmp_path, "actor.lora.target_modules=[embed_tokens]"))
+
+
+def test_a_frozen_engine_or_role_refuses_a_lora_config():
+    from hybridflow.models import ModelConfig
+    from hybridflow.workers import EngineSpec, ReferenceWorker
+
+    with pytest.raises(ValueError, match="inference-only engine"):
+        TrainingEngine(EngineConfig(), lambda: build_tiny_model(), trainable=False, lora=LORA)
+    spec = EngineSpec(model=ModelConfig(tiny={}), engine=EngineConfig(), lora=LORA)
+    with pytest.raises(ValueError, match="ReferenceWorker was given a LoRA config, but it is a frozen role"):
+        ReferenceWorker(spec)
