@@ -272,6 +272,8 @@ def _coerce(annotation: Any, value: Any, key: str) -> Any:
     if dataclasses.is_dataclass(annotation):
         return build_dataclass(annotation, value, path=key)
     if origin in (Union, types.UnionType):
+        if value is None and type(None) in typing.get_args(annotation):
+            return None  # null is null, also for an optional section whose every field has a default
         sections = [arg for arg in typing.get_args(annotation) if dataclasses.is_dataclass(arg)]
         if isinstance(value, dict) and len(sections) == 1:
             # an optional section given as a mapping: its own errors name the key inside it
