@@ -169,7 +169,7 @@ LAYOUTS = {"fsdp2": dict(layout="fsdp"), "tp2": dict(layout="3d", tp_size=2), "p
 
 def train_lora_layouts(rank, world_size):
     """Per layout: the two losses, the full adapter state and this rank's merged local shards."""
-    from hybridflow.models.lora import adapter_state
+    from hybridflow.engine.lora import adapter_state
 
     batch = make_batch()
     results = {}
@@ -184,7 +184,7 @@ def train_lora_layouts(rank, world_size):
 
 
 def test_fsdp_tensor_and_pipeline_parallel_lora_equal_one_process():
-    from hybridflow.models.lora import adapter_state
+    from hybridflow.engine.lora import adapter_state
 
     engine = lora_engine()
     expected_losses = [engine.train_step(make_batch(), token_nll_loss)["loss"] for _ in range(2)]

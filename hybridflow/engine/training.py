@@ -161,7 +161,7 @@ class TrainingEngine:
     def _init_adapters(self, seed: int) -> None:
         """Adapters start as LoRA's init, the same in every layout (``initial_adapter_weight``), set once the
         stage holds real memory."""
-        from hybridflow.models.lora import reset_adapters
+        from hybridflow.engine.lora import reset_adapters
 
         reset_adapters(self.model, seed=seed)
 
@@ -572,7 +572,7 @@ class TrainingEngine:
         shards = self.training_layout.local_shards(self.model, self.device)
         if self.lora is None:
             return shards
-        from hybridflow.models.lora import merge_into_shards
+        from hybridflow.engine.lora import merge_into_shards
 
         return merge_into_shards(self.model, shards)
 

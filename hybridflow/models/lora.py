@@ -50,12 +50,8 @@ class LoraLinear(nn.Linear):
         return out + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scale
 
     def delta_weight(self) -> Tensor:
-        """scale * B A [O, I]: what merging adds to W (a DTensor laid out like W when W is one)."""
-        delta_OI = (self.lora_B.weight @ self.lora_A.weight) * self.scale
-        placements = getattr(self.weight, "placements", None)
-        if placements is not None and tuple(delta_OI.placements) != tuple(placements):
-            delta_OI = delta_OI.redistribute(self.weight.device_mesh, placements)
-        return delta_OI
+        """scale * B A [O, I]: what merging adds to W."""
+        return (self.lora_B.weight @ self.lora_A.weight) * self.scale
 
 
 def linear_module_names(model: nn.Module) -> list[str]:
@@ -117,22 +113,6 @@ def initial_adapter_weight(name: str, shape: torch.Size, *, seed: int) -> Tensor
     return torch.rand(shape, generator=generator) * (2 * bound) - bound
 
 
-@torch.no_grad()
-def reset_adapters(model: nn.Module, *, seed: int) -> None:
-    """Set every adapter parameter to ``initial_adapter_weight`` (a sharded one to its slice of it)."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    for name, param in model.named_parameters():
-        if not is_adapter_parameter(name):
-            continue
-        full = initial_adapter_weight(name, param.shape, seed=seed).to(dtype=param.dtype)
-        if isinstance(param, DTensor):
-            local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
-            param.to_local().copy_(local)
-        else:
-            param.copy_(full)
-
-
 def mark_trainable(model: nn.Module, *, also: tuple[str, ...] = ()) -> None:
     """Freeze every parameter but the adapters' (and those under the top-level modules ``also``, e.g. a new
     value head)."""
@@ -152,31 +132,6 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
     finally:
         for layer, enabled in zip(layers, previous):
             layer.adapter_enabled = enabled
-
-
-@torch.no_grad()
-def merge_into_shards(model: nn.Module, shards: dict[str, Tensor]) -> dict[str, Tensor]:
-    """``shards`` (parameter name -> this rank's local tensor, as a training layout hands them to generation) with
-    every adapted weight replaced by this rank's part of W + scale B A, a new tensor (the trained W is never
-    written), and the adapters' own entries left out."""
-    merged = {name: tensor for name, tensor in shards.items() if not is_adapter_parameter(name)}
-    for name, layer in adapted_layers(model):
-        base = merged[f"{name}.weight"]
-        delta = layer.delta_weight()
-        delta = delta.to_local() if hasattr(delta, "to_local") else delta
-        assert delta.shape == base.shape, f"{name}: adapter update {tuple(delta.shape)} vs weight {tuple(base.shape)}"
-        merged[f"{name}.weight"] = base + delta.to(device=base.device, dtype=base.dtype)
-    return merged
-
-
-def adapter_state(model: nn.Module) -> dict[str, Tensor]:
-    """Every adapter parameter of ``model`` as a full CPU tensor by name (a sharded one gathered)."""
-    state = {}
-    for name, param in model.named_parameters():
-        if is_adapter_parameter(name):
-            full = param.full_tensor() if hasattr(param, "full_tensor") else param
-            state[name] = full.detach().to("cpu", copy=True)
-    return state
 
 
 def peft_name(name: str) -> str:
