@@ -18,6 +18,7 @@ from hybridflow.models.lora_config import LoraConfig
 from hybridflow.parallel.launch import run_distributed
 from hybridflow.parallel.sharding import tp_shard_dim
 from test_engine_layouts import GLOBAL_ROWS, make_batch, token_nll_loss
+from test_trainer import data_dir  # noqa: F401 (the built-in task's prompt files, a fixture)
 
 OPTIM = OptimConfig(lr=1e-2, eps=1e-4)
 LORA = LoraConfig(rank=4, alpha=8.0)
@@ -213,18 +214,6 @@ def _grpo_config(data_dir, output_dir, *overrides):
                    "actor.lora.alpha=8", "actor.engine.dtype=float32", *overrides)
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    from hybridflow.data import write_jsonl
-    from hybridflow.data.builtin import prompt_rows
-    from test_trainer import TASK
-
-    directory = tmp_path_factory.mktemp("lora_data")
-    write_jsonl(directory / "train.jsonl", prompt_rows(32, split="train", seed=0, config=TASK))
-    write_jsonl(directory / "val.jsonl", prompt_rows(4, split="eval", seed=0, config=TASK))
-    return directory
-
-
 def test_grpo_train_with_actor_lora_scores_against_the_base_model_and_exports_a_peft_adapter(data_dir, tmp_path):
     from peft import PeftModel
 
@@ -320,3 +309,43 @@ def test_a_frozen_engine_or_role_refuses_a_lora_config():
     spec = EngineSpec(model=ModelConfig(tiny={}), engine=EngineConfig(), lora=LORA)
     with pytest.raises(ValueError, match="ReferenceWorker was given a LoRA config, but it is a frozen role"):
         ReferenceWorker(spec)
+
+
+# ----- vLLM ---------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_a_lora_actor_on_vllm_loads_the_merged_weights_and_generates_as_the_native_engine():
+    pytest.importorskip("vllm")
+    from hybridflow.controller.local import init_local_process_group
+    from hybridflow.data import PromptDataset
+    from hybridflow.data.builtin import ArithmeticTaskConfig, builtin_tokenizer, prompt_rows
+    from hybridflow.engine.generation import GenerationConfig
+    from hybridflow.engine.generation_config import GenerationTokens
+    from hybridflow.models import ModelConfig
+    from hybridflow.trainers.build import model_config_of
+    from hybridflow.workers import ActorSpec, ActorWorker, EngineSpec
+    from hybridflow.workers.actor import next_token_loss_fn
+    from hybridflow.workers.base import SEQUENCE_KEYS, tensors_of
+
+    init_local_process_group()
+    tokenizer = builtin_tokenizer()
+
+    def actor(backend: str) -> ActorWorker:
+        engine = EngineSpec(model=model_config_of(ModelConfig(builtin="arithmetic")), seed=0, lora=LORA,
+                            engine=EngineConfig(dtype="float32", optim=OptimConfig(lr=1e-2)))
+        generation = GenerationConfig(backend=backend, max_new_tokens=6, greedy=True, vllm_kv_cache_gib=0.0625)
+        tokens = GenerationTokens(eos_token_ids=(tokenizer.eos_token_id,), pad_token_id=tokenizer.pad_token_id)
+        return ActorWorker(ActorSpec(engine=engine, generation=generation, tokens=tokens))
+
+    native, vllm = actor("native"), actor("vllm")
+    rows = prompt_rows(4, split="train", seed=1, config=ArithmeticTaskConfig(max_digits=2))
+    prompts = PromptDataset(rows, tokenizer, max_prompt_tokens=16).batch(range(4))
+    batch = tensors_of(native.generate_sequences(prompts), SEQUENCE_KEYS)
+    for worker in (native, vllm):  # one step on both: B is no longer 0, so the merged weights differ from W
+        worker.engine.train_step(batch, next_token_loss_fn(1.0), outputs=("logprobs",))
+    expected, got = native.generate_sequences(prompts), vllm.generate_sequences(prompts)
+    assert torch.equal(expected.batch["responses"], got.batch["responses"])
+    mask_BT = got.batch["response_mask"].bool()
+    torch.testing.assert_close(got.batch["logprobs"][mask_BT], expected.batch["logprobs"][mask_BT],
+                               rtol=1e-4, atol=1e-4)
+    stats = vllm.transition_stats()
+    assert stats["vllm_bytes_loaded"] == stats["lora_sync_bytes_merged"] > 10 * stats["lora_sync_bytes_adapter"]
