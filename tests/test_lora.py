@@ -349,3 +349,35 @@ def test_a_lora_actor_on_vllm_loads_the_merged_weights_and_generates_as_the_nati
                                rtol=1e-4, atol=1e-4)
     stats = vllm.transition_stats()
     assert stats["vllm_bytes_loaded"] == stats["lora_sync_bytes_merged"] > 10 * stats["lora_sync_bytes_adapter"]
+
+
+# ----- Ray, two ranks --------------------------------------------------------------------------------------
+def _ray_grpo(data_dir, directory, *overrides):
+    """Two greedy REINFORCE++ steps with actor.lora on Ray: (history, merged actor weights exported after). Greedy,
+    so that two generation replicas sample as one does; not GRPO, whose advantages are 0 on identical samples."""
+    from hybridflow.engine.weights import read_safetensors
+    from hybridflow.trainers.rl import RLTrainer
+
+    config = _grpo_config(data_dir, directory / "run", "algorithm.advantage_estimator=reinforce_plus_plus",
+                          "actor.generation.greedy=true", "batch.mini_batch_size=8",
+                          "trainer.val_every=0", "trainer.resume=false", "actor.lora.export_merged=true", *overrides)
+    trainer = RLTrainer(config, mode="ray", tensorboard=False)
+    try:
+        history = trainer.fit()
+    finally:
+        trainer.shutdown()
+    return history, read_safetensors(str(directory / "run" / "final" / "actor" / "merged"))
+
+
+@pytest.mark.slow
+def test_two_rank_fsdp_lora_actor_with_its_adapter_reference_on_ray_equals_one_rank(ray_session, data_dir,
+                                                                                      tmp_path):
+    expected, expected_weights = _ray_grpo(data_dir, tmp_path / "one", "placement.pools={all: [1]}")
+    history, weights = _ray_grpo(data_dir, tmp_path / "two", "placement.pools={all: [2]}")
+    assert history[1]["kl/sequence_kl"] > 1e-6  # the adapter reference scored the moved policy on both ranks
+    for record, reference in zip(history, expected):
+        for name, value in reference.items():
+            if not name.startswith(("time/", "rollout/")) and not name.endswith("token_budget"):
+                assert record[name] == pytest.approx(value, rel=1e-5, abs=1e-5), (record["step"], name)
+    for name, tensor in expected_weights.items():
+        torch.testing.assert_close(weights[name], tensor, rtol=0, atol=1e-4, msg=name)
