@@ -157,11 +157,30 @@ def test_checkpoint_holds_only_adapter_tensors_and_resume_is_exact(tmp_path):
             str(tmp_path / "ckpt"))
 
 
-def test_a_critic_with_lora_trains_its_adapters_and_its_new_value_head():
+def test_a_critic_with_lora_trains_its_adapters_and_its_new_value_head_and_exports_both_for_peft(tmp_path):
+    from peft import PeftModel
+
     engine = lora_engine(head="value")
     trainable = {name for name, param in engine.model.named_parameters() if param.requires_grad}
     head = {name for name, _ in engine.model.named_parameters() if name.startswith("score.")}
     assert head and {name for name in trainable if not is_adapter_parameter(name)} == head
+    batch = make_batch()
+    returns_BT = torch.randn(batch["response_mask"].shape, generator=torch.Generator().manual_seed(0))
+    values_batch = {**batch, "returns": returns_BT}
+
+    def value_loss(outputs, micro_batch):
+        error = (outputs["values"] - micro_batch["returns"]) * micro_batch["response_mask"]
+        return error.pow(2).sum() / micro_batch["num_tokens_global"], {}
+
+    for _ in range(2):
+        engine.train_step(values_batch, value_loss)
+    engine.export_adapter(str(tmp_path / "critic"))
+    model = PeftModel.from_pretrained(build_tiny_model(head="value"), str(tmp_path / "critic")).eval()
+    with torch.no_grad():
+        values = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[..., 0]
+    mask = batch["response_mask"].bool()
+    ours = engine.forward(batch)["values"]
+    torch.testing.assert_close(ours[mask], values[:, -mask.shape[1] - 1:-1][mask], atol=2e-5, rtol=0)
 
 
 # ----- layouts -----------------------------------------------------------------------------------------
@@ -263,6 +282,12 @@ def test_a_lora_run_resumes_from_its_adapter_checkpoint_identically(data_dir, tm
     for name, value in straight[2].items():
         if not name.startswith("time/"):
             assert resumed[2][name] == pytest.approx(value, rel=1e-6, abs=1e-9), name
+    # `hybridflow export RUN_DIR --merged` of that checkpoint: the adapter, and the merged model beside it
+    from hybridflow.trainers.export import export_main
+
+    assert export_main([str(tmp_path / "resumed"), "--step", "2", "--out", str(tmp_path / "out"), "--merged"]) == 0
+    assert (tmp_path / "out" / "actor" / "adapter_model.safetensors").is_file()
+    assert (tmp_path / "out" / "actor" / "merged" / "model.safetensors").is_file()
 
 
 # ----- bad input -------------------------------------------------------------------------------------------
