@@ -187,37 +187,48 @@ def test_a_critic_with_lora_trains_its_adapters_and_its_new_value_head_and_expor
 LAYOUTS = {"fsdp2": dict(layout="fsdp"), "tp2": dict(layout="3d", tp_size=2), "pp2": dict(layout="3d", pp_size=2)}
 
 
-def train_lora_layouts(rank, world_size):
-    """Per layout: the two losses, the full adapter state and this rank's merged local shards."""
+def train_lora_layouts(rank, world_size, names, checkpoint_dir):
+    """Per layout: the two losses, the full adapter state and this rank's merged local shards; each layout's
+    checkpoint after its two steps under ``checkpoint_dir/<layout>``."""
     from hybridflow.engine.lora import adapter_state
 
     batch = make_batch()
     results = {}
-    for name, layout in LAYOUTS.items():
-        engine = lora_engine(**layout)
+    for name in names:
+        engine = lora_engine(**LAYOUTS[name])
         rows = GLOBAL_ROWS // engine.layout.dp_size
         local = {key: value[engine.coords.dp_rank * rows:(engine.coords.dp_rank + 1) * rows]
                  for key, value in batch.items()}
         losses = [engine.train_step(local, token_nll_loss)["loss"] for _ in range(2)]
         results[name] = (losses, adapter_state(engine.model), engine.local_shards())
+        engine.save_checkpoint(f"{checkpoint_dir}/{name}")
     return results
 
 
-def test_fsdp_tensor_and_pipeline_parallel_lora_equal_one_process():
+@pytest.mark.parametrize("names", [
+    ("fsdp2", "tp2"), pytest.param(("pp2",), marks=pytest.mark.slow)], ids=["fsdp2_tp2", "pp2"])
+def test_lora_layouts_on_two_ranks_equal_one_process_and_their_checkpoints_load_on_one(tmp_path, names):
     from hybridflow.engine.lora import adapter_state
 
     engine = lora_engine()
     expected_losses = [engine.train_step(make_batch(), token_nll_loss)["loss"] for _ in range(2)]
     expected_adapters, expected_shards = adapter_state(engine.model), engine.local_shards()
-    ranks = run_distributed(train_lora_layouts, 2, timeout_s=600)
-    for name in LAYOUTS:
+    ranks = run_distributed(train_lora_layouts, 2, names, str(tmp_path), timeout_s=600)
+    for name in names:
         losses = ranks[0][name][0]
         adapters = {**ranks[0][name][1], **ranks[1][name][1]}  # pp2: each stage holds its layers' adapters
         assert losses == pytest.approx(expected_losses, rel=1e-5), name
         assert adapters.keys() == expected_adapters.keys(), name
         for key, tensor in expected_adapters.items():
             torch.testing.assert_close(adapters[key], tensor, atol=1e-5, rtol=1e-4, msg=f"{name} {key}")
+        resumed = lora_engine()  # each layout's adapter checkpoint, resharded onto one process
+        resumed.load_checkpoint(str(tmp_path / name))
+        assert resumed.step == 2
+        for key, tensor in adapter_state(resumed.model).items():
+            torch.testing.assert_close(tensor, adapters[key], atol=0, rtol=0, msg=f"{name} checkpoint {key}")
     for name, cut in (("fsdp2", lambda key: 0), ("tp2", tp_shard_dim)):
+        if name not in names:
+            continue
         shards = [ranks[rank][name][2] for rank in range(2)]
         for key, tensor in expected_shards.items():
             dim = cut(key)
