@@ -363,8 +363,10 @@ def _train(config):
 def test_a_multi_turn_step_trains_exactly_the_recorded_episodes(run_inputs, tmp_path, estimator):
     history, batch = _train(_agent_config(run_inputs, tmp_path / estimator,
                                              f"algorithm.advantage_estimator={estimator}",
-                                             "actor.loss.old_log_probs=recompute"))
+                                             "actor.loss.old_log_probs=recompute", "algorithm.whiten_advantages=false"))
     metrics = history[-1]
+    if estimator == "remax":  # the baseline is the greedy episode's reward (distinct characters: > 0), not 0
+        assert metrics["advantage/mean"] < metrics["return/mean"] - 0.5
     assert metrics["agent/turns_mean"] > 1.5 and metrics["agent/env_failures"] == 2.0
     assert metrics["agent/observation_tokens_mean"] > 0 and metrics["agent/sampled_tokens_mean"] > 0
     assert metrics["actor/pg_loss"] == metrics["actor/pg_loss"]  # finite: the step trained
