@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # the same names for static tools (type checkers, IDEs, tests
         load_environment,
         make_environment,
     )
+    from hybridflow.agents.openai_env import OpenAIAgentEnvironment
     from hybridflow.agents.single_turn import RewardFunctionEnvironment
     from hybridflow.agents.tool_calls import (
         HermesParser,
@@ -52,6 +53,7 @@ _EXPORTS = {
     "HermesParser": "hybridflow.agents.tool_calls",
     "Llama3Parser": "hybridflow.agents.tool_calls",
     "Message": "hybridflow.agents.env",
+    "OpenAIAgentEnvironment": "hybridflow.agents.openai_env",
     "RewardFunctionEnvironment": "hybridflow.agents.single_turn",
     "Tool": "hybridflow.agents.tools",
     "ToolArgumentError": "hybridflow.agents.tools",
@@ -77,7 +79,8 @@ _EXPORTS = {
 }
 __all__ = [
     "AssistantTurn", "DocumentSearch", "EnvConfig", "Environment", "EnvironmentDefinitionError",
-    "EnvironmentFailure", "EpisodeStart", "HermesParser", "Llama3Parser", "Message", "RewardFunctionEnvironment",
+    "EnvironmentFailure", "EpisodeStart", "HermesParser", "Llama3Parser", "Message", "OpenAIAgentEnvironment",
+    "RewardFunctionEnvironment",
     "Tool", "ToolArgumentError", "ToolCall", "ToolEnvironment", "ToolOutcome", "TurnResult", "arun_tool_calls",
     "calculator", "check_environment", "checked_close", "checked_start", "checked_step", "load_environment",
     "make_environment", "make_parser", "parser_for_template", "python_tool", "row_messages", "run_tool_calls",

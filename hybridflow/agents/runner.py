@@ -173,8 +173,7 @@ class EpisodeRunner:
 
     def _submit_wave(self, ready: list[_Pending]) -> None:
         """The next turn of every ready episode, as requests that share one seed (one decode batch)."""
-        options = dataclasses.replace(self.options, seed=self.options.seed + WAVE_SEED_STRIDE * self._waves)
-        self._waves += 1
+        options = self._next_wave_options()
         now = time.perf_counter()
         for pending in ready:
             episode = pending.episode
@@ -196,9 +195,7 @@ class EpisodeRunner:
         episode = pending.episode
         episode.generation_seconds += time.perf_counter() - pending.started
         episode.add_sampled(output.token_ids, output.logprobs)
-        closed = self._closed_by(output) is not None
-        text = self.chat.tokenizer.decode(list(output.token_ids[:-1] if closed else output.token_ids),
-                                          skip_special_tokens=False)
+        text = self.turn_text(output)
         parsed = self.parser.parse(text, id_prefix=f"call-{episode.turns}")
         turn = AssistantTurn(text=text, tool_calls=list(parsed.calls), parse_errors=list(parsed.errors),
                              turn_index=episode.turns)
@@ -208,6 +205,18 @@ class EpisodeRunner:
             message["tool_calls"] = [call.message_entry() for call in parsed.calls]
         episode.messages.append(message)
         self._env_calls[self._pool.submit(_timed, checked_step, pending.env, turn)] = ("step", pending, output)
+
+    def _next_wave_options(self) -> SamplingOptions:
+        """The step's options with the next wave's seed (turns submitted at different times draw fresh noise)."""
+        options = dataclasses.replace(self.options, seed=self.options.seed + WAVE_SEED_STRIDE * self._waves)
+        self._waves += 1
+        return options
+
+    def turn_text(self, output: RolloutOutput) -> str:
+        """A finished turn's text, without the end-of-turn token it stopped at (for the environment only)."""
+        closed = self._closed_by(output) is not None
+        return self.chat.tokenizer.decode(list(output.token_ids[:-1] if closed else output.token_ids),
+                                          skip_special_tokens=False)
 
     def _closed_by(self, output: RolloutOutput) -> str | None:
         """The text of the end-of-turn token a turn stopped at (None: cut by its length)."""
@@ -255,9 +264,13 @@ class EpisodeJob:
         from hybridflow.agents.episode_batch import episode_tensors
         from hybridflow.engine.rollout import sampling_options
 
+        from hybridflow.agents.loading import load_environment
+
         tokenizer = self._tokenizer()
-        runner = EpisodeRunner(rollout, chat=ChatTokens(tokenizer), make_env=self._env_factory(),
-                               parser=self._parser(tokenizer), options=sampling_options(config), limits=self.limits)
+        env_class = load_environment(self.env_class, dict(self.env_kwargs))
+        runner_class = _runner_class(env_class)
+        runner = runner_class(rollout, chat=ChatTokens(tokenizer), make_env=self._env_factory(env_class),
+                              parser=self._parser(tokenizer), options=sampling_options(config), limits=self.limits)
         samples = config.samples_per_prompt
         rows, fallback = [], []
         for index in range(len(prompts)):
@@ -280,11 +293,10 @@ class EpisodeJob:
             _TOKENIZERS[self.tokenizer] = self.tokenizer.load()
         return _TOKENIZERS[self.tokenizer]
 
-    def _env_factory(self) -> Callable[[], object]:
-        from hybridflow.agents.loading import load_environment, make_environment
+    def _env_factory(self, env_class: type) -> Callable[[], object]:
+        from hybridflow.agents.loading import make_environment
 
         kwargs = dict(self.env_kwargs)
-        env_class = load_environment(self.env_class, kwargs)
 
         def make():
             environment = make_environment(env_class, kwargs, max_turns=self.limits.max_turns)
@@ -298,6 +310,18 @@ class EpisodeJob:
         from hybridflow.agents.tool_calls import make_parser
 
         return make_parser(self.tool_format, tokenizer.chat_template)
+
+
+def _runner_class(env_class: type) -> type[EpisodeRunner]:
+    """The runner of an environment class: agent programs run against the OpenAI-compatible endpoint
+    (``OpenAIAgentEnvironment``), every other environment is stepped by ``EpisodeRunner``."""
+    from hybridflow.agents.openai_env import OpenAIAgentEnvironment
+
+    if issubclass(env_class, OpenAIAgentEnvironment):
+        from hybridflow.agents.endpoint import EndpointRunner
+
+        return EndpointRunner
+    return EpisodeRunner
 
 
 def _timed(function, *arguments):

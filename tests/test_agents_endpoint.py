@@ -1,0 +1,180 @@
+"""The OpenAI-compatible endpoint: agent programs written against the real ``openai`` client drive episodes on the
+tiny model's native rollout; the episodes trained are token-exact (prompt + sampled + observation ids, the loss mask
+on sampled ids only), a call that edits the history is refused, and a GRPO step trains the recorded episodes."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+from test_agents_episodes import IM_END, REASONING_TEMPLATE, _agent_config, _train, add, chat_tokenizer, encode
+from test_agents_episodes import run_inputs  # noqa: F401 (a fixture: tokenizer and rows of a training run)
+from test_agents_episodes import tiny_native_rollout
+
+from hybridflow.agents import OpenAIAgentEnvironment
+from hybridflow.agents.endpoint import EndpointRunner
+from hybridflow.agents.episode import ChatTokens
+from hybridflow.agents.episode_batch import episode_tensors
+from hybridflow.agents.runner import EpisodeLimits
+from hybridflow.agents.tool_calls import make_parser
+from hybridflow.engine.rollout import SamplingOptions
+
+GLUE = "<|im_start|>{role}\n{content}<|im_end|>\n<|im_start|>assistant\n"
+"""ChatML between an assistant turn's <|im_end|> and the next turn: the new message, the next assistant header."""
+
+
+class ThreeCallAgent(OpenAIAgentEnvironment):
+    """Three calls: a tool result after the first reply, a user message after the second; reward 1 + row index.
+    Even rows send the reply object back as it came, odd rows rebuild it as a plain dict."""
+
+    async def agent(self, client, row):
+        assert [model.id async for model in client.models.list()] == ["hybridflow-policy"]
+        messages = [{"role": "user", "content": row["prompt"]}]
+        for turn, reply in enumerate([{"role": "tool", "tool_call_id": "t0", "content": "r0"},
+                                      {"role": "user", "content": "more"}, None]):
+            response = await client.chat.completions.create(model="policy", messages=messages, tools=[add.schema],
+                                                            max_tokens=5 + turn)
+            message = response.choices[0].message
+            assert response.usage.completion_tokens <= 5 + turn
+            messages.append(message.model_dump(exclude_none=True) if row["index"] % 2 == 0
+                            else {"role": "assistant", "content": message.content})
+            if reply is not None:
+                messages.append(reply)
+        return 1.0 + row["index"]
+
+
+def run_agents(env_class, rows, *, max_turns=None, max_new_tokens=6):
+    tokenizer = chat_tokenizer(REASONING_TEMPLATE, merge_newlines=False)
+    rollout = tiny_native_rollout()
+    requests, submit = [], rollout.submit
+    rollout.submit = lambda request: (requests.append(request), submit(request))[1]
+    runner = EndpointRunner(rollout, chat=ChatTokens(tokenizer), make_env=env_class, parser=make_parser("hermes"),
+                            options=SamplingOptions(max_new_tokens=max_new_tokens, eos_token_ids=(IM_END,), seed=3),
+                            limits=EpisodeLimits(max_turns=max_turns, max_episode_tokens=1024, decode_chunk_tokens=2))
+    return runner.run(rows, [[1]] * len(rows)), requests, tokenizer
+
+
+def test_an_openai_client_agent_trains_exactly_the_ids_the_endpoint_sampled_and_appended():
+    rows = [{"prompt": f"question {index}", "index": index} for index in range(3)]
+    episodes, requests, tokenizer = run_agents(ThreeCallAgent, rows)
+    tensors = episode_tensors(episodes, pad_token_id=0, eos_token_id=IM_END)
+    P = tensors["prompts"].shape[1]
+    for index, episode in enumerate(episodes):
+        assert episode.failed is None and episode.done and episode.turns == 3
+        assert episode.turn_rewards == [0.0, 0.0, 1.0 + index]
+        prompt = encode(tokenizer, tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"question {index}"}], tools=[add.schema], tokenize=False,
+            add_generation_prompt=True))
+        assert episode.prompt_ids == prompt
+        contexts = [list(request.prompt_ids) for request in requests if request.request_id.startswith(
+            f"episode-{index}-")]
+        sampled = [segment.token_ids for segment in episode.segments if segment.kind == "sampled"]
+        assert all(0 < len(ids) <= 5 + turn for turn, ids in enumerate(sampled))  # the call's max_tokens held
+        pieces = []
+        for turn, (role, content) in enumerate([("tool", "r0"), ("user", "more")]):
+            glue = ("" if sampled[turn][-1] == IM_END else "<|im_end|>") + "\n" + GLUE.format(role=role,
+                                                                                            content=content)
+            pieces += [("sampled", sampled[turn]), ("observation", encode(tokenizer, glue))]
+        pieces.append(("sampled", sampled[2]))
+        # token in: each call was sampled from exactly the ids before it, not from a re-rendered history
+        assert contexts == [prompt, prompt + pieces[0][1] + pieces[1][1],
+                            prompt + [token for _, ids in pieces[:4] for token in ids]]
+        real = tensors["attention_mask"][index].bool()
+        assert tensors["input_ids"][index][real].tolist() == prompt + [token for _, ids in pieces for token in ids]
+        assert tensors["response_mask"][index][real[P:]].tolist() == [
+            int(kind == "sampled") for kind, ids in pieces for _ in ids]
+        assert tensors["response_mask"][index][~real[P:]].sum() == 0
+        assert all(value < 0 for value, bit in zip(episode.sampled_logprobs, episode.loss_mask) if bit)
+        replies = [message["content"] for message in episode.messages if message["role"] == "assistant"]
+        assert replies == [tokenizer.decode(ids[:-1] if ids[-1] == IM_END else ids) for ids in sampled]
+
+
+class EditingAgent(OpenAIAgentEnvironment):
+    """Row 0 rewrites its question before the second call; row 1 behaves; the endpoint must refuse row 0 only."""
+
+    def agent(self, client, row):  # a plain def: runs with a synchronous openai.OpenAI
+        messages = [{"role": "user", "content": row["prompt"]}]
+        reply = client.chat.completions.create(model="policy", messages=messages).choices[0].message
+        if row["index"] == 0:
+            messages[0] = {"role": "user", "content": row["prompt"] + " (edited)"}
+        messages += [{"role": "assistant", "content": reply.content}, {"role": "user", "content": "again"}]
+        try:
+            client.chat.completions.create(model="policy", messages=messages)
+        except openai.BadRequestError as error:
+            assert error.code == "history_edited" and row["index"] == 0
+            return 5.0
+        return 1.0
+
+
+def test_a_call_that_edits_the_history_is_refused_and_fails_only_its_episode():
+    episodes, requests, _ = run_agents(EditingAgent, [{"prompt": "q0", "index": 0}, {"prompt": "q1", "index": 1}])
+    assert episodes[0].failed.startswith("history_edited: message 0 (user) differs") and episodes[0].turns == 1
+    assert not episodes[0].done
+    assert episodes[1].failed is None and episodes[1].done and episodes[1].turns == 2 and episodes[1].reward == 1.0
+    assert sorted(request.request_id for request in requests) == [
+        "episode-0-turn-0", "episode-1-turn-0", "episode-1-turn-1"]
+    tensors = episode_tensors(episodes, pad_token_id=0, eos_token_id=IM_END)
+    assert tensors["episode_trainable"].tolist() == [False, True]
+
+
+class ChattyAgent(OpenAIAgentEnvironment):
+    """Calls until the endpoint refuses (max_turns), then lets the error out; row 1's agent returns a string."""
+
+    async def agent(self, client, row):
+        messages = [{"role": "user", "content": row["prompt"]}]
+        while row["index"] == 0:
+            reply = await client.chat.completions.create(model="policy", messages=messages, stop=["\n"], seed=11)
+            messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                         {"role": "user", "content": "go on"}]
+        await client.chat.completions.create(model="policy", messages=messages)
+        return "not a number"
+
+
+def test_calls_past_max_turns_end_the_episode_truncated_and_a_bad_reward_fails_it():
+    episodes, requests, tokenizer = run_agents(ChattyAgent, [{"prompt": "q0", "index": 0},
+                                                             {"prompt": "q1", "index": 1}], max_turns=2)
+    assert episodes[0].truncated == "max_turns" and episodes[0].turns == 2 and episodes[0].failed is None
+    assert episodes[0].turn_rewards == [0.0, 0.0] and not episodes[0].done
+    assert "ChattyAgent.agent raised TypeError" in episodes[1].failed and "'not a number'" in episodes[1].failed
+    stops = [request.options for request in requests if request.request_id.startswith("episode-0-")]
+    assert all(options.seed == 11 and options.stop_sequences == (tuple(encode(tokenizer, "\n")),)
+               for options in stops)
+
+
+class CountingAgent(OpenAIAgentEnvironment):
+    """Two calls per episode with a user turn between; reward: distinct characters the model wrote (learnable by a
+    random tiny model); row "poison" raises inside the agent."""
+
+    max_turns = 3
+
+    async def agent(self, client, row):
+        messages = list(row["messages"])
+        written = ""
+        for turn in range(2):
+            if turn and row.get("poison"):
+                raise RuntimeError("poisoned row")
+            reply = await client.chat.completions.create(model="policy", messages=messages)
+            written += reply.choices[0].message.content
+            messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "more"}]
+        return float(len(set(written)))
+
+
+def test_a_grpo_step_trains_the_episodes_the_endpoint_recorded(run_inputs, tmp_path):  # noqa: F811
+    config = _agent_config(run_inputs, tmp_path, f"env.class_path={__file__}:CountingAgent",
+                           "algorithm.advantage_estimator=grpo", "actor.loss.old_log_probs=recompute")
+    history, batch = _train(config)
+    metrics = history[-1]
+    assert metrics["agent/turns_mean"] > 1.5 and metrics["agent/env_failures"] == 2.0
+    # the training forward over the recorded ids gives back each sampled token's log-prob: token-exact
+    assert metrics["rollout/logprob_abs_diff_max"] < 1e-5
+    records = [json.loads(line) for line in (tmp_path / "episodes.jsonl").read_text().splitlines()]
+    assert [bool(record["failed"]) for record in records] == [False, False, True, True] + [False] * 4
+    P = batch["prompts"].shape[1]
+    for row, record in enumerate(records):
+        real = batch["attention_mask"][row].bool()
+        assert batch["input_ids"][row][real].tolist() == record["prompt_ids"] + record["response_ids"]
+        expected_mask = [0] * len(record["response_ids"]) if record["failed"] else record["loss_mask"]
+        assert batch["response_mask"][row][real[P:]].tolist() == expected_mask
+        if not record["failed"]:
+            assert record["turns"] == 2 and record["loss_mask"].count(0) > 0
