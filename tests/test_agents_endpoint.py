@@ -45,21 +45,29 @@ class ThreeCallAgent(OpenAIAgentEnvironment):
 
 
 def run_agents(env_class, rows, *, max_turns=None, max_new_tokens=6):
+    """Run ``env_class``'s agent per row on the tiny model, which samples only "a".."h" and <|im_end|> (so that some
+    turns stop at <|im_end|> and others are cut by their length); the episodes, the requests, the tokenizer."""
     tokenizer = chat_tokenizer(REASONING_TEMPLATE, merge_newlines=False)
+    allowed = {IM_END, *encode(tokenizer, "abcdefgh")}
+    suppressed = tuple(token for token in range(256) if token not in allowed)
     rollout = tiny_native_rollout()
     requests, submit = [], rollout.submit
     rollout.submit = lambda request: (requests.append(request), submit(request))[1]
     runner = EndpointRunner(rollout, chat=ChatTokens(tokenizer), make_env=env_class, parser=make_parser("hermes"),
-                            options=SamplingOptions(max_new_tokens=max_new_tokens, eos_token_ids=(IM_END,), seed=3),
+                            options=SamplingOptions(max_new_tokens=max_new_tokens, eos_token_ids=(IM_END,), seed=3,
+                                                    suppress_tokens=suppressed),
                             limits=EpisodeLimits(max_turns=max_turns, max_episode_tokens=1024, decode_chunk_tokens=2))
     return runner.run(rows, [[1]] * len(rows)), requests, tokenizer
 
 
 def test_an_openai_client_agent_trains_exactly_the_ids_the_endpoint_sampled_and_appended():
-    rows = [{"prompt": f"question {index}", "index": index} for index in range(3)]
+    rows = [{"prompt": f"question {index}", "index": index} for index in range(4)]
     episodes, requests, tokenizer = run_agents(ThreeCallAgent, rows)
     tensors = episode_tensors(episodes, pad_token_id=0, eos_token_id=IM_END)
     P = tensors["prompts"].shape[1]
+    turn_ends = [segment.token_ids[-1] == IM_END for episode in episodes for segment in episode.segments
+                 if segment.kind == "sampled"]
+    assert set(turn_ends) == {True, False}  # turns closed by <|im_end|> and turns cut by their length both occur
     for index, episode in enumerate(episodes):
         assert episode.failed is None and episode.done and episode.turns == 3
         assert episode.turn_rewards == [0.0, 0.0, 1.0 + index]
