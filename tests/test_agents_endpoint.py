@@ -5,10 +5,13 @@ on sampled ids only), a call that edits the history is refused, and a GRPO step 
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import openai
 import pytest
-from test_agents_episodes import IM_END, REASONING_TEMPLATE, _agent_config, _train, add, chat_tokenizer, encode
+from test_agents_episodes import EOS, IM_END, REASONING_TEMPLATE, ScriptedRollout, _agent_config, _train, add
+from test_agents_episodes import chat_tokenizer, encode
 from test_agents_episodes import run_inputs  # noqa: F401 (a fixture: tokenizer and rows of a training run)
 from test_agents_episodes import tiny_native_rollout
 
@@ -16,10 +19,12 @@ from hybridflow.agents import OpenAIAgentEnvironment
 from hybridflow.agents.endpoint import EndpointRunner
 from hybridflow.agents.episode import ChatTokens
 from hybridflow.agents.episode_batch import episode_tensors
+from hybridflow.agents.loading import load_environment
 from hybridflow.agents.runner import EpisodeLimits
 from hybridflow.agents.tool_calls import make_parser
 from hybridflow.engine.rollout import SamplingOptions
 
+EXAMPLE_AGENT = Path(__file__).resolve().parents[1] / "examples" / "agents" / "calculator_endpoint.py"
 GLUE = "<|im_start|>{role}\n{content}<|im_end|>\n<|im_start|>assistant\n"
 """ChatML between an assistant turn's <|im_end|> and the next turn: the new message, the next assistant header."""
 
@@ -186,3 +191,26 @@ def test_a_grpo_step_trains_the_episodes_the_endpoint_recorded(run_inputs, tmp_p
         assert batch["response_mask"][row][real[P:]].tolist() == expected_mask
         if not record["failed"]:
             assert record["turns"] == 2 and record["loss_mask"].count(0) > 0
+
+
+def test_the_calculator_agent_example_runs_the_tool_calls_and_is_rewarded_for_the_right_answer():
+    env_class = load_environment(f"{EXAMPLE_AGENT}:CalculatorAgent")
+    rows = sys.modules[env_class.__module__].make_rows(2, seed=0)
+    tokenizer = chat_tokenizer()  # ChatML offering tools, hermes tool calls
+    call = json.dumps({"name": "calculator", "arguments": {"expression": rows[0]["expression"]}})
+    turns = {0: [encode(tokenizer, f"<tool_call>{call}</tool_call>") + [IM_END],
+                 encode(tokenizer, f"Answer: {rows[0]['answer']}") + [IM_END]],
+             1: [encode(tokenizer, f"Answer: {int(rows[1]['answer']) + 1}") + [IM_END]]}
+    rollout = ScriptedRollout(turns)
+    runner = EndpointRunner(rollout, chat=ChatTokens(tokenizer), make_env=env_class, parser=make_parser("hermes"),
+                            options=SamplingOptions(max_new_tokens=256, eos_token_ids=(EOS, IM_END)),
+                            limits=EpisodeLimits(max_episode_tokens=4096))
+    right, wrong = runner.run(rows, [[1]] * 2)
+    assert right.done and right.turns == 2 and right.reward == 1.0 and right.failed is None
+    assert [message["role"] for message in right.messages] == ["system", "user", "assistant", "tool", "assistant"]
+    assert right.messages[3]["content"] == rows[0]["answer"]  # the agent ran the calculator on the parsed call
+    assert right.messages[2]["tool_calls"][0]["function"]["name"] == "calculator"
+    assert wrong.done and wrong.turns == 1 and wrong.reward == 0.0
+    second = [request for request in rollout.requests if request.request_id == "episode-0-turn-1"][0]
+    tool_turn = encode(tokenizer, f"\n<|im_start|>tool\n{rows[0]['answer']}<|im_end|>\n<|im_start|>assistant\n")
+    assert list(second.prompt_ids) == right.prompt_ids + turns[0][0] + tool_turn
