@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import openai
-import pytest
 from test_agents_episodes import EOS, IM_END, REASONING_TEMPLATE, ScriptedRollout, _agent_config, _train, add
 from test_agents_episodes import chat_tokenizer, encode
 from test_agents_episodes import run_inputs  # noqa: F401 (a fixture: tokenizer and rows of a training run)
@@ -51,23 +50,32 @@ class ThreeCallAgent(OpenAIAgentEnvironment):
 
 def run_agents(env_class, rows, *, max_turns=None, max_new_tokens=6):
     """Run ``env_class``'s agent per row on the tiny model, which samples only "a".."h" and <|im_end|> (so that some
-    turns stop at <|im_end|> and others are cut by their length); the episodes, the requests, the tokenizer."""
+    turns stop at <|im_end|> and others are cut by their length); the episodes, the requests, the tokenizer and the calls in flight at each rollout
+    step."""
     tokenizer = chat_tokenizer(REASONING_TEMPLATE, merge_newlines=False)
     allowed = {IM_END, *encode(tokenizer, "abcdefgh")}
     suppressed = tuple(token for token in range(256) if token not in allowed)
     rollout = tiny_native_rollout()
-    requests, submit = [], rollout.submit
+    requests, submit, step = [], rollout.submit, rollout.step
     rollout.submit = lambda request: (requests.append(request), submit(request))[1]
+    in_flight = []  # how many calls each rollout step advanced together
+
+    def counted_step(**kwargs):
+        in_flight.append(rollout.pending())
+        return step(**kwargs)
+
+    rollout.step = counted_step
     runner = EndpointRunner(rollout, chat=ChatTokens(tokenizer), make_env=env_class, parser=make_parser("hermes"),
                             options=SamplingOptions(max_new_tokens=max_new_tokens, eos_token_ids=(IM_END,), seed=3,
                                                     suppress_tokens=suppressed),
                             limits=EpisodeLimits(max_turns=max_turns, max_episode_tokens=1024, decode_chunk_tokens=2))
-    return runner.run(rows, [[1]] * len(rows)), requests, tokenizer
+    return runner.run(rows, [[1]] * len(rows)), requests, tokenizer, in_flight
 
 
 def test_an_openai_client_agent_trains_exactly_the_ids_the_endpoint_sampled_and_appended():
     rows = [{"prompt": f"question {index}", "index": index} for index in range(4)]
-    episodes, requests, tokenizer = run_agents(ThreeCallAgent, rows)
+    episodes, requests, tokenizer, in_flight = run_agents(ThreeCallAgent, rows)
+    assert max(in_flight) >= 2  # the episodes' calls were generated together, not one at a time
     tensors = episode_tensors(episodes, pad_token_id=0, eos_token_id=IM_END)
     P = tensors["prompts"].shape[1]
     turn_ends = [segment.token_ids[-1] == IM_END for episode in episodes for segment in episode.segments
@@ -121,7 +129,7 @@ class EditingAgent(OpenAIAgentEnvironment):
 
 
 def test_a_call_that_edits_the_history_is_refused_and_fails_only_its_episode():
-    episodes, requests, _ = run_agents(EditingAgent, [{"prompt": "q0", "index": 0}, {"prompt": "q1", "index": 1}])
+    episodes, requests, _, _ = run_agents(EditingAgent, [{"prompt": "q0", "index": 0}, {"prompt": "q1", "index": 1}])
     assert episodes[0].failed.startswith("history_edited: message 0 (user) differs") and episodes[0].turns == 1
     assert not episodes[0].done
     assert episodes[1].failed is None and episodes[1].done and episodes[1].turns == 2 and episodes[1].reward == 1.0
@@ -145,7 +153,7 @@ class ChattyAgent(OpenAIAgentEnvironment):
 
 
 def test_calls_past_max_turns_end_the_episode_truncated_and_a_bad_reward_fails_it():
-    episodes, requests, tokenizer = run_agents(ChattyAgent, [{"prompt": "q0", "index": 0},
+    episodes, requests, tokenizer, _ = run_agents(ChattyAgent, [{"prompt": "q0", "index": 0},
                                                              {"prompt": "q1", "index": 1}], max_turns=2)
     assert episodes[0].truncated == "max_turns" and episodes[0].turns == 2 and episodes[0].failed is None
     assert episodes[0].turn_rewards == [0.0, 0.0] and not episodes[0].done
