@@ -186,8 +186,8 @@ class EndpointRunner(EpisodeRunner):
         messages, tools = check_body(body)
         episode = session.episode
         if session.last_output is None:
+            episode.prompt_ids = _rendered(self.chat.prompt_ids, messages, tools)
             episode.tools, episode.messages = tools, messages
-            episode.prompt_ids = self.chat.prompt_ids(messages, tools)
         else:
             try:
                 new = new_messages(episode.messages, episode.tools, messages, tools)
@@ -197,7 +197,8 @@ class EndpointRunner(EpisodeRunner):
             if episode.turns >= (self.limits.max_turns or session.env.max_turns):
                 episode.truncated = session.closed = "max_turns"
                 raise EndpointError("max_turns", f"episode {episode.index} had its {episode.turns} turns")
-            observation = self.chat.observation_ids(new, tools, closed_by=self._closed_by(session.last_output))
+            observation = _rendered(self.chat.observation_ids, new, tools,
+                                    closed_by=self._closed_by(session.last_output))
             if episode.length + len(observation) >= self._budget:
                 episode.truncated = session.closed = "token_budget"
                 raise EndpointError("token_budget", f"episode {episode.index} has no tokens left")
@@ -272,6 +273,15 @@ class EndpointRunner(EpisodeRunner):
                 return env.agent(client, row)
 
         return await asyncio.get_running_loop().run_in_executor(self._threads, run_sync)
+
+
+def _rendered(render, messages: list[dict], tools: list[dict], **kwargs) -> list[int]:
+    """``render(messages, tools)``'s ids; a chat template that cannot render the call's messages refuses the call."""
+    try:
+        return render(messages, tools, **kwargs)
+    except Exception as error:  # noqa: BLE001 - jinja raises its own errors (and templates raise_exception)
+        raise EndpointError("template_error", f"the chat template cannot render the messages: "
+                            f"{type(error).__name__}: {error}") from None
 
 
 def _resolve(future: asyncio.Future, output: RolloutOutput) -> None:
