@@ -9,13 +9,24 @@ import sys
 from pathlib import Path
 
 import openai
-from test_agents_episodes import EOS, IM_END, REASONING_TEMPLATE, ScriptedRollout, _agent_config, _train, add
-from test_agents_episodes import chat_tokenizer, encode
-from test_agents_episodes import run_inputs  # noqa: F401 (a fixture: tokenizer and rows of a training run)
-from test_agents_episodes import tiny_native_rollout
+import pytest
+from test_agents_episodes import (  # noqa: F401 (run_inputs: a fixture, the tokenizer and rows of a training run)
+    EOS,
+    IM_END,
+    REASONING_TEMPLATE,
+    ScriptedRollout,
+    _agent_config,
+    _train,
+    add,
+    chat_tokenizer,
+    encode,
+    run_inputs,
+    tiny_native_rollout,
+)
 
 from hybridflow.agents import OpenAIAgentEnvironment
 from hybridflow.agents.endpoint import EndpointRunner
+from hybridflow.agents.endpoint_messages import EndpointError, check_body, new_messages, sampling_changes
 from hybridflow.agents.episode import ChatTokens
 from hybridflow.agents.episode_batch import episode_tensors
 from hybridflow.agents.loading import load_environment
@@ -222,3 +233,46 @@ def test_the_calculator_agent_example_runs_the_tool_calls_and_is_rewarded_for_th
     second = [request for request in rollout.requests if request.request_id == "episode-0-turn-1"][0]
     tool_turn = encode(tokenizer, f"\n<|im_start|>tool\n{rows[0]['answer']}<|im_end|>\n<|im_start|>assistant\n")
     assert list(second.prompt_ids) == right.prompt_ids + turns[0][0] + tool_turn
+
+
+def test_a_call_must_extend_the_history_with_observations_and_keep_its_tools():
+    history = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
+               {"role": "tool", "tool_call_id": "c0", "content": "1"}]
+    sent, tools = check_body({"messages": [*history, {"role": "assistant", "content": [{"type": "text", "text": "b"}],
+                                                      "tool_calls": None}, {"role": "user", "content": "go"}]})
+    assert sent[3] == {"role": "assistant", "content": "b"} and tools == []
+    assert new_messages(history + [sent[3]], [], sent, []) == [{"role": "user", "content": "go"}]
+    for history_now, messages, tools_now, code in [
+            (history, sent, [add.schema], "tools_changed"),
+            (history, sent[:2], [], "history_edited"),  # fewer messages than the episode has
+            (history, [sent[0], {"role": "assistant", "content": "A"}, *sent[2:]], [], "history_edited"),
+            (history, [*history[:2], {"role": "tool", "tool_call_id": "c9", "content": "1"}], [], "history_edited"),
+            (history[:2], [*history[:2], {"role": "assistant", "content": "x"}, sent[4]], [], "history_edited")]:
+        with pytest.raises(EndpointError) as refused:
+            new_messages(history_now, [], messages, tools_now)
+        assert refused.value.code == code
+    for body, code in [({"messages": []}, "bad_messages"), ({"messages": history, "n": 2}, "unsupported_n"),
+                       ({"messages": history, "stream": True}, "unsupported_stream"),
+                       ({"messages": history[:2]}, "assistant_prefill"),
+                       ({"messages": [{"role": "robot", "content": "x"}]}, "bad_message"),
+                       ({"messages": history, "tools": [{"name": "f"}]}, "bad_tools")]:
+        with pytest.raises(EndpointError) as refused:
+            check_body(body)
+        assert refused.value.code == code
+
+
+def test_a_call_sets_its_sampling_options_within_the_steps_limits():
+    def encode_text(text):
+        return [ord(character) for character in text]
+
+    assert sampling_changes({}, encode_text, max_new_tokens=8) == {"max_new_tokens": 8}
+    assert sampling_changes({"temperature": 0, "max_tokens": 3, "seed": 5, "stop": "ab"}, encode_text,
+                            max_new_tokens=8) == {"greedy": True, "max_new_tokens": 3, "seed": 5,
+                                                  "stop_sequences": ((97, 98),)}
+    assert sampling_changes({"temperature": 0.7, "top_p": 0.9, "max_completion_tokens": 99, "stop": ["x", "yz"]},
+                            encode_text, max_new_tokens=8) == {
+        "temperature": 0.7, "top_p": 0.9, "max_new_tokens": 8, "stop_sequences": ((120,), (121, 122))}
+    for body in [{"temperature": -1}, {"top_p": 2}, {"max_tokens": 0}, {"stop": [""]}, {"seed": "1"},
+                 {"temperature": True}]:
+        with pytest.raises(EndpointError):
+            sampling_changes(body, encode_text, max_new_tokens=8)
