@@ -276,3 +276,18 @@ def test_a_call_sets_its_sampling_options_within_the_steps_limits():
                  {"temperature": True}]:
         with pytest.raises(EndpointError):
             sampling_changes(body, encode_text, max_new_tokens=8)
+
+
+def test_a_step_on_the_vllm_backend_trains_the_episodes_the_endpoint_recorded(run_inputs, tmp_path):  # noqa: F811
+    pytest.importorskip("vllm")
+    tiny = "actor.model.tiny={hidden_size: 128, intermediate_size: 256, num_attention_heads: 4}"  # vLLM: head dim 32
+    history, batch = _train(_agent_config(run_inputs, tmp_path, tiny, f"env.class_path={__file__}:CountingAgent",
+                                          "actor.generation.backend=vllm", "actor.generation.vllm_kv_cache_gib=0.0625",
+                                          "actor.loss.old_log_probs=recompute"))
+    metrics = history[-1]
+    assert metrics["agent/turns_mean"] > 1.5 and metrics["agent/observation_tokens_mean"] > 0
+    assert metrics["rollout/logprob_abs_diff_max"] < 1e-3  # vLLM's kernels, not the training forward's
+    records = [json.loads(line) for line in (tmp_path / "episodes.jsonl").read_text().splitlines()]
+    for row, record in enumerate(records):
+        real = batch["attention_mask"][row].bool()
+        assert batch["input_ids"][row][real].tolist() == record["prompt_ids"] + record["response_ids"]
