@@ -66,7 +66,7 @@ class _Call:
     changes: dict
     """Sampling options the call sets (``max_tokens`` -> ``max_new_tokens``, ``temperature``, ``seed``, ...)."""
     future: asyncio.Future
-    request_id: str = ""
+    request_id: str
 
 
 class EndpointRunner(EpisodeRunner):
@@ -94,7 +94,7 @@ class EndpointRunner(EpisodeRunner):
                     self.generation_seconds += time.perf_counter() - started
                     for output in outputs:
                         call = self._calls.pop(output.request_id)
-                        self._loop.call_soon_threadsafe(_resolve, call.future, output)
+                        self._loop.call_soon_threadsafe(call.future.set_result, output)
             for agent in agents:
                 agent.result()  # _drive catches what the agent raises: anything here is the endpoint's own bug
         return [session.episode for session in self._sessions]
@@ -123,8 +123,6 @@ class EndpointRunner(EpisodeRunner):
     def _submit_calls(self, calls: list[_Call]) -> None:
         options = self._next_wave_options()
         for call in calls:
-            episode = call.session.episode
-            call.request_id = f"episode-{episode.index}-turn-{episode.turns}"
             self._calls[call.request_id] = call
             changes = dict(call.changes)
             if "stop_sequences" in changes:  # the call's stop strings add to the step's
@@ -169,11 +167,11 @@ class EndpointRunner(EpisodeRunner):
         session = self._sessions[index]
         call = self._prepare(session, body)
         session.busy, session.started = True, time.perf_counter()
-        try:
-            self._inbox.put(call)
-            output = await call.future
-        finally:
-            session.busy = False
+        # the episode stays busy until the rollout answers, even if the client stops waiting: one request per
+        # episode is ever in the rollout (its ids stay unique), and an abandoned reply is not recorded
+        call.future.add_done_callback(lambda _: setattr(session, "busy", False))
+        self._inbox.put(call)
+        output = await asyncio.shield(call.future)
         return self._reply(session, call, output)
 
     def _prepare(self, session: _Session, body) -> _Call:
@@ -210,7 +208,7 @@ class EndpointRunner(EpisodeRunner):
             raise EndpointError("token_budget", f"episode {episode.index}'s prompt fills its token budget")
         changes = sampling_changes(body, self.chat.encode, max_new_tokens=min(self.options.max_new_tokens, room))
         return _Call(session, episode.prompt_ids + episode.response_ids, changes,
-                     asyncio.get_running_loop().create_future())
+                     asyncio.get_running_loop().create_future(), f"episode-{episode.index}-turn-{episode.turns}")
 
     def _reply(self, session: _Session, call: _Call, output: RolloutOutput) -> dict:
         """Record the sampled ids and answer in OpenAI's format (text, parsed tool calls, usage)."""
@@ -282,11 +280,6 @@ def _rendered(render, messages: list[dict], tools: list[dict], **kwargs) -> list
     except Exception as error:  # noqa: BLE001 - jinja raises its own errors (and templates raise_exception)
         raise EndpointError("template_error", f"the chat template cannot render the messages: "
                             f"{type(error).__name__}: {error}") from None
-
-
-def _resolve(future: asyncio.Future, output: RolloutOutput) -> None:
-    if not future.done():  # a call whose client went away is not awaited any more
-        future.set_result(output)
 
 
 def _agent_failure(env, error: BaseException) -> EnvironmentFailure:
