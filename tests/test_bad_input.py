@@ -225,9 +225,9 @@ def test_disk_full_during_a_checkpoint_names_it_its_path_and_the_intact_previous
         checkpointer.save(2, {"note": "second"}, disk_full)
     partial = tmp_path / "checkpoints" / "step_000002.partial"
     assert str(caught.value) == (
-        f"could not save the checkpoint of step 2 to '{partial}': OSError: [Errno 28] No space left on device: "
-        f"'{partial / 'actor' / 'model.pt'}'; the previous checkpoint '{previous}' is intact and a resume starts from "
-        f"it; free disk space or make '{tmp_path / 'checkpoints'}' writable")
+        f"could not save the checkpoint of step 2 to '{partial}': no space left on the device (OSError: [Errno 28] No "
+        f"space left on device: '{partial / 'actor' / 'model.pt'}'); the previous checkpoint '{previous}' is intact "
+        f"and a resume starts from it; free disk space under '{tmp_path / 'checkpoints'}'")
     assert checkpointer.latest() == previous and not partial.exists()
     assert json.loads((previous / "driver.json").read_text()) == {"step": 1, "note": "first"}
 
@@ -239,9 +239,10 @@ def test_an_unwritable_checkpoint_directory_is_reported_without_an_earlier_check
         raise PermissionError(errno.EACCES, "Permission denied", str(directory))
 
     with pytest.raises(CheckpointSaveError, match=r"could not save the checkpoint of step 3 to "
-                                                  r"'.*step_000003\.partial': PermissionError: \[Errno 13\] "
-                                                  r"Permission denied: .*; no earlier "
-                                                  r"checkpoint exists, so a resume starts from step 0"):
+                                                  r"'.*step_000003\.partial': permission denied \(PermissionError: "
+                                                  r"\[Errno 13\] Permission denied: .*\); no earlier "
+                                                  r"checkpoint exists, so a resume starts from step 0; make '.*' "
+                                                  r"writable"):
         checkpointer.save(3, {}, read_only)
     assert checkpointer.latest() is None and checkpointer.steps() == {}
 
@@ -257,10 +258,10 @@ def test_the_train_command_reports_a_checkpoint_it_cannot_write_in_one_line_with
     assert main(argv) == 2
     err = capsys.readouterr().err
     partial = tmp_path / "run" / "checkpoints" / "step_000001.partial"
-    assert err == (f"hybridflow train: error: could not save the checkpoint of step 1 to '{partial}': "
-                   f"NotADirectoryError: [Errno 20] Not a directory: '{partial}'; no earlier checkpoint exists, so a "
-                   f"resume starts from "
-                   f"step 0; free disk space or make '{tmp_path / 'run' / 'checkpoints'}' writable\n")
+    assert err == (f"hybridflow train: error: could not save the checkpoint of step 1 to '{partial}': a path on the "
+                   f"way is a file, not a directory (NotADirectoryError: [Errno 20] Not a directory: '{partial}'); no "
+                   f"earlier checkpoint exists, so a resume starts from step 0; make "
+                   f"'{tmp_path / 'run' / 'checkpoints'}' a writable directory\n")
 
 
 @pytest.mark.parametrize("kind", ["sft", "rm"])

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.tensor import DTensor
@@ -108,12 +109,27 @@ def save_checkpoint(engine: "TrainingEngine", directory: str) -> None:
     """Write model + optimizer state (DCP) and engine.json (step, layout) to ``directory``."""
     tmp = _begin_atomic(directory)
     state, _ = _state(engine)
-    with _single_process_quiet():
-        dcp.save(state, checkpoint_id=tmp, no_dist=not dist.is_initialized())
+    try:
+        with _single_process_quiet():
+            dcp.save(state, checkpoint_id=tmp, no_dist=not dist.is_initialized())
+    except CheckpointException as error:  # a BaseException: `except Exception` handlers would never see it
+        if _is_rank0():
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise first_checkpoint_failure(error) from None
     if _is_rank0():
         with open(os.path.join(tmp, ENGINE_FILE), "w") as handle:
             json.dump({"step": engine.step, **_layout_record(engine)}, handle, indent=2)
     _commit_atomic(tmp, directory)
+
+
+def first_checkpoint_failure(error: CheckpointException) -> Exception:
+    """The exception of the lowest failing rank inside DCP's ``CheckpointException`` (an ``OSError`` such as
+    ENOSPC keeps its class and errno, so callers can say what happened); a RuntimeError when it holds none."""
+    for rank in sorted(error.failures):
+        cause = error.failures[rank][0]
+        if isinstance(cause, Exception):
+            return cause
+    return RuntimeError(f"distributed checkpoint failed on ranks {sorted(error.failures)}")
 
 
 def load_checkpoint(engine: "TrainingEngine", directory: str) -> None:
@@ -128,8 +144,13 @@ def load_checkpoint(engine: "TrainingEngine", directory: str) -> None:
         raise ValueError(f"checkpoint {directory!r} holds a head={record['head']!r} model; this engine has "
                          f"head={engine.head!r}")
     state, optim_template = _state(engine)
-    with _single_process_quiet():
-        dcp.load(state, checkpoint_id=directory, no_dist=not dist.is_initialized())
+    try:
+        with _single_process_quiet():
+            dcp.load(state, checkpoint_id=directory, no_dist=not dist.is_initialized())
+    except CheckpointException as error:
+        cause = first_checkpoint_failure(error)
+        raise ValueError(f"checkpoint {directory!r} cannot be read: {type(cause).__name__}: "
+                         f"{' '.join(str(cause).split())}") from None
     # strict=False: with tied embeddings at pp=1 the head shares the embedding's tensor
     set_model_state_dict(engine.model, _local_names(engine, state["model"]),
                          options=StateDictOptions(strict=False))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import struct
+import sys
 from pathlib import Path
 
 from hybridflow.data.files import read_rows
@@ -40,6 +41,7 @@ def preflight(config: RLConfig) -> None:
             load_reward_function(config.reward.function)
         except ValueError as error:
             raise ValueError(f"config key reward.function: {error}") from None
+    _warn(inert_options(config))
     limit = max_positions(config.actor.model)
     max_new_tokens = config.actor.generation.max_new_tokens
     if limit is not None and max_new_tokens >= limit:
@@ -156,3 +158,32 @@ def _safetensors_data_problem(header: object, data_bytes: int) -> str | None:
         return (f"its header lists {needed} bytes of tensors but {data_bytes} follow it "
                 f"({'truncated' if needed > data_bytes else 'trailing bytes'})")
     return None
+
+
+def inert_options(config: RLConfig) -> list[str]:
+    """Options the user set that the rest of the config makes do nothing, each naming both keys."""
+    found = []
+    if config.reference.model is not None and "reference" not in config.active_roles:
+        found.append("reference.model is set but algorithm.kl_mode is 'none': no reference model is built")
+    if config.data.ptx_path is not None and config.actor.loss.ptx_coef <= 0:
+        found.append(f"data.ptx_path is set but actor.loss.ptx_coef is {config.actor.loss.ptx_coef}: the ptx rows "
+                     f"are never read (set ptx_coef > 0 to train on them)")
+    if config.trainer.keep_last and not config.trainer.save_every:
+        found.append(f"trainer.keep_last is {config.trainer.keep_last} but trainer.save_every is 0: no checkpoint "
+                     f"is saved")
+    if config.trainer.save_on_signal and not config.trainer.resume:
+        found.append("trainer.save_on_signal is set but trainer.resume is false: the next run will not resume "
+                     "from the checkpoint a signal saves")
+    return found
+
+
+def _warn(lines: list[str]) -> list[str]:
+    for line in lines:
+        print(f"warning: {line}", file=sys.stderr, flush=True)
+    return lines
+
+
+def warn_local_pools(config: RLConfig) -> list[str]:
+    """``--local`` runs every worker in one process: warn for each pool asking for more than one device."""
+    return _warn([f"placement.pools.{name} asks for {sum(counts)} devices but --local runs every worker in this "
+                  f"one process (world size 1)" for name, counts in config.placement.pools.items() if sum(counts) > 1])
