@@ -22,8 +22,8 @@ from typing import Callable, Iterator
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError,)
 
 
-class RunInterrupted(BaseException):
-    """SIGINT or SIGTERM reached the driver (a BaseException, like KeyboardInterrupt, so no handler swallows it)."""
+class RunInterrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM reached the driver (a KeyboardInterrupt, so no ``except Exception`` handler swallows it)."""
 
     def __init__(self, signal_number: int, *, saved: Path | None = None) -> None:
         self.signal_number = signal_number

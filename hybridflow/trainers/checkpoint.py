@@ -105,9 +105,12 @@ class RunCheckpointer:
         except Exception as error:  # ENOSPC, EACCES, EROFS, or a worker's OSError reported as WorkerError
             shutil.rmtree(partial, ignore_errors=True)  # give the space back; nothing ever names a .partial
             raise CheckpointSaveError(self._save_failure(step, partial, error)) from error
-        except BaseException:  # an interrupt mid-save: no half-written directory stays behind
-            shutil.rmtree(partial, ignore_errors=True)
-            raise
+        except BaseException as error:
+            shutil.rmtree(partial, ignore_errors=True)  # no half-written directory stays behind
+            if isinstance(error, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+                raise
+            # a library's BaseException (torch's distributed-checkpoint CheckpointException is one)
+            raise CheckpointSaveError(self._save_failure(step, partial, error)) from error
         if final.exists():
             shutil.rmtree(final)
         os.replace(partial, final)
@@ -132,7 +135,7 @@ class RunCheckpointer:
                 f"not enough free space to save the checkpoint of step {step} under {str(self.directory)!r}: about "
                 f"{_bytes(needed)} needed ({basis}), {_bytes(free)} free; {self._kept()}; free disk space there")
 
-    def _save_failure(self, step: int, partial: Path, error: Exception) -> str:
+    def _save_failure(self, step: int, partial: Path, error: BaseException) -> str:
         cause = str(error).strip().splitlines()[-1] if str(error).strip() else ""
         plain, advice = failure_cause(error) or ("", "free disk space or make {dir} writable")
         detail = f"{type(error).__name__}: {cause}"
