@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import errno
 import json
 import os
 import shutil
@@ -113,9 +114,10 @@ def save_checkpoint(engine: "TrainingEngine", directory: str) -> None:
         with _single_process_quiet():
             dcp.save(state, checkpoint_id=tmp, no_dist=not dist.is_initialized())
     except CheckpointException as error:  # a BaseException: `except Exception` handlers would never see it
+        cause = _with_full_disk_named(first_checkpoint_failure(error), tmp)  # before the cleanup frees space
         if _is_rank0():
             shutil.rmtree(tmp, ignore_errors=True)
-        raise first_checkpoint_failure(error) from None
+        raise cause from None
     if _is_rank0():
         with open(os.path.join(tmp, ENGINE_FILE), "w") as handle:
             json.dump({"step": engine.step, **_layout_record(engine)}, handle, indent=2)
@@ -130,6 +132,26 @@ def first_checkpoint_failure(error: CheckpointException) -> Exception:
         if isinstance(cause, Exception):
             return cause
     return RuntimeError(f"distributed checkpoint failed on ranks {sorted(error.failures)}")
+
+
+# torch's file writer reports a full disk as "unexpected pos N vs M" without an errno; with less free space than
+# this left where it wrote, the failure is named as what it is
+FULL_BELOW_BYTES = 1 << 20
+
+
+def _with_full_disk_named(cause: Exception, directory: str) -> Exception:
+    """``cause``, or an ENOSPC ``OSError`` carrying its text when it has no errno and ``directory``'s file system is
+    (almost) full."""
+    if isinstance(cause, OSError) and cause.errno is not None:
+        return cause
+    try:
+        full = shutil.disk_usage(directory).free < FULL_BELOW_BYTES
+    except OSError:
+        full = False
+    if not full:
+        return cause
+    return OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} ({type(cause).__name__}: "
+                                 f"{' '.join(str(cause).split())})", directory)
 
 
 def load_checkpoint(engine: "TrainingEngine", directory: str) -> None:

@@ -31,6 +31,8 @@ CAUSES = {errno.ENOSPC: ("no space left on the device", "free disk space under {
           errno.EIO: ("an I/O error of the disk", "check the disk holding {dir}"),
           errno.ENOTDIR: ("a path on the way is a file, not a directory", "make {dir} a writable directory")}
 CAUSE_TEXTS = {os.strerror(number): number for number in CAUSES}
+# a file system with less free space than this after a failed save is taken to be full
+FULL_BELOW_BYTES = 1 << 20
 
 
 def failure_cause(error: BaseException) -> tuple[str, str] | None:
@@ -102,15 +104,14 @@ class RunCheckpointer:
         except CheckpointSaveError:
             shutil.rmtree(partial, ignore_errors=True)
             raise
-        except Exception as error:  # ENOSPC, EACCES, EROFS, or a worker's OSError reported as WorkerError
-            shutil.rmtree(partial, ignore_errors=True)  # give the space back; nothing ever names a .partial
-            raise CheckpointSaveError(self._save_failure(step, partial, error)) from error
-        except BaseException as error:
+        except BaseException as error:  # ENOSPC, EACCES, EROFS, a worker's error, torch's CheckpointException, ...
+            # torch's writer reports a full disk as "unexpected pos ..." without errno: read the free space now,
+            # before removing the partial directory gives it back
+            cause = failure_cause(error) or self._file_system_cause()
             shutil.rmtree(partial, ignore_errors=True)  # no half-written directory stays behind
             if isinstance(error, (KeyboardInterrupt, SystemExit, GeneratorExit)):
                 raise
-            # a library's BaseException (torch's distributed-checkpoint CheckpointException is one)
-            raise CheckpointSaveError(self._save_failure(step, partial, error)) from error
+            raise CheckpointSaveError(self._save_failure(step, partial, error, cause)) from error
         if final.exists():
             shutil.rmtree(final)
         os.replace(partial, final)
@@ -135,9 +136,21 @@ class RunCheckpointer:
                 f"not enough free space to save the checkpoint of step {step} under {str(self.directory)!r}: about "
                 f"{_bytes(needed)} needed ({basis}), {_bytes(free)} free; {self._kept()}; free disk space there")
 
-    def _save_failure(self, step: int, partial: Path, error: BaseException) -> str:
+    def _file_system_cause(self) -> tuple[str, str] | None:
+        """The cause read from the file system itself, when the error does not say: (almost) no free space, or a
+        directory this process cannot write."""
+        try:
+            if shutil.disk_usage(self.directory).free < FULL_BELOW_BYTES:
+                return CAUSES[errno.ENOSPC]
+            if not os.access(self.directory, os.W_OK):
+                return CAUSES[errno.EACCES]
+        except OSError:
+            return None
+        return None
+
+    def _save_failure(self, step: int, partial: Path, error: BaseException, cause: tuple[str, str] | None) -> str:
+        plain, advice = cause or ("", "free disk space or make {dir} writable")
         cause = str(error).strip().splitlines()[-1] if str(error).strip() else ""
-        plain, advice = failure_cause(error) or ("", "free disk space or make {dir} writable")
         detail = f"{type(error).__name__}: {cause}"
         return (f"could not save the checkpoint of step {step} to {str(partial)!r}: "
                 f"{f'{plain} ({detail})' if plain else detail}; {self._kept()}; "
