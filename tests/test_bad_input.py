@@ -112,9 +112,13 @@ def test_sft_and_rm_report_a_non_utf8_data_file_in_one_line(kind, tmp_path, caps
 @pytest.fixture()
 def model_dir(tmp_path):
     """A Hugging Face directory the preflight accepts: the built-in task's config and tokenizer, and weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     directory = tmp_path / "model"
     shutil.copytree(ASSETS_DIR, directory)
-    save_file({"lm_head.weight": torch.zeros(2, 2)}, str(directory / "model.safetensors"))
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory))  # weights that fit config.json
+    save_file({name: tensor.contiguous() for name, tensor in model.state_dict().items()},
+              str(directory / "model.safetensors"))
     return directory
 
 
@@ -163,10 +167,12 @@ def test_model_directories_are_checked_before_any_model_is_built(tmp_path, promp
         _trainer(tmp_path, f"actor.model.path={model_dir}", "actor.model.builtin=null")
     shutil.copy(ASSETS_DIR / "tokenizer.json", model_dir)
     weights = model_dir / "model.safetensors"
-    whole = weights.read_bytes()  # one 2x2 float32 tensor: 16 bytes of data after the header
+    whole = weights.read_bytes()
     weights.write_bytes(whole[:-4])  # a copy cut short
+    data = len(whole) - 8 - int.from_bytes(whole[:8], "little")
     with pytest.raises(ValueError, match=rf"config key {key}: weights file '.*model\.safetensors' is corrupt: its "
-                                         rf"header lists 16 bytes of tensors but 12 follow it \(truncated\); re-copy"):
+                                         rf"header lists {data} bytes of tensors but {data - 4} follow it "
+                                         rf"\(truncated\); re-copy"):
         _trainer(tmp_path, f"reference.model.path={model_dir}")
     weights.write_bytes(whole[:40])  # cut inside the header
     with pytest.raises(ValueError, match=rf"config key {key}: weights file '.*model\.safetensors' is corrupt: its "
@@ -278,11 +284,13 @@ def test_sft_and_rm_check_the_model_directory_before_loading_it_and_answer_in_on
         f"model.tokenizer_path\n")
     shutil.copy(ASSETS_DIR / "tokenizer.json", model_dir)
     weights = model_dir / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[:-4])
+    whole = weights.read_bytes()
+    weights.write_bytes(whole[:-4])
+    data = len(whole) - 8 - int.from_bytes(whole[:8], "little")
     assert main(argv) == 2
     assert capsys.readouterr().err == (
-        f"hybridflow {kind}: error: config key model.path: weights file '{weights}' is corrupt: its header lists 16 "
-        f"bytes of tensors but 12 follow it (truncated); re-copy or re-export the model\n")
+        f"hybridflow {kind}: error: config key model.path: weights file '{weights}' is corrupt: its header lists {data} "
+        f"bytes of tensors but {data - 4} follow it (truncated); re-copy or re-export the model\n")
 
 
 def test_a_directory_given_as_a_data_file_is_named_as_a_directory(tmp_path):

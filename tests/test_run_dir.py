@@ -94,12 +94,13 @@ def test_a_new_run_into_a_directory_holding_a_run_is_refused_unless_resumed_or_o
     claimed.release()
 
 
-def test_overwrite_never_deletes_a_directory_that_is_not_a_run(tmp_path):
-    (tmp_path / "thesis.tex").write_text("precious")
-    with pytest.raises(ValueError, match=r"holds files that are not a hybridflow run's \(thesis\.tex\); overwrite "
-                                         r"deletes only a previous run"):
-        _claim(tmp_path, overwrite=True)
-    assert (tmp_path / "thesis.tex").read_text() == "precious"
+def test_overwrite_deletes_only_what_a_run_writes_and_other_files_never_make_a_run(tmp_path, capsys):
+    (tmp_path / "train.jsonl").write_text("{}")  # data kept next to the run: neither a run nor deleted
+    _claim(tmp_path, resume=False).release()
+    (tmp_path / "final").mkdir()
+    _claim(tmp_path, overwrite=True).release()
+    assert capsys.readouterr().out == f"overwrite: deleted the previous run in '{tmp_path}': final/\n"
+    assert sorted(entry.name for entry in tmp_path.iterdir()) == ["train.jsonl"]
 
 
 def test_a_failed_start_alone_does_not_count_as_a_run(tmp_path):

@@ -56,18 +56,27 @@ def write_traceback(directory: Path, prog: str, error: BaseException) -> Path:
 
 def one_line(error: BaseException, errors_dir: Path, prog: str) -> str:
     """The message of ``error`` for a user: its own text for known errors, else type + first line + traceback file."""
-    from hybridflow.controller.errors import WorkerError, WorkerTimeoutError, user_message
-    from hybridflow.rewards.plugin import RewardError
-    from hybridflow.trainers.checkpoint import CheckpointSaveError
-    from hybridflow.trainers.run_dir import RunDirectoryBusyError
+    if isinstance(error, USER_ERRORS):  # before any import: a config error answers without torch
+        return str(error)
+    # an error of a module that was never imported cannot have been raised: look the classes up, import nothing
+    worker_errors = _loaded_classes(("hybridflow.controller.errors", "WorkerError"),
+                                    ("hybridflow.controller.errors", "WorkerTimeoutError"),
+                                    ("hybridflow.rewards.plugin", "RewardError"))
+    if worker_errors and isinstance(error, worker_errors):
+        from hybridflow.controller.errors import user_message
 
-    if isinstance(error, (WorkerError, WorkerTimeoutError, RewardError)):
         return user_message(error, errors_dir)
-    if isinstance(error, USER_ERRORS + (CheckpointSaveError, RunDirectoryBusyError)):
+    run_errors = _loaded_classes(("hybridflow.trainers.checkpoint", "CheckpointSaveError"),
+                                 ("hybridflow.trainers.run_dir", "RunDirectoryBusyError"))
+    if run_errors and isinstance(error, run_errors):
         return str(error)
     lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
     path = write_traceback(errors_dir, prog, error)
     return f"{type(error).__name__}{': ' + lines[0] if lines else ''} (full traceback: {path})"
+
+
+def _loaded_classes(*names: tuple[str, str]) -> tuple[type, ...]:
+    return tuple(getattr(sys.modules[module], name) for module, name in names if module in sys.modules)
 
 
 def run_guarded(prog: str, body: Callable[[], int], *, errors_dir: Callable[[], Path],

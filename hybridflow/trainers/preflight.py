@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from hybridflow.data.files import read_rows
+from hybridflow.models.checkpoint_check import has_score_head, tokenizer_size, weights_vs_config
 from hybridflow.models.config import ModelConfig
 from hybridflow.trainers.config.rl import RLConfig
 
@@ -34,13 +35,10 @@ def preflight(config: RLConfig) -> None:
         read_rows(data.ptx_path)
     for role, key, model in _model_sections(config):
         check_model(key, model, needs_tokenizer=role in TOKENIZER_ROLES)
+    _check_scoring_models(config)
+    _check_token_ids(config)
     if config.reward.function is not None:
-        from hybridflow.rewards.plugin import load_reward_function
-
-        try:
-            load_reward_function(config.reward.function)
-        except ValueError as error:
-            raise ValueError(f"config key reward.function: {error}") from None
+        check_reward_function("reward.function", config.reward.function)
     _warn(inert_options(config))
     limit = max_positions(config.actor.model)
     max_new_tokens = config.actor.generation.max_new_tokens
@@ -114,6 +112,10 @@ def check_model(key: str, model: ModelConfig, *, needs_tokenizer: bool) -> None:
             raise ValueError(f"config key {key}.path: {str(config_file)!r} is not valid JSON: {error}") from None
         for weights in sorted(directory.glob("*.safetensors")):
             _check_safetensors_header(key, weights)
+        problem = weights_vs_config(directory)
+        if problem is not None:
+            raise ValueError(f"config key {key}.path: model directory {model.path!r}: {problem}; re-export the model or "
+                             f"fix its config.json")
     tokenizer_dir = model.tokenizer_path if model.tokenizer_path is not None else model.path
     if needs_tokenizer and tokenizer_dir is not None:
         tokenizer_key = f"{key}.tokenizer_path" if model.tokenizer_path is not None else f"{key}.path"
@@ -124,6 +126,25 @@ def check_model(key: str, model: ModelConfig, *, needs_tokenizer: bool) -> None:
             raise ValueError(f"config key {tokenizer_key}: directory {tokenizer_dir!r} has no tokenizer files (one "
                              f"of {', '.join(TOKENIZER_FILES)}); copy the tokenizer there or set "
                              f"{key}.tokenizer_path")
+        _check_vocabulary(key, tokenizer_key, model)
+
+
+def model_vocab_size(model: ModelConfig) -> int | None:
+    """``vocab_size`` of a ``path`` model's config.json (None for built-in and tiny models, or when unset)."""
+    if model.path is None:
+        return None
+    value = json.loads((Path(model.path) / "config.json").read_text(encoding="utf-8")).get("vocab_size")
+    return value if isinstance(value, int) else None
+
+
+def _check_vocabulary(key: str, tokenizer_key: str, model: ModelConfig) -> None:
+    """A tokenizer with ids beyond the model's embedding would fail mid-generation with an IndexError."""
+    vocab_size = model_vocab_size(model)
+    tokens = tokenizer_size(model.tokenizer_path if model.tokenizer_path is not None else model.path)
+    if vocab_size is not None and tokens is not None and tokens > vocab_size:
+        raise ValueError(f"config key {tokenizer_key}: the tokenizer has token ids up to {tokens - 1} but the model "
+                         f"in {key}.path has vocab_size={vocab_size} (config.json): ids >= {vocab_size} have no "
+                         f"embedding; use the model's own tokenizer")
 
 
 def _check_safetensors_header(key: str, path: Path) -> None:
@@ -187,3 +208,57 @@ def warn_local_pools(config: RLConfig) -> list[str]:
     """``--local`` runs every worker in one process: warn for each pool asking for more than one device."""
     return _warn([f"placement.pools.{name} asks for {sum(counts)} devices but --local runs every worker in this "
                   f"one process (world size 1)" for name, counts in config.placement.pools.items() if sum(counts) > 1])
+
+
+def check_reward_function(key: str, spec: str) -> None:
+    """Load the reward function ``spec``; a module that ends the process while it is imported (``sys.exit``,
+    ``os._exit``) is reported naming the key instead of ending the run without a word."""
+    import os
+
+    from hybridflow.rewards.plugin import load_reward_function
+
+    real_exit = os._exit
+
+    def refuse_exit(code: int = 0) -> None:
+        raise SystemExit(f"os._exit({code})")
+
+    os._exit = refuse_exit  # only while the user's module is imported here, in the driver
+    try:
+        load_reward_function(spec)
+    except ValueError as error:
+        raise ValueError(f"config key {key}: {error}") from None
+    except SystemExit as error:
+        call = error.code if isinstance(error.code, str) and error.code.startswith("os._exit") \
+            else f"sys.exit({error.code!r})"
+        raise ValueError(f"config key {key}: reward function {spec!r}: its module called {call} while being "
+                         f"imported; a reward module must not end the process") from None
+    finally:
+        os._exit = real_exit
+
+
+def _check_scoring_models(config: RLConfig) -> None:
+    """A reward or cost model given as a plain causal LM would score with a randomly initialised head."""
+    for section, key in ((config.reward, "reward"), (config.cost, "cost")):
+        if section is None or section.model is None or section.model.path is None:
+            continue
+        if getattr(section, "model_type", "score_head") != "score_head":
+            continue
+        if not has_score_head(section.model.path):
+            architectures = json.loads((Path(section.model.path) / "config.json").read_text()).get("architectures")
+            raise ValueError(f"config key {key}.model.path: {section.model.path!r} has no trained score head (no "
+                             f"'score.*' tensor; architectures {architectures}): its scores would come from a random "
+                             f"head; give a model trained by `hybridflow rm`"
+                             + (", or reward.model_type=likelihood" if key == "reward" else ""))
+
+
+def _check_token_ids(config: RLConfig) -> None:
+    """Suppressed and stop token ids must exist in the actor's vocabulary."""
+    vocab_size = model_vocab_size(config.actor.model)
+    if vocab_size is None:
+        return
+    generation = config.actor.generation
+    for name in ("suppress_tokens", "stop_token_ids"):
+        beyond = [token for token in getattr(generation, name, ()) or () if token >= vocab_size]
+        if beyond:
+            raise ValueError(f"config key actor.generation.{name} got {beyond}; allowed: token ids below the actor "
+                             f"model's vocab_size = {vocab_size}")

@@ -8,7 +8,8 @@ recovers, saying so), and decides what happens to what is already there:
 - an empty or new directory: a new run;
 - a directory holding a previous run and ``resume`` asked for with a checkpoint to resume from: the caller
   resumes (the checkpointer picks the newest complete checkpoint);
-- ``overwrite``: the previous run's files are deleted, each named on stdout;
+- ``overwrite``: the previous run's files are deleted, each named on stdout (only what a run writes: other
+  files in the directory stay);
 - anything else is refused, naming the keys that decide it.
 """
 
@@ -24,10 +25,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 LOCK_FILE = ".hybridflow.lock"
-# entries whose presence marks a directory as a run's (the trainers write them first)
-RUN_MARKERS = ("config.yaml", "metrics.jsonl", "checkpoints", "final", "model", "best")
+# what a run writes into its directory: a previous run is found by, and `overwrite` deletes, only these
+# (other files, such as data kept next to the run, are neither a run nor deleted)
+RUN_ENTRIES = ("checkpoints", "final", "best", "model", "export", "metrics.jsonl", "tensorboard", "config.yaml",
+               "errors", "eval_model.tmp", "wandb")
+AFTER_STEP_GLOB = "metrics.after-step-*.jsonl"
 # entries a failed or empty start leaves behind: they alone do not make the directory hold a run
-START_LEFTOVERS = ("errors", "config.yaml", "tensorboard", LOCK_FILE)
+START_LEFTOVERS = ("errors", "config.yaml", "tensorboard", "eval_model.tmp")
 
 
 class RunDirectoryBusyError(RuntimeError):
@@ -108,12 +112,17 @@ def _metrics_lines(path: Path) -> int:
         return sum(1 for line in handle if line.strip())
 
 
-def previous_run(path: Path) -> list[str]:
-    """What in ``path`` belongs to an earlier run ([] when nothing does), as short descriptions."""
+def _run_entries(path: Path) -> list[Path]:
     if not path.is_dir():
         return []
+    return sorted([path / name for name in RUN_ENTRIES if (path / name).exists() or (path / name).is_symlink()]
+                  + list(path.glob(AFTER_STEP_GLOB)))
+
+
+def previous_run(path: Path) -> list[str]:
+    """What in ``path`` belongs to an earlier run ([] when nothing does), as short descriptions."""
     found = []
-    for entry in sorted(path.iterdir()):
+    for entry in _run_entries(path):
         if entry.name in START_LEFTOVERS:
             continue
         if entry.name == "metrics.jsonl":
@@ -130,13 +139,8 @@ def previous_run(path: Path) -> list[str]:
     return found
 
 
-def _remove_previous_run(path: Path, found: list[str], key: str) -> None:
-    if not any((path / name).exists() for name in RUN_MARKERS):
-        raise ValueError(f"config key {key}: {str(path)!r} holds files that are not a hybridflow run's "
-                         f"({', '.join(found)}); overwrite deletes only a previous run: give another {key}")
-    for entry in path.iterdir():
-        if entry.name == LOCK_FILE:
-            continue
+def _remove_previous_run(path: Path, found: list[str]) -> None:
+    for entry in _run_entries(path):
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry)
         else:
@@ -159,7 +163,7 @@ def claim_run_directory(value: object, *, key: str, overwrite_key: str, resume_k
         if not found:
             return claimed
         if overwrite:
-            _remove_previous_run(path, found, key)
+            _remove_previous_run(path, found)
             return claimed
         if resume and has_checkpoint is not None and has_checkpoint(path):
             claimed.resumes = True

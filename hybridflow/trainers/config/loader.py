@@ -30,14 +30,36 @@ ConfigT = TypeVar("ConfigT")
 _YAML11_FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml's safe loader, refusing a key given twice in one mapping (plain YAML silently keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, typing.Hashable) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice in one mapping (first at line {seen[key] + 1}); yaml "
+                    f"would silently keep the last", key_node.start_mark)
+            if isinstance(key, typing.Hashable):
+                seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
-    """Read one YAML mapping from ``path`` (an empty file is an empty mapping)."""
+    """Read one YAML mapping from ``path`` (an empty file is an empty mapping; a key twice in a mapping is an
+    error)."""
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"config file {str(path)!r} is a directory; give a YAML file")
     if not path.is_file():
         raise ValueError(f"config file {str(path)!r} does not exist")
+    with path.open("rb") as handle:
+        if handle.read(2) == b"\x1f\x8b":
+            raise ValueError(f"config file {str(path)!r} is gzip-compressed; decompress it (gunzip) first")
     try:
         with path.open(encoding="utf-8") as handle:
-            data = yaml.safe_load(handle)
+            data = yaml.load(handle, Loader=_UniqueKeyLoader)
     except yaml.MarkedYAMLError as error:
         raise ValueError(_yaml_error_line(path, error)) from None
     except (yaml.YAMLError, UnicodeDecodeError) as error:
