@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _train_args(tmp_path: Path, *extra: str) -> list[str]:
-    write_jsonl(tmp_path / "train.jsonl", prompt_rows(8, split="train", seed=0, config=ArithmeticTaskConfig(max_digits=1)))
+    write_jsonl(tmp_path / "train.jsonl",
+                prompt_rows(8, split="train", seed=0, config=ArithmeticTaskConfig(max_digits=1)))
     return ["train", f"data.train_path={tmp_path / 'train.jsonl'}", "actor.model.builtin=arithmetic",
             "algorithm.advantage_estimator=grpo", "actor.generation.max_new_tokens=3", "batch.prompts_per_step=2",
             "batch.samples_per_prompt=2", "batch.mini_batch_size=4", "trainer.progress_bar=false",
@@ -63,7 +64,8 @@ def test_an_unexpected_error_is_one_line_with_the_traceback_in_the_runs_errors_d
     monkeypatch.setattr(RLTrainer, "fit", fit)
     assert main(_train_args(tmp_path, "reward.function=arithmetic")) == 2
     err = capsys.readouterr().err
-    assert err.startswith("hybridflow train: error: KeyError: 'no such column' (full traceback: ") and err.count("\n") == 1
+    assert err.startswith("hybridflow train: error: KeyError: 'no such column' (full traceback: ")
+    assert err.count("\n") == 1
     trace = Path(err.split("(full traceback: ")[1].rstrip(")\n"))
     assert trace.parent == tmp_path / "run" / "errors" and "Traceback" in trace.read_text()
     assert not (tmp_path / "run" / ".hybridflow.lock").exists()  # the lock is released on failure
@@ -78,8 +80,8 @@ def test_sigterm_ends_a_run_in_one_line_naming_the_last_checkpoint(tmp_path):
     out, err = process.communicate(timeout=120)
     assert process.returncode == 128 + signal.SIGTERM, err[-2000:]
     assert err.strip().splitlines()[-1] == (
-        f"hybridflow train: stopped by SIGTERM; at step 2; last checkpoint: {tmp_path / 'run' / 'checkpoints' / 'step_000001'}"
-        f"; the same command resumes from it")
+        f"hybridflow train: stopped by SIGTERM; at step 2; last checkpoint: "
+        f"{tmp_path / 'run' / 'checkpoints' / 'step_000001'}; the same command resumes from it")
     assert "Traceback" not in err and not (tmp_path / "run" / ".hybridflow.lock").exists()
 
 
@@ -93,13 +95,14 @@ def test_with_save_on_signal_sigint_finishes_the_step_and_saves_a_checkpoint_fir
     assert process.returncode == 128 + signal.SIGINT, err[-2000:]
     assert "SIGINT: finishing this step and saving a checkpoint; send it again to stop at once" in err
     saved = tmp_path / "run" / "checkpoints" / "step_000002"
-    assert err.strip().splitlines()[-1] == (f"hybridflow train: stopped by SIGINT; at step 2; last checkpoint: {saved}; "
-                                            f"the same command resumes from it")
+    assert err.strip().splitlines()[-1] == (f"hybridflow train: stopped by SIGINT; at step 2; last checkpoint: "
+                                            f"{saved}; the same command resumes from it")
     assert json.loads((saved / "driver.json").read_text())["step"] == 2
 
 
 def test_a_reward_function_calling_os_exit_is_reported_in_one_line_naming_its_caller(tmp_path):
-    process = _start(tmp_path, _train_args(tmp_path, _blocking_reward(tmp_path, "os._exit(7)"), "trainer.total_steps=3"))
+    args = _train_args(tmp_path, _blocking_reward(tmp_path, "os._exit(7)"), "trainer.total_steps=3")
+    process = _start(tmp_path, args)
     out, err = process.communicate(timeout=300)
     assert process.returncode == 7
     assert err.strip().splitlines()[-1] == (
@@ -133,8 +136,9 @@ def test_export_plan_and_data_answer_bad_arguments_in_one_line(tmp_path, capsys)
     assert capsys.readouterr().err == (f"hybridflow data: error: --out {str(tmp_path / 'file')!r} is a file, not a "
                                        f"directory\n")
     assert main(["export", str(tmp_path / "nowhere")]) == 2
-    assert capsys.readouterr().err == (f"hybridflow export: error: no checkpoint under {tmp_path / 'nowhere' / 'checkpoints'}"
-                                       f"; steps saved: none (set trainer.save_every)\n")
+    assert capsys.readouterr().err == (f"hybridflow export: error: no checkpoint under "
+                                       f"{tmp_path / 'nowhere' / 'checkpoints'}; steps saved: none (set "
+                                       f"trainer.save_every)\n")
     assert main(["plan", "--actor", "llama-7b", "--devices", "8", "--prompt-len", "10", "--response-len", "10",
                  "--batch", "8", "--hardware", str(tmp_path / "file")]) == 2
     assert capsys.readouterr().err == (f"hybridflow plan: hardware profile {tmp_path / 'file'} is not valid JSON: "

@@ -88,11 +88,12 @@ def test_a_model_whose_vocabulary_is_smaller_than_its_tokenizer_is_refused_up_fr
 
 def test_suppressed_or_stop_token_ids_beyond_the_vocabulary_are_refused(tmp_path, prompts):
     model = _save_model(tmp_path / "model")
-    with pytest.raises(ValueError, match=r"config key actor\.generation\.suppress_tokens got \[99\]; allowed: token ids "
-                                         r"below the actor model's vocab_size = 24"):
-        preflight(_config(tmp_path, f"actor.model.path={model}", "actor.model.builtin=null", "actor.generation.suppress_tokens=[3, 99]"))
+    own = (f"actor.model.path={model}", "actor.model.builtin=null")
+    with pytest.raises(ValueError, match=r"config key actor\.generation\.suppress_tokens got \[99\]; allowed: "
+                                         r"token ids below the actor model's vocab_size = 24"):
+        preflight(_config(tmp_path, *own, "actor.generation.suppress_tokens=[3, 99]"))
     with pytest.raises(ValueError, match=r"actor\.generation\.stop_token_ids got \[24\]"):
-        preflight(_config(tmp_path, f"actor.model.path={model}", "actor.model.builtin=null", "actor.generation.stop_token_ids=[24]"))
+        preflight(_config(tmp_path, *own, "actor.generation.stop_token_ids=[24]"))
 
 
 def test_a_causal_lm_given_as_the_reward_model_is_refused_a_trained_score_model_is_not(tmp_path, prompts):
@@ -123,8 +124,8 @@ def test_a_key_given_twice_in_yaml_is_refused_naming_both_lines(tmp_path, capsys
     config.write_text("trainer:\n  total_steps: 5\n  seed: 1\n  total_steps: 50\n")
     with pytest.raises(ValueError) as caught:
         load_yaml(config)
-    assert str(caught.value) == (f"config file {config}:4:3: YAML syntax error: key 'total_steps' is given twice in one "
-                                 f"mapping (first at line 2); yaml would silently keep the last")
+    assert str(caught.value) == (f"config file {config}:4:3: YAML syntax error: key 'total_steps' is given twice in "
+                                 f"one mapping (first at line 2); yaml would silently keep the last")
     assert main(["train", str(config)]) == 2
     assert capsys.readouterr().err.count("\n") == 1
 

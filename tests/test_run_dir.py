@@ -44,7 +44,8 @@ def test_a_second_writer_is_refused_naming_the_holders_pid_and_host_and_a_killed
     try:
         with pytest.raises(RunDirectoryBusyError) as caught:
             _claim(tmp_path / "run")
-        assert f"is in use by another run (pid {holder.pid} on host {socket.gethostname()}, started " in str(caught.value)
+        message = str(caught.value)
+        assert f"is in use by another run (pid {holder.pid} on host {socket.gethostname()}, started " in message
         assert "give another trainer.output_dir" in str(caught.value)
     finally:
         holder.send_signal(signal.SIGKILL)
@@ -179,10 +180,12 @@ def test_two_concurrent_runs_on_one_directory_the_second_is_refused_and_the_firs
     args = _train_args(tmp_path, "trainer.total_steps=5", f"reward.function={tmp_path / 'slow_reward.py'}:reward",
                        "reward.function_timeout_s=600")
     first = subprocess.Popen([sys.executable, "-m", "hybridflow.cli", *args], cwd=tmp_path, text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.monotonic() + 240
-    while not (metrics.exists() and metrics.read_text().strip()) and first.poll() is None and time.monotonic() < deadline:
+    while not (metrics.exists() and metrics.read_text().strip()) and first.poll() is None \
+            and time.monotonic() < deadline:
         time.sleep(0.1)  # the first run is training (it logged step 1)
     assert main(args) == 2
     go.touch()
@@ -192,6 +195,6 @@ def test_two_concurrent_runs_on_one_directory_the_second_is_refused_and_the_firs
     assert "started " in err, err
     started = err.split("started ")[1].split(")")[0]
     assert err == (f"hybridflow train: error: config key trainer.output_dir: '{tmp_path / 'run'}' is in use by another "
-                   f"run (pid {first.pid} on host {socket.gethostname()}, started {started}); wait for it to end or give "
-                   f"another trainer.output_dir\n")
+                   f"run (pid {first.pid} on host {socket.gethostname()}, started {started}); wait for it to end or "
+                   f"give another trainer.output_dir\n")
     assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2, 3, 4, 5]

@@ -83,7 +83,13 @@ def run_guarded(prog: str, body: Callable[[], int], *, errors_dir: Callable[[], 
                 interrupted: Callable[[RunInterrupted], str] = lambda error: "") -> int:
     """``body()``'s exit code, or 2 after printing any failure as one line (128 + N after signal N)."""
     try:
-        return body()
+        try:
+            return body()
+        except SystemExit as error:
+            if error.code != signal.SIGTERM:
+                raise
+            # ray.init replaces the SIGTERM handler with one calling sys.exit(SIGTERM): the same stop, said the same way
+            raise RunInterrupted(signal.SIGTERM) from None
     except RunInterrupted as error:
         note = interrupted(error)
         print(f"{prog}: stopped by {signal.Signals(error.signal_number).name}{'; ' + note if note else ''}",
@@ -101,8 +107,8 @@ def run_guarded(prog: str, body: Callable[[], int], *, errors_dir: Callable[[], 
 def signals_stop_the_run(*, graceful: Callable[[], bool] = lambda: False) -> Iterator[dict]:
     """Within this block SIGINT and SIGTERM raise ``RunInterrupted`` in the main thread. With ``graceful()`` true
     the first signal is only recorded in the yielded dict (``{"signal": N}``) for the loop to stop at a step's end
-    (a second one raises at once)."""
-    request: dict = {}
+    (a second one raises at once); ``request["reinstall"]()`` installs the handlers again."""
+    request: dict = {"reinstall": lambda: None}
 
     def handle(signum, frame):
         if graceful() and "signal" not in request:
@@ -116,6 +122,8 @@ def signals_stop_the_run(*, graceful: Callable[[], bool] = lambda: False) -> Ite
         yield request
         return
     previous = {number: signal.signal(number, handle) for number in (signal.SIGINT, signal.SIGTERM)}
+    # for code that replaced them meanwhile (ray.init installs its own SIGTERM handler)
+    request["reinstall"] = lambda: [signal.signal(number, handle) for number in previous]
     try:
         yield request
     finally:

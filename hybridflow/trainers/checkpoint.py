@@ -1,7 +1,8 @@
 """Run checkpoints: the driver's state plus every worker's engine checkpoint, committed atomically.
 
 Layout under ``<output_dir>/checkpoints``: ``step_000010/driver.json`` and one directory per role;
-``latest`` names the newest complete checkpoint (for people; resume scans the step directories). A checkpoint is written to ``step_N.partial`` and
+``latest`` names the newest complete checkpoint (for people; resume scans the step directories).
+A checkpoint is written to ``step_N.partial`` and
 renamed only when every part is on disk, and ``latest`` is replaced last (write + rename), so a
 crash at any point leaves the previous checkpoint intact and resumable. With ``keep_last`` = K only
 the newest K checkpoints stay on disk (older ones are deleted after the new one is committed).

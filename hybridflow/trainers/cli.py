@@ -119,6 +119,7 @@ def train_main(argv: list[str]) -> int:
         with signals_stop_the_run(graceful=lambda: config.trainer.save_on_signal and run["trainer"] is not None) \
                 as request, hard_exits_reported(prog, lambda: _last_checkpoint_note(run["trainer"])):
             trainer = run["trainer"] = RLTrainer(config, mode="local" if args.local else None)
+            request["reinstall"]()  # ray.init (under Ray) replaced the SIGTERM handler
             try:
                 history = trainer.fit(on_step=_stop_at_step_end(trainer, request))
             finally:
@@ -161,7 +162,8 @@ def _supervised_main(kind: str, argv: list[str]) -> int:
         return 0
 
     return run_guarded(prog, body, errors_dir=lambda: errors_directory(run["output_dir"]),
-                       interrupted=lambda error: f"{kind} runs keep no checkpoint: run it again to train from the start")
+                       interrupted=lambda error: f"{kind} runs keep no checkpoint: run it again to train from the "
+                                                 f"start")
 
 
 def sft_main(argv: list[str]) -> int:

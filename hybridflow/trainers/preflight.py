@@ -114,8 +114,8 @@ def check_model(key: str, model: ModelConfig, *, needs_tokenizer: bool) -> None:
             _check_safetensors_header(key, weights)
         problem = weights_vs_config(directory)
         if problem is not None:
-            raise ValueError(f"config key {key}.path: model directory {model.path!r}: {problem}; re-export the model or "
-                             f"fix its config.json")
+            raise ValueError(f"config key {key}.path: model directory {model.path!r}: {problem}; re-export the "
+                             f"model or fix its config.json")
     tokenizer_dir = model.tokenizer_path if model.tokenizer_path is not None else model.path
     if needs_tokenizer and tokenizer_dir is not None:
         tokenizer_key = f"{key}.tokenizer_path" if model.tokenizer_path is not None else f"{key}.path"

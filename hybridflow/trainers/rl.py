@@ -336,8 +336,8 @@ class RLTrainer:
             raise ValueError(
                 f"trainer.output_dir {str(self.output_dir)!r} holds checkpoint {path.name} (step {state['step']}) of a "
                 f"run with a different config:\n  " + "\n  ".join(refused) + "\nallowed: the same config, "
-                "trainer.allow_config_change=true to resume anyway, or trainer.overwrite=true (deletes this run) or another "
-                "trainer.output_dir to start a new run")
+                "trainer.allow_config_change=true to resume anyway, or trainer.overwrite=true (deletes this run) or "
+                "another trainer.output_dir to start a new run")
         print(f"resuming from {path} (step {state['step']} of {self.config.trainer.total_steps})", flush=True)
         if reported or refused:
             print("config changes since that checkpoint:\n  " + "\n  ".join(reported + refused), flush=True)
