@@ -16,6 +16,8 @@ def read_rows(path: str | Path) -> list[dict]:
     .parquet: one row per record. ValueError for a missing file, another suffix, a malformed
     line, or a file with no rows.
     """
+    if not str(path).strip():  # Path("") is the current directory
+        raise ValueError(f"dataset file path is empty ({str(path)!r}); give a .jsonl, .json or .parquet file")
     path = Path(path)
     if path.is_dir():
         raise ValueError(f"dataset file {str(path)!r} is a directory; give a .jsonl, .json or .parquet file")

@@ -76,7 +76,9 @@ def check_output_path(value: object, key: str) -> Path:
 def _holder(lock_path: Path) -> str:
     try:
         record = json.loads(lock_path.read_text())
-        return f"pid {record['pid']} on host {record['host']}, started {record['started']}"
+        same = record["pid"] == os.getpid() and record["host"] == socket.gethostname()
+        return (f"pid {record['pid']} on host {record['host']}, started {record['started']}"
+                + ("; that is this process: shut the earlier trainer down first" if same else ""))
     except (OSError, ValueError, KeyError, TypeError):
         return "a process whose lock record is unreadable"
 
