@@ -75,6 +75,13 @@ def test_a_file_given_as_the_output_dir_is_refused_naming_the_key(tmp_path):
         _claim(tmp_path / "notes.txt" / "run")
 
 
+def test_an_output_dir_that_cannot_be_created_is_refused_naming_the_key():
+    with pytest.raises(ValueError, match=r"config key trainer\.output_dir: cannot write the run directory "
+                                         r"'/proc/hybridflow-run': No such file or directory; give a writable "
+                                         r"directory"):
+        _claim("/proc/hybridflow-run")
+
+
 def test_a_new_run_into_a_directory_holding_a_run_is_refused_unless_resumed_or_overwritten(tmp_path, capsys):
     run = tmp_path / "run"
     write_jsonl(run / "metrics.jsonl", [{"step": 1}, {"step": 2}])

@@ -85,10 +85,14 @@ def _holder(lock_path: Path) -> str:
 
 def acquire_lock(path: Path, key: str) -> object:
     """Lock ``path`` for this process; RunDirectoryBusyError naming the holder when another live process has it."""
-    path.mkdir(parents=True, exist_ok=True)
     lock_path = path / LOCK_FILE
-    previous = lock_path.read_text() if lock_path.is_file() else ""
-    handle = open(lock_path, "a+")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        previous = lock_path.read_text() if lock_path.is_file() else ""
+        handle = open(lock_path, "a+")
+    except OSError as error:  # a read-only or virtual file system, no permission
+        raise ValueError(f"config key {key}: cannot write the run directory {str(path)!r}: "
+                         f"{error.strerror or error}; give a writable directory") from None
     try:
         fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
