@@ -45,6 +45,9 @@ class RLTrainer:
     """Builds the datasets, worker groups and controllers of an RLConfig and runs its steps."""
 
     def __init__(self, config: RLConfig, *, mode: str | None = None, tensorboard: bool = True) -> None:
+        if not isinstance(config, RLConfig):
+            raise ValueError(f"RLTrainer needs an RLConfig (load_rl_config(path, overrides) builds one), got a "
+                             f"{type(config).__name__}")
         self.user_config = config
         preflight(config)  # data files, model directories, reward function: before anything is built
         config, self.plan = resolve_auto_mapping(config)

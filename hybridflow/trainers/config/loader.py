@@ -93,6 +93,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], cls: type | None
     ``{path: DIR}``. Two alternatives both given as overrides stay both (the section's own check
     then names the conflict).
     """
+    if isinstance(overrides, (str, bytes)) or not all(isinstance(item, str) for item in overrides):
+        raise ValueError(f"overrides must be a list of 'key.path=value' strings, got {overrides!r}")
     result = _deep_copy(data)
     set_by_override: set[tuple[str, ...]] = set()
     for override in overrides:
