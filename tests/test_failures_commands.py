@@ -143,3 +143,11 @@ def test_export_plan_and_data_answer_bad_arguments_in_one_line(tmp_path, capsys)
                  "--batch", "8", "--hardware", str(tmp_path / "file")]) == 2
     assert capsys.readouterr().err == (f"hybridflow plan: hardware profile {tmp_path / 'file'} is not valid JSON: "
                                        f"Expecting value at line 1 column 1\n")
+
+
+def test_the_python_api_given_a_dict_instead_of_a_config_says_what_it_needs():
+    from hybridflow.trainers.rl import run_rl
+
+    with pytest.raises(ValueError, match=r"RLTrainer needs an RLConfig \(load_rl_config\(path, overrides\) builds "
+                                         r"one\), got a dict"):
+        run_rl({"data": {"train_path": "train.jsonl"}})
