@@ -219,3 +219,21 @@ def test_checkpoints_none_of_which_is_complete_are_refused_naming_each_not_resta
         f"'{tmp_path}' holds checkpoints but none is complete: step_000001: its driver state driver.json is missing; "
         f"step_000002: its driver state driver.json is unreadable; allowed: restore the missing files, or "
         f"trainer.overwrite=true to delete the run and start over")
+
+
+def test_a_signal_during_a_save_stops_the_run_instead_of_passing_for_a_broken_disk(tmp_path, monkeypatch):
+    import hybridflow.engine.checkpoint as engine_checkpoint
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from hybridflow.trainers.boundary import RunInterrupted
+    from tests.test_engine import tiny_engine
+
+    def interrupted_save(state, **kwargs):  # what DCP's writer thread reports when SIGTERM lands mid-write
+        raise CheckpointException("save", {0: (RunInterrupted(15), None), 1: (RuntimeError("unexpected pos"), None)})
+
+    monkeypatch.setattr(engine_checkpoint.dcp, "save", interrupted_save)
+    engine = tiny_engine()
+    checkpointer = RunCheckpointer(tmp_path / "checkpoints")
+    with pytest.raises(RunInterrupted):
+        checkpointer.save(1, {}, lambda directory: engine_checkpoint.save_checkpoint(engine, str(directory / "actor")))
+    assert list((tmp_path / "checkpoints").iterdir()) == []  # neither the .partial nor the engine's .tmp

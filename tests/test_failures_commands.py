@@ -45,13 +45,16 @@ def _start(tmp_path: Path, args: list[str]) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
-def _wait_for_step_1(tmp_path: Path, process: subprocess.Popen) -> None:
+def _wait_for_step_1(tmp_path: Path, process: subprocess.Popen, *, saved: bool = False) -> None:
+    """Until step 1 is logged (and with ``saved`` its checkpoint committed), then into step 2's reward."""
     metrics = tmp_path / "run" / "metrics.jsonl"
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_000001"
     deadline = time.monotonic() + 240
-    while not (metrics.exists() and metrics.read_text().strip()) and process.poll() is None:
+    while process.poll() is None and not ((metrics.exists() and metrics.read_text().strip())
+                                          and (checkpoint.is_dir() or not saved)):
         assert time.monotonic() < deadline
         time.sleep(0.1)
-    time.sleep(0.5)  # into step 2's reward
+    time.sleep(0.5)
 
 
 def test_an_unexpected_error_is_one_line_with_the_traceback_in_the_runs_errors_directory(tmp_path, capsys,
@@ -75,7 +78,7 @@ def test_sigterm_ends_a_run_in_one_line_naming_the_last_checkpoint(tmp_path):
     args = _train_args(tmp_path, _blocking_reward(tmp_path, "time.sleep(60)"), "trainer.total_steps=3",
                        "trainer.save_every=1", "reward.function_timeout_s=600")
     process = _start(tmp_path, args)
-    _wait_for_step_1(tmp_path, process)
+    _wait_for_step_1(tmp_path, process, saved=True)
     process.send_signal(signal.SIGTERM)
     out, err = process.communicate(timeout=120)
     assert process.returncode == 128 + signal.SIGTERM, err[-2000:]

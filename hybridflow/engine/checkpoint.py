@@ -124,9 +124,13 @@ def save_checkpoint(engine: "TrainingEngine", directory: str) -> None:
     _commit_atomic(tmp, directory)
 
 
-def first_checkpoint_failure(error: CheckpointException) -> Exception:
+def first_checkpoint_failure(error: CheckpointException) -> BaseException:
     """The exception of the lowest failing rank inside DCP's ``CheckpointException`` (an ``OSError`` such as
-    ENOSPC keeps its class and errno, so callers can say what happened); a RuntimeError when it holds none."""
+    ENOSPC keeps its class and errno, so callers can say what happened); an interrupt (Ctrl-C, a signal) that
+    arrived mid-save before anything else, as it is; a RuntimeError when it holds none."""
+    for rank in sorted(error.failures):
+        if isinstance(error.failures[rank][0], KeyboardInterrupt):
+            return error.failures[rank][0]
     for rank in sorted(error.failures):
         cause = error.failures[rank][0]
         if isinstance(cause, Exception):
@@ -139,10 +143,10 @@ def first_checkpoint_failure(error: CheckpointException) -> Exception:
 FULL_BELOW_BYTES = 1 << 20
 
 
-def _with_full_disk_named(cause: Exception, directory: str) -> Exception:
+def _with_full_disk_named(cause: BaseException, directory: str) -> BaseException:
     """``cause``, or an ENOSPC ``OSError`` carrying its text when it has no errno and ``directory``'s file system is
     (almost) full."""
-    if isinstance(cause, OSError) and cause.errno is not None:
+    if not isinstance(cause, Exception) or (isinstance(cause, OSError) and cause.errno is not None):
         return cause
     try:
         full = shutil.disk_usage(directory).free < FULL_BELOW_BYTES
