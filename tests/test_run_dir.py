@@ -66,6 +66,13 @@ def test_an_empty_output_dir_is_refused_naming_the_key(value):
         _claim(value)
 
 
+def test_a_tilde_in_the_output_dir_is_refused_not_made_into_a_directory_named_tilde():
+    with pytest.raises(ValueError, match=r"config key trainer\.output_dir got '~/runs/a'; '~' is not expanded here \(it "
+                                         r"would make a directory named '~'\); allowed: the full path, e\.g\. '/.*runs/a'"):
+        _claim("~/runs/a")
+    assert not Path("~").exists()
+
+
 def test_a_file_given_as_the_output_dir_is_refused_naming_the_key(tmp_path):
     (tmp_path / "notes.txt").write_text("x")
     with pytest.raises(ValueError, match=r"config key trainer\.output_dir got '.*notes\.txt', which is a file, not a "

@@ -227,6 +227,9 @@ def check_reward_function(key: str, spec: str) -> None:
         load_reward_function(spec)
     except ValueError as error:
         raise ValueError(f"config key {key}: {error}") from None
+    except Exception as error:  # a syntax error or an exception while the module runs
+        raise ValueError(f"config key {key}: reward function {spec!r}: importing it raised "
+                         f"{type(error).__name__}: {' '.join(str(error).split())}") from None
     except SystemExit as error:
         call = error.code if isinstance(error.code, str) and error.code.startswith("os._exit") \
             else f"sys.exit({error.code!r})"

@@ -63,6 +63,9 @@ def check_output_path(value: object, key: str) -> Path:
     if not isinstance(value, (str, os.PathLike)) or not str(value).strip():
         raise ValueError(f"config key {key} got {value!r}; allowed: a directory path (an empty value would write the "
                          f"run into the current directory)")
+    if str(value).startswith("~"):
+        raise ValueError(f"config key {key} got {str(value)!r}; '~' is not expanded here (it would make a directory "
+                         f"named '~'); allowed: the full path, e.g. {str(Path(value).expanduser())!r}")
     path = Path(value)
     if path.exists() and not path.is_dir():
         raise ValueError(f"config key {key} got {str(value)!r}, which is a file, not a directory; allowed: a new or "

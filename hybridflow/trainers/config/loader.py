@@ -104,7 +104,12 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], cls: type | None
         keys = dotted_key.strip().split(".")
         if not all(keys):
             raise ValueError(f"override {override!r} has an empty key segment")
-        value = yaml.safe_load(raw_value) if raw_value.strip() else ""
+        try:
+            value = yaml.load(raw_value, Loader=_UniqueKeyLoader) if raw_value.strip() else ""
+        except yaml.YAMLError as error:
+            problem = getattr(error, "problem", None) or " ".join(str(error).split())
+            raise ValueError(f"override {override!r}: its value is not valid YAML: {problem} (quote the value or "
+                             f"fix its brackets)") from None
         node = result
         for depth, key in enumerate(keys[:-1]):
             child = node.get(key)
