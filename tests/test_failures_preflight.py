@@ -176,12 +176,13 @@ def test_a_reward_module_with_a_syntax_error_names_the_key_and_the_line(tmp_path
     (tmp_path / "broken.py").write_text("def reward(prompt, response:\n    return 0\n")
     spec = f"{tmp_path / 'broken.py'}:reward"
     with pytest.raises(ValueError, match=r"config key reward\.function: reward function '.*broken\.py:reward': "
-                                         r"importing it raised SyntaxError: '\(' was never closed \(broken\.py, line 1\)"):
+                                         r"importing it raised SyntaxError: '\(' was never closed "
+                                         r"\(broken\.py, line 1\)"):
         preflight(_config(tmp_path, f"reward.function={spec}"))
 
 
 def test_an_override_whose_value_is_not_yaml_names_the_override(tmp_path):
     with pytest.raises(ValueError) as caught:
         load_rl_config(None, ["placement.pools={global: [1}"])
-    assert str(caught.value) == ("override 'placement.pools={global: [1}': its value is not valid YAML: expected ',' or "
-                                 "']', but got '}' (quote the value or fix its brackets)")
+    assert str(caught.value) == ("override 'placement.pools={global: [1}': its value is not valid YAML: expected ',' "
+                                 "or ']', but got '}' (quote the value or fix its brackets)")

@@ -67,8 +67,9 @@ def test_an_empty_output_dir_is_refused_naming_the_key(value):
 
 
 def test_a_tilde_in_the_output_dir_is_refused_not_made_into_a_directory_named_tilde():
-    with pytest.raises(ValueError, match=r"config key trainer\.output_dir got '~/runs/a'; '~' is not expanded here \(it "
-                                         r"would make a directory named '~'\); allowed: the full path, e\.g\. '/.*runs/a'"):
+    with pytest.raises(ValueError, match=r"config key trainer\.output_dir got '~/runs/a'; '~' is not expanded here "
+                                         r"\(it would make a directory named '~'\); allowed: the full path, "
+                                         r"e\.g\. '/.*runs/a'"):
         _claim("~/runs/a")
     assert not Path("~").exists()
 
