@@ -74,6 +74,7 @@ def test_an_unexpected_error_is_one_line_with_the_traceback_in_the_runs_errors_d
     assert not (tmp_path / "run" / ".hybridflow.lock").exists()  # the lock is released on failure
 
 
+@pytest.mark.slow  # 76 s on the shared 2-core machine (two command starts)
 def test_sigterm_ends_a_run_in_one_line_naming_the_last_checkpoint(tmp_path):
     args = _train_args(tmp_path, _blocking_reward(tmp_path, "time.sleep(60)"), "trainer.total_steps=3",
                        "trainer.save_every=1", "reward.function_timeout_s=600")
@@ -88,6 +89,7 @@ def test_sigterm_ends_a_run_in_one_line_naming_the_last_checkpoint(tmp_path):
     assert "Traceback" not in err and not (tmp_path / "run" / ".hybridflow.lock").exists()
 
 
+@pytest.mark.slow  # 71 s on the shared 2-core machine
 def test_with_save_on_signal_sigint_finishes_the_step_and_saves_a_checkpoint_first(tmp_path):
     args = _train_args(tmp_path, _blocking_reward(tmp_path, "time.sleep(2)"), "trainer.total_steps=5",
                        "trainer.save_on_signal=true", "reward.function_timeout_s=600")

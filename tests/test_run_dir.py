@@ -185,6 +185,7 @@ def test_sft_into_a_directory_holding_a_model_is_refused_unless_overwrite(tmp_pa
     assert (out / "model" / "config.json").read_text() != "{}" and not (out / LOCK_FILE).exists()
 
 
+@pytest.mark.slow  # 62 s on the shared 2-core machine
 def test_two_concurrent_runs_on_one_directory_the_second_is_refused_and_the_firsts_metrics_stay_in_order(tmp_path,
                                                                                                        capsys):
     go = tmp_path / "go"  # the first run's reward waits for it from step 2 on: the second starts mid-run
