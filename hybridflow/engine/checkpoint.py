@@ -52,7 +52,7 @@ def _is_rank0() -> bool:
 def _layout_record(engine: "TrainingEngine") -> dict:
     layout = engine.layout
     return {"layout": engine.config.layout, "pp_size": layout.pp_size, "tp_size": layout.tp_size,
-            "dp_size": layout.dp_size, "head": engine.head}
+            "dp_size": layout.dp_size, "head": engine.head, "lora": engine.lora is not None}
 
 
 def _begin_atomic(directory: str) -> str:
@@ -85,7 +85,9 @@ def _state(engine: "TrainingEngine") -> tuple[dict, dict]:
     # keys exist before loading as after saving; an inference-only engine has no optimizer
     optim_state = (get_optimizer_state_dict(engine.model, engine.optimizer) if engine.optimizer is not None
                    else {"state": {}, "param_groups": []})
-    model_state = get_model_state_dict(engine.model)
+    # a LoRA run keeps only what it trains (the adapters, a new value/score head): the base is the model's source
+    model_state = get_model_state_dict(engine.model,
+                                       options=StateDictOptions(ignore_frozen_params=engine.lora is not None))
     optim_tensors = dict(optim_state["state"])
     if engine.ties_embeddings:
         # pp=1 holds both names for one tensor; the last stage under pp>1 holds only the head's copy
@@ -169,6 +171,11 @@ def load_checkpoint(engine: "TrainingEngine", directory: str) -> None:
     if record["head"] != engine.head:
         raise ValueError(f"checkpoint {directory!r} holds a head={record['head']!r} model; this engine has "
                          f"head={engine.head!r}")
+    if record.get("lora", False) != (engine.lora is not None):
+        saved, mine = ("LoRA adapters" if flag else "full weights" for flag in (record.get("lora", False),
+                                                                               engine.lora is not None))
+        raise ValueError(f"checkpoint {directory!r} holds {saved} but this engine trains {mine}; resume with the "
+                         f"same lora setting the checkpoint was written with")
     state, optim_template = _state(engine)
     try:
         with _single_process_quiet():
@@ -187,21 +194,34 @@ def load_checkpoint(engine: "TrainingEngine", directory: str) -> None:
     engine.step = int(record["step"])
 
 
-def _full_stage_tensors(engine: "TrainingEngine") -> dict[str, torch.Tensor]:
-    """This rank's stage as full CPU tensors (HF names): tensor/data-parallel shards gathered one parameter
-    at a time, so device memory holds at most one full parameter beyond the shards."""
+def _full_stage_tensors(engine: "TrainingEngine", keep=None) -> dict[str, torch.Tensor]:
+    """This rank's stage as full CPU tensors (HF names; ``keep(name)`` selects some): tensor/data-parallel shards
+    gathered one parameter at a time, so device memory holds at most one full parameter beyond the shards."""
     local: dict[str, torch.Tensor] = {}
     for name, tensor in engine.model.state_dict().items():
-        if "rotary_emb" in name:
+        if "rotary_emb" in name or (keep is not None and not keep(name)):
             continue
         full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
         local[name] = full.detach().to("cpu", copy=True)
     return local
 
 
-def gather_full_state_dict(engine: "TrainingEngine") -> dict[str, torch.Tensor]:
-    """Full CPU tensors of every parameter (HF names) on global rank 0, {} on the other ranks."""
-    local = _full_stage_tensors(engine)
+def _merged(engine: "TrainingEngine", state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A stage's full tensors with each LoRA-adapted weight merged (W + scale B A) and the adapters left out."""
+    from hybridflow.models.lora import adapted_layers, is_adapter_parameter
+
+    merged = {name: tensor for name, tensor in state.items() if not is_adapter_parameter(name)}
+    for name, layer in adapted_layers(engine.model):
+        delta = state[f"{name}.lora_B.weight"].float() @ state[f"{name}.lora_A.weight"].float() * layer.scale
+        weight = merged[f"{name}.weight"]
+        merged[f"{name}.weight"] = (weight.float() + delta).to(weight.dtype)
+    return merged
+
+
+def gather_full_state_dict(engine: "TrainingEngine", keep=None) -> dict[str, torch.Tensor]:
+    """Full CPU tensors of every parameter (HF names; ``keep(name)`` selects some) on global rank 0, {} on the
+    other ranks."""
+    local = _full_stage_tensors(engine, keep)
     if engine.layout.pp_size == 1:
         return local if _is_rank0() else {}
     # one rank per stage (dp 0, tp 0) contributes its stage's tensors
@@ -227,6 +247,8 @@ def export_hf(engine: "TrainingEngine", directory: str) -> None:
     from safetensors.torch import save_file
 
     state = _full_stage_tensors(engine)
+    if engine.lora is not None:
+        state = _merged(engine, state)  # a LoRA model exports as the merged model (export_adapter: the adapter)
     tied = bool(getattr(engine.hf_config, "tie_word_embeddings", False))
     if tied:
         state.pop(OUTPUT_HEAD, None)  # transformers re-ties it to the input embedding
@@ -257,4 +279,33 @@ def export_hf(engine: "TrainingEngine", directory: str) -> None:
         suffix = "ForCausalLM" if engine.head == "lm" else "ForTokenClassification"
         hf_config.architectures = [family + suffix]
         hf_config.save_pretrained(tmp)
+    _commit_atomic(tmp, directory)
+
+
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+
+
+def export_adapter(engine: "TrainingEngine", directory: str, *, base_model: str | None) -> None:
+    """Write the LoRA adapter as PEFT does (``adapter_config.json`` + ``adapter_model.safetensors``), loadable with
+    ``peft.PeftModel.from_pretrained(<base model>, directory)``; a value/score head is saved with it as PEFT's
+    ``modules_to_save``. ``base_model`` goes into the config (the base's directory; None for a tiny model)."""
+    from safetensors.torch import save_file
+
+    from hybridflow.models.heads import SCALAR_HEAD
+    from hybridflow.models.lora import is_adapter_parameter, peft_adapter_config, peft_name
+
+    if engine.lora is None:
+        raise ValueError("export_adapter needs an engine with LoRA adapters (lora=...); export_hf writes full models")
+    head_saved = engine.head != "lm"
+    state = gather_full_state_dict(engine, keep=lambda name: is_adapter_parameter(name)
+                                   or (head_saved and name.split(".")[0] == SCALAR_HEAD))
+    tmp = _begin_atomic(directory)
+    if _is_rank0():
+        save_file({peft_name(name): tensor.contiguous() for name, tensor in state.items()},
+                  os.path.join(tmp, ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        config = peft_adapter_config(engine.lora, base_model=base_model,
+                                     modules_to_save=[SCALAR_HEAD] if head_saved else None,
+                                     task_type="CAUSAL_LM" if engine.head == "lm" else "TOKEN_CLS")
+        with open(os.path.join(tmp, ADAPTER_CONFIG), "w") as handle:
+            json.dump(config, handle, indent=2)
     _commit_atomic(tmp, directory)

@@ -10,9 +10,10 @@ rank: its tp and pp ranks) must receive the same batch; different replicas recei
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,9 @@ from hybridflow.engine.optim import build_optimizer, clip_gradients, global_grad
 from hybridflow.parallel.mesh import build_training_mesh, group_rank_to_global, group_size, mesh_group, world_size
 from hybridflow.parallel.pipeline import HEADS, build_pipeline_stage, build_schedule, build_stage
 
+if TYPE_CHECKING:
+    from hybridflow.models.lora_config import LoraConfig
+
 LossFn = Callable[[dict[str, Tensor], dict[str, Tensor]], tuple[Tensor, dict[str, Tensor]]]
 OUTPUTS_OF_HEAD = {"lm": ("logprobs", "entropy"), "value": ("values",), "score": ("scores",)}
 
@@ -39,7 +43,7 @@ class TrainingEngine:
 
     def __init__(self, config: EngineConfig, build_model: Callable[[], nn.Module], *, head: str = "lm",
                  weights_path: str | None = None, head_seed: int = 0, trainable: bool = True, seed: int = 0,
-                 total_steps: int | None = None):
+                 total_steps: int | None = None, lora: "LoraConfig | None" = None):
         """``build_model()`` returns the full model; with ``weights_path`` it returns the architecture on the
         meta device, and each rank allocates only its shards and reads them from that Hugging Face
         directory (``engine/weights.py``). ``head_seed`` initialises a value/score head the checkpoint lacks.
@@ -47,10 +51,17 @@ class TrainingEngine:
         (bf16 on GPUs: half the memory of fp32 masters), without gradients and without an optimizer.
         ``seed`` (the run's) is set before ``build_model()`` (same initial weights on every rank);
         ``total_steps`` is the run's optimizer step count, the length of a linear or cosine LR schedule.
+        ``lora``: LoRA adapters on the layers it targets (``models/lora.py``): only they (and a value/score head) are
+        trained, optimized and checkpointed; generation gets W + scale B A (``local_shards``).
         """
         if head not in HEADS:
             raise ValueError(f"head must be one of {HEADS}, got {head!r}")
+        if lora is not None and not trainable:
+            raise ValueError("a LoRA config was given for an inference-only engine (trainable=False): a frozen role "
+                             "has nothing to adapt; LoRA applies to the trained roles (actor.lora, critic.lora)")
         self.config, self.head, self.trainable = config, head, trainable
+        self.lora = lora
+        """The LoRA adapters of this model (None: every parameter is trained)."""
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             full_model = build_model()
@@ -82,6 +93,8 @@ class TrainingEngine:
             self._materialize(weights_path, head_seed)
         if not trainable:
             self.model.requires_grad_(False)
+        if lora is not None:
+            self._init_adapters(seed)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self._tied_group, self._tied_param = self._build_tied_embedding_sync()
         self.total_steps = total_steps
@@ -116,6 +129,8 @@ class TrainingEngine:
         dtype = torch.float32 if self.trainable else self.compute_dtype
         model.to(dtype=dtype) if on_meta else model.to(device=self.device, dtype=dtype)
         model.train()
+        if self.lora is not None:
+            self._add_adapters(model)
         stage = build_stage(model, head=self.head, pp_size=self.layout.pp_size, pp_rank=self.coords.pp_rank)
         if self.config.activation_checkpointing and self.trainable:
             from hybridflow.parallel.activation_checkpoint import apply_activation_checkpointing
@@ -133,15 +148,42 @@ class TrainingEngine:
         if self.ties_embeddings and self.layout.pp_size == 1:
             stage.lm_head.weight = stage.model.embed_tokens.weight  # to_empty allocated the two separately
 
+    def _add_adapters(self, model: nn.Module) -> None:
+        """Put the adapters in before the stage is cut and sharded (FSDP and the tensor-parallel plan must see
+        them, and their frozen/trainable split): they and a value/score head (new, so it must learn) are the
+        only trained parameters."""
+        from hybridflow.models.heads import SCALAR_HEAD
+        from hybridflow.models.lora import inject_lora, mark_trainable
+
+        inject_lora(model, self.lora)
+        mark_trainable(model, also=(SCALAR_HEAD,) if self.head != "lm" else ())
+
+    def _init_adapters(self, seed: int) -> None:
+        """Adapters start as LoRA's init, the same in every layout (``initial_adapter_weight``), set once the
+        stage holds real memory."""
+        from hybridflow.engine.lora import reset_adapters
+
+        reset_adapters(self.model, seed=seed)
+
+    @contextlib.contextmanager
+    def adapters_disabled(self):
+        """Inside the block the model computes as its base model (LoRA's adapters off); nothing changes without
+        LoRA. The reference policy of a LoRA run (``workers/reference.py``)."""
+        from hybridflow.models.lora import adapters_disabled
+
+        with adapters_disabled(self.model):
+            yield
+
     @classmethod
     def from_model_config(cls, config: EngineConfig, model_config, *, head: str = "lm", seed: int = 0,
-                          total_steps: int | None = None, trainable: bool = True) -> "TrainingEngine":
+                          total_steps: int | None = None, trainable: bool = True,
+                          lora: "LoraConfig | None" = None) -> "TrainingEngine":
         """The engine of a ``ModelConfig`` under ``head``: a local checkpoint is read shard by shard onto
         meta-initialised stages (no rank ever holds the whole model); a tiny random model is built whole (it is
         tiny). ``seed`` initialises a tiny model or a new value/score head."""
         from hybridflow.models import build_model
 
-        runtime = dict(head=head, seed=seed, total_steps=total_steps, trainable=trainable)
+        runtime = dict(head=head, seed=seed, total_steps=total_steps, trainable=trainable, lora=lora)
         if model_config.path is None or not cls.meta_init_supported(config, model_config, head=head):
             return cls(config, lambda: build_model(model_config, head=head, seed=seed), **runtime)
         return cls(config, lambda: build_model(model_config, head=head, seed=seed, device="meta"),
@@ -182,7 +224,7 @@ class TrainingEngine:
         return self.params
 
     def _sync_tied_embedding_gradients(self) -> None:
-        if self._tied_group is None:
+        if self._tied_group is None or not self._tied_param.requires_grad:
             return
         param = self._tied_param
         if param.grad is None:
@@ -525,8 +567,14 @@ class TrainingEngine:
     def local_shards(self) -> dict[str, Tensor]:
         """HF parameter name -> this rank's local tensor of its stage, what ``HybridEngine.to_generation`` takes:
         3d: the live tensor-parallel pieces (shared storage); fsdp: the dim-0 slices over dp, on the engine's
-        device (a copy only under CPU offload)."""
-        return self.training_layout.local_shards(self.model, self.device)
+        device (a copy only under CPU offload). With LoRA an adapted weight is a new tensor W + scale B A (the
+        trained W is never written) and the adapters themselves are left out."""
+        shards = self.training_layout.local_shards(self.model, self.device)
+        if self.lora is None:
+            return shards
+        from hybridflow.engine.lora import merge_into_shards
+
+        return merge_into_shards(self.model, shards)
 
     def full_state_dict(self) -> dict[str, Tensor]:
         """The whole model's parameters as full CPU tensors (HF names) on global rank 0; {} elsewhere."""
@@ -541,5 +589,10 @@ class TrainingEngine:
         checkpoint_io.load_checkpoint(self, directory)
 
     def export_hf(self, directory: str) -> None:
-        """Write a Hugging Face model directory (config.json + model.safetensors) from global rank 0."""
+        """Write a Hugging Face model directory (config.json + model.safetensors) from global rank 0; a LoRA
+        model's is the merged model."""
         checkpoint_io.export_hf(self, directory)
+
+    def export_adapter(self, directory: str, *, base_model: str | None = None) -> None:
+        """Write the LoRA adapter in PEFT's format (adapter_config.json + adapter_model.safetensors)."""
+        checkpoint_io.export_adapter(self, directory, base_model=base_model)

@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from hybridflow.models.heads import SCALAR_HEAD, init_scalar_head
+from hybridflow.models.lora import is_adapter_parameter
 
 EMBEDDING, OUTPUT_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
@@ -83,7 +84,9 @@ def materialize_and_load(stage: nn.Module, *, device: torch.device, path: str, h
     stage.to_empty(device=device)
     _reset_rotary_buffers(stage, device)
     files = checkpoint_files(path)
-    params = dict(stage.named_parameters(remove_duplicate=False))
+    # LoRA adapters are not in a base checkpoint: the engine initialises them (models/lora.py)
+    params = {name: param for name, param in stage.named_parameters(remove_duplicate=False)
+              if not is_adapter_parameter(name)}
     missing = [name for name in params if name not in files
                and not (name == OUTPUT_HEAD and ties_embeddings and EMBEDDING in files)
                and name.split(".")[0] != SCALAR_HEAD]

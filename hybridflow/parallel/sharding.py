@@ -7,7 +7,10 @@ on what a rank's local shard is: shard ``i`` of ``tp_size`` is the i-th equal ch
 - column-parallel (output features split, dim 0): q/k/v projections, MLP gate/up, their biases;
 - row-parallel (input features split, dim 1): attention output and MLP down projections;
 - vocabulary-parallel (dim 0): input embedding and the output head (tied or not);
-- everything else (norms, row-parallel biases, value/score heads) is replicated.
+- everything else (norms, row-parallel biases, value/score heads) is replicated;
+- a LoRA adapter on a layer (``<layer>.lora_A.weight`` [r, in], ``<layer>.lora_B.weight`` [out, r]) is split so
+  that B A is split as the layer's weight: B along dim 0 of a column-parallel layer, A along dim 1 of a
+  row-parallel one, the other factor replicated (``models/lora.py``).
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from __future__ import annotations
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
 VOCAB_PARALLEL = ("embed_tokens", "lm_head")
+LORA_SPLIT = {("column", "lora_B"): 0, ("row", "lora_A"): 1}
+"""(kind of the adapted layer, adapter factor) -> the factor's split dim; the other factors are replicated."""
 
 
 def tp_shard_dim(param_name: str) -> int | None:
@@ -27,6 +32,10 @@ def tp_shard_dim(param_name: str) -> int | None:
     if len(parts) < 2:
         return None
     module, kind = parts[-2], parts[-1]
+    if module in ("lora_A", "lora_B"):
+        layer = parts[-3] if len(parts) >= 3 else ""
+        parallel = "column" if layer in COLUMN_PARALLEL else "row" if layer in ROW_PARALLEL else None
+        return LORA_SPLIT.get((parallel, module))
     if module in COLUMN_PARALLEL:
         return 0
     if module in ROW_PARALLEL:

@@ -21,11 +21,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 from transformers import PretrainedConfig
 
 from hybridflow.parallel.sharding import COLUMN_PARALLEL, ROW_PARALLEL, tp_shard_dim
+
+ADAPTERS = ("lora_A", "lora_B")
+"""Children of a LoRA-adapted layer (``models/lora.py``): laid out by their layer's style, never on their own."""
 
 # Config fields a tensor-parallel size must divide, in the order errors list them.
 TP_DIVIDED_FIELDS = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
@@ -75,6 +78,40 @@ class ReplicateParallel(ParallelStyle):
         return outputs.to_local() if isinstance(outputs, DTensor) else outputs
 
 
+def _partition_by_shard_table(path: str, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+    """Make ``module``'s own parameters DTensors placed as ``tp_shard_dim`` says for their full names (``path`` is
+    the layer's, ``name`` the submodule's inside it)."""
+    for param_name, param in list(module.named_parameters(recurse=False)):
+        dim = tp_shard_dim(".".join(part for part in (path, name, param_name) if part))
+        placement = Replicate() if dim is None else Shard(dim)
+        module.register_parameter(param_name, nn.Parameter(distribute_tensor(param, device_mesh, [placement]),
+                                                           requires_grad=param.requires_grad))
+
+
+class AdaptedColwiseParallel(ColwiseParallel):
+    """ColwiseParallel of a LoRA-adapted layer: W and B split by output rows, A replicated, so the adapter's
+    output is split like the layer's (stock ColwiseParallel would split A too)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        _partition_by_shard_table(self.path, name, module, device_mesh)
+
+
+class AdaptedRowwiseParallel(RowwiseParallel):
+    """RowwiseParallel of a LoRA-adapted layer: W and A split by input columns, B replicated; both partial sums
+    leave through the layer's one all-reduce."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        _partition_by_shard_table(self.path, name, module, device_mesh)
+
+
 def tensor_parallel_plan(model: nn.Module) -> dict[str, ParallelStyle]:
     """The per-module plan for ``model``: module name -> parallel style (every module that owns parameters)."""
     plan: dict[str, ParallelStyle] = {}
@@ -82,10 +119,13 @@ def tensor_parallel_plan(model: nn.Module) -> dict[str, ParallelStyle]:
         if not any(True for _ in module.parameters(recurse=False)):
             continue
         leaf = name.rsplit(".", 1)[-1]
+        adapted = hasattr(module, ADAPTERS[0])
+        if leaf in ADAPTERS:
+            continue
         if leaf in COLUMN_PARALLEL:
-            plan[name] = ColwiseParallel()
+            plan[name] = AdaptedColwiseParallel(name) if adapted else ColwiseParallel()
         elif leaf in ROW_PARALLEL:
-            plan[name] = RowwiseParallel()
+            plan[name] = AdaptedRowwiseParallel(name) if adapted else RowwiseParallel()
         elif leaf == "embed_tokens":
             plan[name] = RowwiseParallel(input_layouts=Replicate())  # vocab-parallel lookup, all-reduced
         elif leaf == "lm_head":

@@ -11,8 +11,8 @@ from hybridflow.engine.config import EngineConfig
 from hybridflow.engine.generation_config import GenerationConfig, GenerationTokens
 from hybridflow.models.config import ModelConfig
 from hybridflow.trainers.config.rl import CriticSection, RLConfig
-from hybridflow.workers import (ActorSpec, ActorWorker, CostWorker, CriticSpec, CriticWorker, EngineSpec,
-                                ReferenceWorker, RewardSpec, RewardWorker, TokenizerSource, UpdateSizes)
+from hybridflow.workers import (ActorSpec, ActorWorker, AdapterReferenceWorker, CostWorker, CriticSpec, CriticWorker,
+                                EngineSpec, ReferenceWorker, RewardSpec, RewardWorker, TokenizerSource, UpdateSizes)
 
 # Tensor-name prefix of the cost critic (Safe-RLHF): it returns ``cost_values`` and trains on ``cost_returns``.
 COST_CRITIC_PREFIX = "cost_"
@@ -49,13 +49,14 @@ def tokenizer_of(source: ModelConfig) -> TokenizerSource:
 
 
 def engine_spec(model: ModelConfig, engine: EngineConfig, *, head: str, seed: int,
-                total_steps: int | None = None) -> EngineSpec:
+                total_steps: int | None = None, lora=None) -> EngineSpec:
     """A role's model and engine sections with the run's values: the role's head, the run's seed and, for a
     trained role, the optimizer steps of the whole run (its LR schedule is checked here, before any worker
     starts; inference-only roles pass None and never build an optimizer)."""
     if total_steps is not None:
         engine.optim.check_schedule(total_steps)
-    return EngineSpec(model=model_config_of(model), engine=engine, head=head, seed=seed, total_steps=total_steps)
+    return EngineSpec(model=model_config_of(model), engine=engine, head=head, seed=seed, total_steps=total_steps,
+                      lora=lora)
 
 
 def model_generation_defaults(source: ModelConfig) -> dict:
@@ -82,6 +83,8 @@ class RoleSpecs:
 
     actor: ActorSpec
     reference: EngineSpec | None
+    """None without a reference role, and with actor.lora (the reference is then the actor's model, adapters off:
+    ``AdapterReferenceWorker``)."""
     critic: CriticSpec | None
     reward: RewardSpec | None
     actor_tokenizer: TokenizerSource
@@ -97,12 +100,12 @@ def role_specs(config: RLConfig) -> RoleSpecs:
     generation, tokens = generation_config_of(config, actor_tokenizer.load())
     actor = ActorSpec(
         engine=engine_spec(config.actor.model, config.actor.engine, head="lm", seed=seed,
-                           total_steps=steps * config.actor.loss.ppo_epochs),
+                           total_steps=steps * config.actor.loss.ppo_epochs, lora=config.actor.lora),
         hybrid_engine=config.actor.hybrid_engine,
         generation=generation, tokens=tokens, loss=config.actor.loss, sizes=update_sizes(config),
         kl_loss_coef=config.algorithm.kl_coef if config.algorithm.kl_in_loss else 0.0)
     reference = critic = reward = None
-    if "reference" in roles:
+    if "reference" in roles and config.actor.lora is None:  # with LoRA: the actor's model, adapters off
         source = config.reference.model or config.actor.model
         reference = engine_spec(source, config.reference.engine, head="lm", seed=seed)
     if "critic" in roles:
@@ -131,7 +134,7 @@ def _critic_specs(config: RLConfig, section: CriticSection, *, optimizer_steps: 
     """A value model (the critic, or Safe-RLHF's cost critic): its backbone defaults to the actor's model."""
     source = section.model or config.actor.model
     engine = engine_spec(source, section.engine, head="value", seed=config.trainer.seed,
-                         total_steps=optimizer_steps * section.loss.ppo_epochs)
+                         total_steps=optimizer_steps * section.loss.ppo_epochs, lora=section.lora)
     return CriticSpec(engine=engine, loss=section.loss, sizes=update_sizes(config))
 
 
@@ -157,8 +160,9 @@ def build_worker_groups(config: RLConfig, specs: RoleSpecs, *,
 
     Returns the groups by role and the pools (release them after shutting the groups down).
     """
+    reference = (ReferenceWorker, (specs.reference,)) if specs.reference is not None else (AdapterReferenceWorker,)
     arguments = {"actor": (ActorWorker, (specs.actor,)),
-                 "reference": (ReferenceWorker, (specs.reference,)),
+                 "reference": reference,
                  "critic": (CriticWorker, (specs.critic,)),
                  "reward": (RewardWorker, (specs.reward,)),
                  "cost": (CostWorker, (specs.cost,)),

@@ -24,16 +24,33 @@ def role_tokenizer(config, role: str):
     return tokenizer_of(source).load()
 
 
-def export_roles(groups: dict, config, directory: str | Path) -> dict[str, Path]:
-    """Write ``directory/<role>`` (config, safetensors, tokenizer files) for every trained role in ``groups``."""
+def export_roles(groups: dict, config, directory: str | Path, *, merged: bool = False) -> dict[str, Path]:
+    """Write ``directory/<role>`` (config, safetensors, tokenizer files) for every trained role in ``groups``.
+
+    A role trained with LoRA writes its adapter in PEFT's format there instead (adapter_config.json +
+    adapter_model.safetensors, plus the tokenizer), and the merged model under ``<role>/merged`` when its
+    ``lora.export_merged`` or ``merged`` asks for it."""
     written = {}
     for role in TRAINED_ROLES:
         if role in groups:
             target = Path(directory) / role
-            groups[role].export_hf(str(target))
+            lora = config.section_of(role).lora
+            if lora is None:
+                groups[role].export_hf(str(target))
+            else:
+                groups[role].export_adapter(str(target), base_model=_base_model_path(config, role))
+                if merged or lora.export_merged:
+                    groups[role].export_hf(str(target / "merged"))
+                    role_tokenizer(config, role).save_pretrained(str(target / "merged"))
             role_tokenizer(config, role).save_pretrained(str(target))
             written[role] = target
     return written
+
+
+def _base_model_path(config, role: str) -> str | None:
+    """The base model directory a role's adapter applies to (None for a tiny or built-in model)."""
+    source = config.section_of(role).model or config.actor.model
+    return str(Path(source.path).resolve()) if source.path is not None else None
 
 
 def _single_process_config(plain: dict) -> dict:
@@ -55,9 +72,10 @@ def _single_process_config(plain: dict) -> dict:
     return plain
 
 
-def export_checkpoint(run_dir: str | Path, *, step: int | None = None, out: str | Path | None = None) -> dict[str, Path]:
+def export_checkpoint(run_dir: str | Path, *, step: int | None = None, out: str | Path | None = None,
+                      merged: bool = False) -> dict[str, Path]:
     """Load checkpoint ``step`` (None: the latest) of the run in ``run_dir`` into this process and export its
-    trained roles to ``out`` (default ``run_dir/export/step_N``)."""
+    trained roles to ``out`` (default ``run_dir/export/step_N``); ``merged``: LoRA roles also as merged models."""
     from hybridflow.controller import ResourcePool, WorkerGroup
     from hybridflow.trainers.build import COST_CRITIC_PREFIX, role_specs
     from hybridflow.trainers.checkpoint import RunCheckpointer
@@ -85,7 +103,7 @@ def export_checkpoint(run_dir: str | Path, *, step: int | None = None, out: str 
         group = WorkerGroup(pool, worker_class, *args, name=role, **kwargs)
         try:
             group.load_checkpoint(str(path / role))
-            written.update(export_roles({role: group}, config, target))
+            written.update(export_roles({role: group}, config, target, merged=merged))
         finally:
             group.shutdown()
             pool.release()
@@ -101,9 +119,11 @@ def export_main(argv: list[str]) -> int:
     parser.add_argument("run_dir", help="the run's trainer.output_dir (it holds checkpoints/)")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step to export (default: the latest)")
     parser.add_argument("--out", default=None, help="output directory (default: RUN_DIR/export/step_N)")
+    parser.add_argument("--merged", action="store_true",
+                        help="LoRA runs: also write each adapted role's merged model to <role>/merged")
     args = parser.parse_args(argv)
     try:
-        written = export_checkpoint(args.run_dir, step=args.step, out=args.out)
+        written = export_checkpoint(args.run_dir, step=args.step, out=args.out, merged=args.merged)
     except ValueError as error:
         print(f"hybridflow export: error: {error}", file=sys.stderr)
         return 2

@@ -35,6 +35,8 @@ def preflight(config: RLConfig) -> None:
         read_rows(data.ptx_path)
     for role, key, model in _model_sections(config):
         check_model(key, model, needs_tokenizer=role in TOKENIZER_ROLES)
+    for key, model, lora, head in _lora_sections(config):
+        check_lora_targets(key, model, lora, head=head)
     _check_scoring_models(config)
     _check_token_ids(config)
     if config.reward.function is not None:
@@ -82,6 +84,27 @@ def _model_sections(config: RLConfig) -> list[tuple[str, str, ModelConfig]]:
         if role != "actor" and model is not None:
             sections.append((role, f"{config.section_key(role)}.model", model))
     return sections
+
+
+def _lora_sections(config: RLConfig) -> list[tuple[str, ModelConfig, object, str]]:
+    """(config key of the lora section, the model it adapts, the LoraConfig, head) of every active LoRA role."""
+    sections = []
+    for role in ("actor", "critic", "cost_critic"):
+        if role in config.active_roles and config.section_of(role).lora is not None:
+            section = config.section_of(role)
+            sections.append((f"{config.section_key(role)}.lora", section.model or config.actor.model, section.lora,
+                             "lm" if role == "actor" else "value"))
+    return sections
+
+
+def check_lora_targets(key: str, model: ModelConfig, lora, *, head: str = "lm") -> None:
+    """Raise ValueError naming ``key`` when a ``lora.target_modules`` entry matches no linear layer of the model's
+    decoder layers (the architecture is built on the meta device: no weights are read)."""
+    from hybridflow.models.loader import build_model
+    from hybridflow.models.lora import target_names
+    from hybridflow.trainers.build import model_config_of
+
+    target_names(build_model(model_config_of(model), head=head, device="meta"), lora, key=key)
 
 
 def _check_prompt_file(key: str, path: str, prompt_key: str) -> None:

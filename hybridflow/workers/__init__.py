@@ -9,7 +9,7 @@ if TYPE_CHECKING:  # the same names for static tools (type checkers, IDEs, tests
     from hybridflow.workers.actor import ActorWorker
     from hybridflow.workers.base import ModelWorker
     from hybridflow.workers.critic import CriticWorker
-    from hybridflow.workers.reference import ReferenceWorker
+    from hybridflow.workers.reference import AdapterReferenceWorker, ReferenceWorker
     from hybridflow.workers.reward import CostWorker, RewardWorker
     from hybridflow.workers.spec import (
         ActorSpec, CriticSpec, EngineSpec, PolicyLossConfig, RewardSpec, TokenizerSource, UpdateSizes,
@@ -24,6 +24,7 @@ _EXPORTS = {
     "ModelWorker": "hybridflow.workers.base",
     "CriticWorker": "hybridflow.workers.critic",
     "ReferenceWorker": "hybridflow.workers.reference",
+    "AdapterReferenceWorker": "hybridflow.workers.reference",
     "CostWorker": "hybridflow.workers.reward",
     "RewardWorker": "hybridflow.workers.reward",
     "SFTWorker": "hybridflow.workers.supervised",
@@ -38,7 +39,7 @@ _EXPORTS = {
     "ValueLossConfig": "hybridflow.workers.spec",
 }
 __all__ = [
-    "ActorSpec", "ActorWorker", "CostWorker", "CriticSpec", "CriticWorker", "EngineSpec", "ModelWorker",
+    "ActorSpec", "ActorWorker", "AdapterReferenceWorker", "CostWorker", "CriticSpec", "CriticWorker", "EngineSpec", "ModelWorker",
     "PolicyLossConfig", "PreferenceWorker", "ReferenceWorker", "RewardSpec", "RewardWorker", "SFTWorker",
     "TokenizerSource", "UpdateSizes", "ValueLossConfig",
 ]

@@ -101,6 +101,7 @@ class ActorWorker(ModelWorker):
         self.hybrid = HybridEngine.for_training(self.engine, spec.hybrid_engine)
         self.set_parallel_layout(self.engine.layout, generation=self.hybrid.generation_layout)
         self.last_transition: dict[str, float] = {}
+        self._shard_numel = 0  # elements of the last rollout's generation shard on this rank (LoRA's sync bytes)
         # the AdamW moments leave the accelerator for the rollout (actor.hybrid_engine.offload_optimizer)
         offload = spec.hybrid_engine.offload_optimizer
         self.optimizer_offload = OptimizerOffload(self.engine.optimizer) if offload else None
@@ -148,7 +149,7 @@ class ActorWorker(ModelWorker):
             "training_allocated_bytes": to_training.allocated_bytes, "collectives": to_generation.collectives,
             # 0 when the option is off or the state already lives on the CPU (a CPU run, FSDP CPU offload)
             "optimizer_offloaded": float(offloaded_bytes > 0), "optimizer_offloaded_bytes": offloaded_bytes,
-            **self.rollout.transition_metrics()}
+            **self._lora_sync_bytes(), **self.rollout.transition_metrics()}
         samples = config.samples_per_prompt
         non_tensors = {key: np.repeat(values, samples) for key, values in prompts.non_tensor_batch.items()}
         temperature = 1.0 if config.greedy else float(config.temperature)
@@ -157,11 +158,27 @@ class ActorWorker(ModelWorker):
                                               TRAINING_EXACT_LOGPROBS: self.rollout.logprobs_match_training,
                                               WEIGHT_VERSION: self.rollout.version})
 
+    def _lora_sync_bytes(self) -> dict[str, float]:
+        """With LoRA, what one weight sync hands the rollout backend on this rank both ways it can be done:
+        ``lora_sync_bytes_merged``, the generation shard with the adapters merged in (what the native backend
+        reads and vLLM copies now); ``lora_sync_bytes_adapter``, the adapters alone in the generation dtype (what
+        an adapter-only sync moves once the base weights are loaded). Nothing without LoRA."""
+        if self.engine.lora is None:
+            return {}
+        from hybridflow.models.lora import is_adapter_parameter
+
+        element = torch.empty((), dtype=self.hybrid.dtype).element_size()
+        adapter = sum(param.numel() for name, param in self.engine.model.named_parameters()
+                      if is_adapter_parameter(name))
+        return {"lora_sync_bytes_merged": float(self._shard_numel * element),
+                "lora_sync_bytes_adapter": float(adapter * element)}
+
     def _rollout(self, prompts: DataProto, config):
         """One rollout's lifecycle, whatever the backend: to generation, load the shard (a backend that copied it
         lets training have the gathered pieces back at once), generate, release, back to training.
         Returns (output, to_generation stats, to_training stats, the load's stats)."""
         to_generation = self.hybrid.to_generation(self.engine.local_shards())
+        self._shard_numel = sum(piece.numel() for pieces in self.hybrid.shard.weights.values() for piece in pieces)
         to_training = None
         try:
             rollout = self._rollout_for(self.hybrid.shard)

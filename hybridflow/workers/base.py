@@ -48,8 +48,12 @@ class ModelWorker(Worker):
         if spec.engine.num_threads:
             pin_num_threads(spec.engine.num_threads)  # the driver's share of the node's cores no longer applies
         # a checkpoint is read shard by shard onto meta-initialised stages: no rank holds the whole model
+        if spec.lora is not None and not self.TRAINABLE:
+            raise ValueError(f"{type(self).__name__} was given a LoRA config, but it is a frozen role (never trained); "
+                             f"LoRA applies to the trained roles: actor.lora, critic.lora")
         self.engine = TrainingEngine.from_model_config(spec.engine, spec.model, head=spec.head, seed=spec.seed,
-                                                       total_steps=spec.total_steps, trainable=self.TRAINABLE)
+                                                       total_steps=spec.total_steps, trainable=self.TRAINABLE,
+                                                       lora=spec.lora)
         self.set_parallel_layout(self.engine.layout)
 
     @register("ONE_TO_ALL")
@@ -66,6 +70,11 @@ class ModelWorker(Worker):
     def export_hf(self, directory: str) -> None:
         """A Hugging Face model directory of the current weights (written by global rank 0)."""
         self.engine.export_hf(directory)
+
+    @register("ONE_TO_ALL")
+    def export_adapter(self, directory: str, base_model: str | None = None) -> None:
+        """The LoRA adapter in PEFT's format (adapter_config.json + adapter_model.safetensors; global rank 0)."""
+        self.engine.export_adapter(directory, base_model=base_model)
 
     @register("ONE_TO_ALL")
     def optimizer_steps(self) -> int:

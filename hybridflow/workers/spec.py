@@ -11,6 +11,7 @@ from hybridflow.engine.config import EngineConfig
 from hybridflow.engine.generation_config import GenerationConfig, GenerationTokens
 from hybridflow.engine.hybrid_engine_config import HybridEngineConfig
 from hybridflow.models.config import HEADS, ModelConfig
+from hybridflow.models.lora_config import LoraConfig
 
 OLD_LOG_PROB_SOURCES = ("auto", "recompute", "rollout")
 """Values of ``actor.loss.old_log_probs``."""
@@ -71,6 +72,8 @@ class EngineSpec:
     rank."""
     total_steps: int | None = None
     """Optimizer steps of the whole run (the learning-rate schedule's length); None for inference-only roles."""
+    lora: LoraConfig | None = None
+    """The role's LoRA adapters (its section's ``lora``); None trains every weight. A frozen role refuses one."""
 
     def __post_init__(self) -> None:
         if self.head not in HEADS:

@@ -151,6 +151,9 @@ def build_dataclass(cls: type[ConfigT], data: dict[str, Any] | None, *, path: st
     unknown = sorted(set(data) - set(fields))
     if unknown:
         where = f"{path}." if path else ""
+        refused = getattr(cls, "REFUSED_KEYS", {})
+        if unknown[0] in refused:
+            raise ValueError(f"config key {where}{unknown[0]} is not allowed here: {refused[unknown[0]]}")
         raise ValueError(f"unknown config key {where}{unknown[0]}; allowed keys here: {', '.join(sorted(fields))}")
     hints = typing.get_type_hints(cls)
     kwargs = {name: _coerce(hints[name], value, _join(path, name)) for name, value in data.items()}
@@ -298,6 +301,8 @@ def _coerce(annotation: Any, value: Any, key: str) -> Any:
     if dataclasses.is_dataclass(annotation):
         return build_dataclass(annotation, value, path=key)
     if origin in (Union, types.UnionType):
+        if value is None and type(None) in typing.get_args(annotation):
+            return None  # null is null, also for an optional section whose every field has a default
         sections = [arg for arg in typing.get_args(annotation) if dataclasses.is_dataclass(arg)]
         if isinstance(value, dict) and len(sections) == 1:
             # an optional section given as a mapping: its own errors name the key inside it

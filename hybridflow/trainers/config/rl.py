@@ -16,7 +16,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from hybridflow.data.config import PromptFiles
 from hybridflow.engine.config import EngineConfig, OptimConfig
@@ -24,6 +24,7 @@ from hybridflow.engine.generation_config import GenerationConfig
 from hybridflow.engine.hybrid_engine_config import HybridEngineConfig
 from hybridflow.engine.rollout import rollout_backend
 from hybridflow.models.config import ModelConfig
+from hybridflow.models.lora_config import LoraConfig
 from hybridflow.trainers.config.algorithm import AlgorithmSection
 from hybridflow.trainers.config.loader import apply_overrides, build_dataclass, load_yaml
 from hybridflow.trainers.estimators import estimators_with
@@ -66,6 +67,10 @@ class ActorSection:
     """Sampling."""
     hybrid_engine: HybridEngineConfig = field(default_factory=HybridEngineConfig)
     """Generation layout (the 3D-HybridEngine's pg, tg) and the transition strategy."""
+    lora: LoraConfig | None = None
+    """Train LoRA adapters instead of every weight (docs/lora.md); null: full fine-tuning. The reference is then
+    the actor's own model with the adapters off (no second copy), generation gets the merged weights, checkpoints
+    hold the adapters and the export is PEFT's adapter format."""
 
     def __post_init__(self) -> None:
         for name in ("pp_size", "tp_size"):
@@ -79,9 +84,18 @@ class ActorSection:
                 f"1 with actor.generation.backend={backend} (use backend=native for pg > 1)")
 
 
+FROZEN_ROLE_LORA = ("the {role} is frozen (never trained), so it has no adapter to train; LoRA applies to the "
+                    "trained roles: actor.lora, critic.lora, cost.critic.lora")
+"""Why a ``lora`` key under a frozen role's section is refused (``REFUSED_KEYS``, read by the config loader)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class ReferenceSection:
     """The frozen reference policy for the KL penalty (defaults to the actor's initial model)."""
+
+    REFUSED_KEYS: ClassVar[dict[str, str]] = {"lora": FROZEN_ROLE_LORA.format(role="reference") + (
+        "; with actor.lora the reference is the actor's model with its adapters off")}
+    """Keys a user may try here that are refused with a reason (the loader names it)."""
 
     model: ModelConfig | None = None
     """Reference weights; null means the actor's ``model``."""
@@ -100,11 +114,17 @@ class CriticSection:
     learns faster than the policy may move)."""
     loss: ValueLossConfig = field(default_factory=ValueLossConfig)
     """Value-loss knobs."""
+    lora: LoraConfig | None = None
+    """Train LoRA adapters on the backbone (and the value head in full) instead of every weight; null: full
+    fine-tuning (docs/lora.md)."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class RewardSection:
     """The reward: a reward model, a rule-based function, or a weighted sum of both."""
+
+    REFUSED_KEYS: ClassVar[dict[str, str]] = {"lora": FROZEN_ROLE_LORA.format(role="reward model")}
+    """Keys a user may try here that are refused with a reason (the loader names it)."""
 
     model: ModelConfig | None = None
     """Reward model (a backbone with a score head, or a causal LM for ``model_type: likelihood``); null for
@@ -141,6 +161,9 @@ class RewardSection:
 @dataclass(frozen=True, kw_only=True)
 class CostSection:
     """Safe-RLHF (Dai et al. 2024): a cost model, its critic, and the Lagrange multiplier of E[cost] <= limit."""
+
+    REFUSED_KEYS: ClassVar[dict[str, str]] = {"lora": FROZEN_ROLE_LORA.format(role="cost model")}
+    """Keys a user may try here that are refused with a reason (the loader names it)."""
 
     model: ModelConfig
     """The cost model: a backbone with a score head (what ``hybridflow rm`` exports), read at the last token."""
@@ -382,7 +405,21 @@ class RLConfig:
         require(self.algorithm.overlong_buffer_length <= max_new_tokens, "algorithm.overlong_buffer_length",
                 self.algorithm.overlong_buffer_length,
                 f"an integer <= actor.generation.max_new_tokens = {max_new_tokens}")
+        self._check_lora_reference()
         self.derived()  # raises on inconsistent sizes before any worker starts
+
+    def _check_lora_reference(self) -> None:
+        """With actor.lora the reference is the actor's own model with the adapters off, computed in the actor's
+        processes: a separate reference model or pool would be a second copy the adapter was meant to avoid."""
+        if self.actor.lora is None or "reference" not in self.active_roles:
+            return
+        require(self.reference.model is None, "reference.model", "<set>",
+                "null with actor.lora (the reference is the actor's base model with the adapters switched off; "
+                "train without actor.lora to score against another model)")
+        actor_pool = self.placement.pool_of("actor")
+        require(self.placement.pool_of("reference") == actor_pool, "placement.roles.reference",
+                self.placement.pool_of("reference"),
+                f"the actor's pool {actor_pool!r} with actor.lora (the reference runs in the actor's processes)")
 
     @property
     def active_roles(self) -> tuple[str, ...]:
@@ -411,7 +448,9 @@ class RLConfig:
         return section
 
     def engine_of(self, role: str) -> EngineConfig:
-        """The engine section of a role."""
+        """The engine section of a role (with actor.lora the reference runs on the actor's engine)."""
+        if role == "reference" and self.actor.lora is not None:
+            return self.actor.engine
         return self.section_of(role).engine
 
     def derived(self) -> DerivedSizes:
