@@ -30,14 +30,36 @@ ConfigT = TypeVar("ConfigT")
 _YAML11_FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml's safe loader, refusing a key given twice in one mapping (plain YAML silently keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, typing.Hashable) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice in one mapping (first at line {seen[key] + 1}); yaml "
+                    f"would silently keep the last", key_node.start_mark)
+            if isinstance(key, typing.Hashable):
+                seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
-    """Read one YAML mapping from ``path`` (an empty file is an empty mapping)."""
+    """Read one YAML mapping from ``path`` (an empty file is an empty mapping; a key twice in a mapping is an
+    error)."""
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"config file {str(path)!r} is a directory; give a YAML file")
     if not path.is_file():
         raise ValueError(f"config file {str(path)!r} does not exist")
+    with path.open("rb") as handle:
+        if handle.read(2) == b"\x1f\x8b":
+            raise ValueError(f"config file {str(path)!r} is gzip-compressed; decompress it (gunzip) first")
     try:
         with path.open(encoding="utf-8") as handle:
-            data = yaml.safe_load(handle)
+            data = yaml.load(handle, Loader=_UniqueKeyLoader)
     except yaml.MarkedYAMLError as error:
         raise ValueError(_yaml_error_line(path, error)) from None
     except (yaml.YAMLError, UnicodeDecodeError) as error:
@@ -71,6 +93,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], cls: type | None
     ``{path: DIR}``. Two alternatives both given as overrides stay both (the section's own check
     then names the conflict).
     """
+    if isinstance(overrides, (str, bytes)) or not all(isinstance(item, str) for item in overrides):
+        raise ValueError(f"overrides must be a list of 'key.path=value' strings, got {overrides!r}")
     result = _deep_copy(data)
     set_by_override: set[tuple[str, ...]] = set()
     for override in overrides:
@@ -80,7 +104,12 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], cls: type | None
         keys = dotted_key.strip().split(".")
         if not all(keys):
             raise ValueError(f"override {override!r} has an empty key segment")
-        value = yaml.safe_load(raw_value) if raw_value.strip() else ""
+        try:
+            value = yaml.load(raw_value, Loader=_UniqueKeyLoader) if raw_value.strip() else ""
+        except yaml.YAMLError as error:
+            problem = getattr(error, "problem", None) or " ".join(str(error).split())
+            raise ValueError(f"override {override!r}: its value is not valid YAML: {problem} (quote the value or "
+                             f"fix its brackets)") from None
         node = result
         for depth, key in enumerate(keys[:-1]):
             child = node.get(key)

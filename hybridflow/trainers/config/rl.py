@@ -317,7 +317,14 @@ class TrainerSection:
     output_dir: str = "runs/hybridflow"
     """Metrics (JSONL, TensorBoard), checkpoints and the exported models (``output_dir/final/<role>``) go here."""
     resume: bool = True
-    """Continue from the latest complete checkpoint in ``output_dir`` when there is one (announced on stdout)."""
+    """Continue from the newest complete checkpoint in ``output_dir`` (announced on stdout). A directory holding a
+    run without a checkpoint, or ``resume: false`` on a directory holding a run, is refused unless ``overwrite``."""
+    overwrite: bool = False
+    """Delete the previous run in ``output_dir`` (checkpoints, metrics, models; each named on stdout) and start
+    over; without it a new run never writes into a directory holding another run."""
+    save_on_signal: bool = False
+    """On SIGINT or SIGTERM, finish the current step and save a checkpoint before stopping (a second signal
+    stops at once); without it the run stops at once, naming the last checkpoint."""
     allow_config_change: bool = False
     """Resume even when the config differs from the checkpoint's in more than the loop keys (``total_steps``,
     ``val_every``, ``save_every``, logging, ...); without it such a resume is refused with the differences listed."""
