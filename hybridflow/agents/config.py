@@ -20,9 +20,10 @@ def _positive_number(value: Any) -> bool:
 class EnvConfig:
     """A multi-turn environment (docs/agents.md): the class, its arguments and the limits of one episode."""
 
-    class_path: str
+    class_path: str = field(metadata={"key": "class"})
     """The environment class, ``path/to/file.py:Class`` or ``package.module:Class`` (a subclass of
-    ``hybridflow.agents.Environment``; ``class`` is a Python keyword, hence the name)."""
+    ``hybridflow.agents.Environment``). Written ``env.class`` in YAML and overrides (the field is ``class_path``
+    in Python, ``class`` being a keyword)."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the class's constructor (one instance per episode)."""
     max_turns: int | None = None
@@ -42,7 +43,7 @@ class EnvConfig:
     trains its sampled tokens with reward 0. Counted either way (``agent/env_failures``)."""
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.class_path, str) and bool(_CLASS_SPEC.match(self.class_path)), "class_path",
+        _require(isinstance(self.class_path, str) and bool(_CLASS_SPEC.match(self.class_path)), "class",
                  self.class_path, "'path/to/file.py:Class' or 'package.module:Class'")
         _require(isinstance(self.kwargs, dict) and all(isinstance(key, str) for key in self.kwargs), "kwargs",
                  self.kwargs, "a mapping of argument names to values")

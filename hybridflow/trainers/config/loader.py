@@ -142,12 +142,18 @@ def _alternatives_of(cls: type | None, keys: list[str]) -> tuple[str, ...]:
     return ()
 
 
+def config_key(field: dataclasses.Field) -> str:
+    """The key a field is written under in YAML and overrides: its name, or ``metadata["key"]`` where the natural
+    key is a Python keyword (``env.class`` is the field ``class_path``)."""
+    return field.metadata.get("key", field.name)
+
+
 def build_dataclass(cls: type[ConfigT], data: dict[str, Any] | None, *, path: str = "") -> ConfigT:
     """Instantiate ``cls`` from a nested mapping, checking keys and types field by field."""
     data = {} if data is None else data
     if not isinstance(data, dict):
         raise ValueError(f"{path or 'config'} must be a mapping of keys to values, got {data!r}")
-    fields = {field.name: field for field in dataclasses.fields(cls) if field.init}
+    fields = {config_key(field): field for field in dataclasses.fields(cls) if field.init}
     unknown = sorted(set(data) - set(fields))
     if unknown:
         where = f"{path}." if path else ""
@@ -156,13 +162,14 @@ def build_dataclass(cls: type[ConfigT], data: dict[str, Any] | None, *, path: st
             raise ValueError(f"config key {where}{unknown[0]} is not allowed here: {refused[unknown[0]]}")
         raise ValueError(f"unknown config key {where}{unknown[0]}; allowed keys here: {', '.join(sorted(fields))}")
     hints = typing.get_type_hints(cls)
-    kwargs = {name: _coerce(hints[name], value, _join(path, name)) for name, value in data.items()}
-    missing = sorted(name for name, field in fields.items() if name not in kwargs
+    kwargs = {fields[key].name: _coerce(hints[fields[key].name], value, _join(path, key)) for key, value in data.items()}
+    missing = sorted(key for key, field in fields.items() if field.name not in kwargs
                      and field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING)
-    for name in list(missing):
+    for key in list(missing):
+        name = fields[key].name
         if dataclasses.is_dataclass(hints[name]):
-            kwargs[name] = build_dataclass(hints[name], {}, path=_join(path, name))  # names the deepest missing key
-            missing.remove(name)
+            kwargs[name] = build_dataclass(hints[name], {}, path=_join(path, key))  # names the deepest missing key
+            missing.remove(key)
     if missing:
         raise ValueError(f"config key {_join(path, missing[0])} is required but missing")
     try:
@@ -183,7 +190,7 @@ def to_plain(config: Any) -> Any:
     """A config dataclass as nested dicts/lists (for logging, checkpoints and YAML dumps): the result loads back
     as an equal config."""
     if dataclasses.is_dataclass(config):
-        return {field.name: to_plain(getattr(config, field.name)) for field in dataclasses.fields(config)}
+        return {config_key(field): to_plain(getattr(config, field.name)) for field in dataclasses.fields(config)}
     if isinstance(config, dict):
         return {key: to_plain(value) for key, value in config.items()}
     if isinstance(config, (list, tuple)):
@@ -228,7 +235,7 @@ def config_reference(cls: type, *, prefix: str = "", instance: Any = None) -> li
     for field in dataclasses.fields(cls):
         if not field.init:
             continue
-        key = _join(prefix, field.name)
+        key = _join(prefix, config_key(field))
         annotation = hints[field.name]
         section = _section_type(annotation)
         default = _default_of(field, instance)

@@ -440,21 +440,21 @@ class RLConfig:
         reward = self.reward
         if self.env is None:
             require(reward.model is not None or reward.function is not None, "reward.model", None,
-                    "a reward model, a reward function, or both (reward.model / reward.function), or an env.class_path")
+                    "a reward model, a reward function, or both (reward.model / reward.function), or an env.class")
             return
         require(reward.function is None, "reward.function", reward.function,
-                "null with env.class_path: the environment gives the episode's rewards (a reward function "
+                "null with env.class: the environment gives the episode's rewards (a reward function "
                 "becomes a one-turn environment with hybridflow.agents.RewardFunctionEnvironment)")
         backend = self.actor.generation.backend
         require(rollout_backend(backend).requests, "actor.generation.backend", backend,
-                "a backend that implements requests with env.class_path (episodes run on them): "
+                "a backend that implements requests with env.class (episodes run on them): "
                 + ", ".join(name for name, entry in ROLLOUT_BACKENDS.items() if entry.requests))
         hybrid = self.actor.hybrid_engine
         require(hybrid.tp_size == 1 and hybrid.pp_size == 1, "actor.hybrid_engine.tp_size", hybrid.tp_size,
-                "1 (and pp_size 1) with env.class_path: every rank of a generation replica would run the "
+                "1 (and pp_size 1) with env.class: every rank of a generation replica would run the "
                 "environments, whose tools need not agree across ranks")
         require(not self.algorithm.dynamic_sampling, "algorithm.dynamic_sampling", True,
-                "false with env.class_path (dynamic sampling draws single-turn rounds)")
+                "false with env.class (dynamic sampling draws single-turn rounds)")
 
     def _check_lora_reference(self) -> None:
         """With actor.lora the reference is the actor's own model with the adapters off, computed in the actor's
