@@ -58,3 +58,85 @@ def _train(config, *, stop_after: int | None = None) -> tuple[list[dict], list[s
         return trainer.logger.history, trained
     finally:
         trainer.shutdown()
+
+
+def _learning_metrics(history: list[dict]) -> list[dict]:
+    """The metrics that depend on the data and the weights (not on the clock)."""
+    return [{name: value for name, value in metrics.items()
+             if not name.startswith(("time/", "timing/", "perf/", "async/sync_", "async/wait_")) and "_s" != name[-2:]}
+            for metrics in history]
+
+
+def test_a_checksum_of_the_raw_bits_catches_one_changed_value_and_swapped_values():
+    tensor = torch.randn(64, 33, dtype=torch.bfloat16)
+    changed = tensor.clone()
+    changed.view(-1).view(torch.int16)[100] += 1  # the smallest change: one unit in the last place
+    swapped = tensor.clone()
+    swapped.view(-1)[[3, 4]] = tensor.view(-1)[[4, 3]]
+    assert tensor_checksum(tensor) == tensor_checksum(tensor.clone())
+    assert tensor_checksum(changed) != tensor_checksum(tensor)
+    assert not torch.equal(changed, tensor) and not torch.equal(swapped, tensor)
+    assert tensor_checksum(swapped) != tensor_checksum(tensor)
+
+
+def test_weights_survive_packing_into_buckets_bit_for_bit_in_the_generation_dtype():
+    state = {"a.weight": torch.randn(5, 7), "b.bias": torch.randn(11), "c.weight": torch.randn(3, 3, 2)}
+    payload = pack_weights(state, version=3, dtype=torch.bfloat16, bucket_bytes=100)
+    assert len(payload.buckets) == 2 and payload.num_bytes == 2 * (35 + 11 + 18)
+    weights = unpack_weights(payload, device=torch.device("cpu"))
+    for name, tensor in state.items():
+        assert torch.equal(weights[name], tensor.to(torch.bfloat16)), name
+    verify_weights(weights, payload.checksums, version=3, replica="rollout replica rank 0")
+
+
+def test_a_corrupted_tensor_in_a_weight_sync_stops_the_run_naming_the_tensor_and_the_replica(data_dir, tmp_path):
+    trainer = RLTrainer(_config(data_dir, tmp_path / "run", *SPLIT), mode="local", tensorboard=False)
+    try:
+        payload = trainer.actor.generation_weights(0)[0]
+        trainer.groups["rollout"].sync_weights(payload)  # intact: accepted
+        bucket = payload.buckets[-1]
+        name = bucket.names[-1]
+        bucket.flat[-1] += 1  # what a transfer that lost or changed bytes leaves
+        with pytest.raises(Exception, match=rf"tensor '{name}' on rollout replica rank 0 has checksum"):
+            trainer.groups["rollout"].sync_weights(payload)
+    finally:
+        trainer.shutdown()
+
+
+def test_zero_staleness_on_a_rollout_pool_trains_exactly_like_the_colocated_synchronous_step(data_dir, tmp_path):
+    colocated, colocated_prompts = _train(_config(data_dir, tmp_path / "colocated"))
+    split, split_prompts = _train(_config(data_dir, tmp_path / "split", *SPLIT))
+    assert split_prompts == colocated_prompts
+    learned = _learning_metrics(split)
+    for step, (expected, got) in enumerate(zip(_learning_metrics(colocated), learned), start=1):
+        shared = sorted(set(expected) & set(got) - {name for name in expected if name.startswith("rollout/")})
+        assert {"actor/pg_loss", "actor/grad_norm", "reward/score_mean"} <= set(shared)
+        for name in shared:
+            value = expected[name]
+            assert got[name] == pytest.approx(value, rel=1e-5, abs=1e-6), (step, name)
+        assert got["async/staleness_max"] == 0
+
+
+def test_with_staleness_one_batch_i_is_generated_by_version_i_minus_two_and_a_resume_trains_every_prompt_once(
+        data_dir, tmp_path):
+    async_config = (*SPLIT, "asynchrony.max_staleness=1", "actor.loss.tis_cap=2.0", "trainer.save_every=2")
+    history, prompts = _train(_config(data_dir, tmp_path / "whole", *async_config))
+    assert [metrics["async/staleness_max"] for metrics in history] == [0, 1, 1, 1]
+    assert [metrics["async/staleness_count_1"] for metrics in history[1:]] == [4.0] * 3
+    assert all(0 <= metrics["actor/tis_cap_fraction"] <= 1 for metrics in history)
+    # killed after step 3 (its checkpoint is step 2's, with batch 3 in flight), then resumed to the end
+    resumed_dir = tmp_path / "resumed"
+    _, before_kill = _train(_config(data_dir, resumed_dir, *async_config), stop_after=3)
+    after, after_resume = _train(_config(data_dir, resumed_dir, *async_config))
+    assert len(after) == 2 and len(before_kill) == 3 * 4
+    assert sorted(before_kill[:2 * 4] + after_resume) == sorted(prompts)  # steps 1-2, then 3-4 again: exactly once
+    assert before_kill[:2 * 4] + after_resume == prompts
+    for expected, got in zip(_learning_metrics(history)[2:], _learning_metrics(after)):
+        assert got == pytest.approx(expected, rel=1e-6, abs=1e-7)
+
+
+def test_staleness_needs_a_rollout_pool_of_its_own(data_dir, tmp_path):
+    with pytest.raises(ValueError, match="asynchrony.max_staleness got 1"):
+        _config(data_dir, tmp_path, "asynchrony.max_staleness=1")
+    with pytest.raises(ValueError, match="placement.roles.rollout got 'trainer'"):
+        _config(data_dir, tmp_path, "placement.pools={trainer: [1]}", "placement.roles={actor: trainer, rollout: trainer}")
