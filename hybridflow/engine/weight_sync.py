@@ -7,10 +7,10 @@ that the transfer layer moves a few large objects instead of hundreds of small o
 checksum computed on the bytes the trainer sends; the replica recomputes it on the tensors it holds after
 unpacking and refuses to generate with weights that differ.
 
-The checksum is exact and cheap: the tensor's raw bits read as int16 words, summed, and summed again weighted
-by (position mod 251) + 1, both in int64 (integer sums do not depend on the reduction order, so both sides agree
-bit for bit on any thread count; the weighted sum catches swapped words). It runs where the tensor lives,
-without a copy to the host.
+The checksum is exact and cheap (``tensor_checksum``): the tensor's raw bytes read as int64 words and summed in
+61 lanes in one pass, without conversion or a copy to the host (it runs where the tensor lives); integer sums
+do not depend on the reduction order, so trainer and replica agree bit for bit on any thread count. It catches
+any single changed value and values swapped between lanes; docs/async.md states its measured cost.
 """
 
 from __future__ import annotations
@@ -23,9 +23,8 @@ import torch
 
 from hybridflow.engine.hybrid_engine import plan_buckets
 
-CHECKSUM_CHUNK = 1 << 22
-"""int16 words per checksum chunk: bounds the int64 temporaries to 32 MiB whatever the tensor's size."""
-POSITION_MODULUS = 251
+LANES = 61
+"""Lanes of the checksum's lane-weighted sum (a prime: weight matrices' rows rarely align with it)."""
 
 
 class WeightMismatchError(RuntimeError):
@@ -33,17 +32,20 @@ class WeightMismatchError(RuntimeError):
 
 
 def tensor_checksum(tensor: torch.Tensor) -> tuple[int, int]:
-    """(sum of the int16 words of ``tensor``'s bytes, their position-weighted sum), exact in int64."""
-    words = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-    if words.numel() % 2:
-        words = torch.cat([words, words.new_zeros(1)])
-    words = words.view(torch.int16)
-    total, weighted = 0, 0
-    for start in range(0, words.numel(), CHECKSUM_CHUNK):
-        chunk = words[start:start + CHECKSUM_CHUNK].to(torch.int64)
-        positions = torch.arange(start, start + chunk.numel(), device=chunk.device) % POSITION_MODULUS + 1
-        total += int(chunk.sum())
-        weighted += int((chunk * positions).sum())
+    """(sum of ``tensor``'s bytes read as int64 words, the sum of its LANES lane sums weighted by lane), exact.
+
+    One pass over the tensor, no conversion: the words form a [N / LANES, LANES] view summed over rows (integer
+    sums wrap modulo 2**64 and do not depend on the reduction order, so both sides agree bit for bit); the
+    lane weights catch two values swapped between lanes."""
+    raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    if raw.numel() % 8:
+        raw = torch.cat([raw, raw.new_zeros(8 - raw.numel() % 8)])
+    words = raw.view(torch.int64)
+    body = words.numel() - words.numel() % LANES
+    lanes = words[:body].view(-1, LANES).sum(0).tolist() if body else [0] * LANES
+    tail = int(words[body:].sum())
+    total = (sum(lanes) + tail) % 2**64
+    weighted = (sum((lane_index + 1) * lane for lane_index, lane in enumerate(lanes)) + (LANES + 1) * tail) % 2**64
     return total, weighted
 
 
