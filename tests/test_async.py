@@ -10,7 +10,9 @@ from hybridflow.data import write_jsonl
 from hybridflow.data.builtin import ArithmeticTaskConfig, prompt_rows
 from hybridflow.engine.weight_sync import (WeightMismatchError, pack_weights, tensor_checksum, unpack_weights,
                                            verify_weights)
+from hybridflow.trainers.checkpoint import CheckpointSaveError
 from hybridflow.trainers.config.rl import load_rl_config
+from hybridflow.trainers.pipelined import IN_FLIGHT_FILE
 from hybridflow.trainers.rl import RLTrainer
 
 TASK = ArithmeticTaskConfig(max_digits=1)
@@ -33,8 +35,11 @@ def _config(data_dir, output_dir, *overrides):
         f"trainer.output_dir={output_dir}", *overrides])
 
 
-def _train(config, *, stop_after: int | None = None) -> tuple[list[dict], list[str]]:
-    """The run's metrics per step and the prompts each step trained (kill after ``stop_after`` steps)."""
+def _train(config, *, stop_after: int | None = None,
+           fail_save_at: int | None = None) -> tuple[list[dict], list[str]]:
+    """The run's metrics per step and the prompts each step trained. ``stop_after``: the driver dies after that
+    many steps (nothing after its last checkpoint survives); ``fail_save_at``: it dies while writing that step's
+    checkpoint, after the in-flight batches were half written."""
     trainer = RLTrainer(config, mode="local", tensorboard=False)
     trained: list[str] = []
     learn = trainer.learn
@@ -43,19 +48,27 @@ def _train(config, *, stop_after: int | None = None) -> tuple[list[dict], list[s
         trained.extend(str(prompt) for prompt in experience.batch["raw_prompt"])
         return learn(experience, **kwargs)
 
+    def dying_save(directory):
+        (directory / IN_FLIGHT_FILE).write_bytes(b"half a file")
+        raise OSError("killed while writing the in-flight batches")
+
     trainer.learn = recording_learn
     history: list[dict] = []
     try:
         if stop_after is None:
             trainer.fit()
-        else:
-            while trainer.step < stop_after:
-                trainer.step += 1
-                history.append(trainer.train_step(trainer.loader.next_batch()))
-                if trainer.step % config.trainer.save_every == 0:
+            return trainer.logger.history, trained
+        while trainer.step < stop_after:
+            trainer.step += 1
+            history.append(trainer.train_step(trainer.loader.next_batch()))
+            if trainer.step == fail_save_at:
+                trainer.pipeline.save = dying_save
+                with pytest.raises(CheckpointSaveError):
                     trainer.save_checkpoint()
-            return history, trained
-        return trainer.logger.history, trained
+                break
+            if trainer.step % config.trainer.save_every == 0:
+                trainer.save_checkpoint()
+        return history, trained
     finally:
         trainer.shutdown()
 
@@ -117,21 +130,41 @@ def test_zero_staleness_on_a_rollout_pool_trains_exactly_like_the_colocated_sync
         assert got["async/staleness_max"] == 0
 
 
-def test_with_staleness_one_batch_i_is_generated_by_version_i_minus_two_and_a_resume_trains_every_prompt_once(
-        data_dir, tmp_path):
-    async_config = (*SPLIT, "asynchrony.max_staleness=1", "actor.loss.tis_cap=2.0", "trainer.save_every=2")
-    history, prompts = _train(_config(data_dir, tmp_path / "whole", *async_config))
+ASYNC = (*SPLIT, "asynchrony.max_staleness=1", "actor.loss.tis_cap=2.0")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(data_dir, tmp_path_factory):
+    """A k = 1 run of 4 steps without a stop: its metrics per step and the prompts each step trained."""
+    return _train(_config(data_dir, tmp_path_factory.mktemp("whole"), *ASYNC, "trainer.save_every=2"))
+
+
+def test_with_staleness_one_batch_i_is_generated_by_version_i_minus_two(uninterrupted):
+    history, _ = uninterrupted
     assert [metrics["async/staleness_max"] for metrics in history] == [0, 1, 1, 1]
     assert [metrics["async/staleness_count_1"] for metrics in history[1:]] == [4.0] * 3
+    assert [metrics["async/weight_version"] for metrics in history] == [0, 1, 2, 3]
     assert all(0 <= metrics["actor/tis_cap_fraction"] <= 1 for metrics in history)
-    # killed after step 3 (its checkpoint is step 2's, with batch 3 in flight), then resumed to the end
-    resumed_dir = tmp_path / "resumed"
-    _, before_kill = _train(_config(data_dir, resumed_dir, *async_config), stop_after=3)
-    after, after_resume = _train(_config(data_dir, resumed_dir, *async_config))
-    assert len(after) == 2 and len(before_kill) == 3 * 4
-    assert sorted(before_kill[:2 * 4] + after_resume) == sorted(prompts)  # steps 1-2, then 3-4 again: exactly once
-    assert before_kill[:2 * 4] + after_resume == prompts
-    for expected, got in zip(_learning_metrics(history)[2:], _learning_metrics(after)):
+    assert all(metrics["async/sync_bytes"] > 0 and metrics["async/sync_gb_per_s"] > 0 for metrics in history)
+
+
+@pytest.mark.parametrize("save_every, stop_after, fail_save_at, resumes_at", [
+    (2, 3, None, 2),  # step 3 trained and lost, batch 3 in flight in step 2's checkpoint
+    (1, 2, None, 2),  # stopped right after a checkpoint: batch 3 in flight is reused
+    (1, 3, 3, 2),     # killed while writing step 3's checkpoint: step 2's is the latest
+    (2, 1, None, 0),  # killed before any checkpoint: a fresh start
+], ids=["after-an-unsaved-step", "after-a-checkpoint", "mid-checkpoint", "before-any-checkpoint"])
+def test_a_killed_pipelined_run_resumed_trains_every_prompt_exactly_once_with_the_same_metrics(
+        data_dir, tmp_path, uninterrupted, save_every, stop_after, fail_save_at, resumes_at):
+    history, prompts = uninterrupted
+    config = _config(data_dir, tmp_path / "run", *ASYNC, f"trainer.save_every={save_every}")
+    _, before_kill = _train(config, stop_after=stop_after, fail_save_at=fail_save_at)
+    after, after_resume = _train(config)
+    assert len(before_kill) == stop_after * 4 and len(after) == 4 - resumes_at
+    kept = before_kill[:resumes_at * 4]  # what the checkpoint holds as trained
+    assert sorted(kept + after_resume) == sorted(prompts)  # per-prompt training counts equal
+    assert kept + after_resume == prompts  # and in the same steps
+    for expected, got in zip(_learning_metrics(history)[resumes_at:], _learning_metrics(after)):
         assert got == pytest.approx(expected, rel=1e-6, abs=1e-7)
 
 
