@@ -115,12 +115,13 @@ class PipelinedSampling:
             item.future = self.rollout.generate_sequences.future(item.prompts)
 
     def _sync(self, version: int) -> None:
-        """The actor's weights, bucketed in the generation dtype with checksums, to every rollout replica: issued
-        without waiting (the replicas take it after the generations submitted before it, and the generations
-        submitted after it use it); ``_finish_sync`` collects the replicas' verification."""
+        """The actor's weights, bucketed in the generation dtype with checksums, to every rollout replica, issued
+        without waiting: the actor's output goes to the replicas as a future (each fetches it from the object
+        store; the driver never holds the weights), the replicas take it after the generations submitted before
+        it, and the generations submitted after it use it. ``_finish_sync`` collects their verification."""
         started = time.perf_counter()
-        payload = first_rank(self.actor.generation_weights(version))
-        self.pending_sync = (self.rollout.sync_weights.future(payload), payload, version, started)
+        weights = self.actor.generation_weights.future(version)
+        self.pending_sync = (self.rollout.sync_weights.future(weights), version, started)
         self.synced_version = version
 
     def _finish_sync(self) -> None:
@@ -128,18 +129,17 @@ class PipelinedSampling:
         sync's seconds and GB/s, buckets, the checksum and verification seconds, the wall time to verification."""
         if self.pending_sync is None:
             return
-        future, payload, version, started = self.pending_sync
+        future, version, started = self.pending_sync
         received = first_rank(future.get())
         self.pending_sync = None
         # the sync's own work: packing and checksums on the trainer, unpacking, verifying and loading on the
         # replica; the wall time from issue to verification also holds the generations queued before it
-        seconds = (payload.pack_seconds + payload.checksum_seconds + received["unpack_s"] + received["verify_s"]
-                   + received["load_s"])
-        self.sync_metrics = {"async/weight_version": float(version), "async/sync_bytes": float(payload.num_bytes),
-                             "async/sync_s": seconds, "async/sync_gb_per_s": payload.num_bytes / seconds / 1e9,
+        seconds = sum(received[name] for name in ("pack_s", "checksum_s", "unpack_s", "verify_s", "load_s"))
+        self.sync_metrics = {"async/weight_version": float(version), "async/sync_bytes": float(received["bytes"]),
+                             "async/sync_s": seconds, "async/sync_gb_per_s": received["bytes"] / seconds / 1e9,
                              "async/sync_wall_s": time.perf_counter() - started,
-                             "async/sync_buckets": float(len(payload.buckets)),
-                             "async/sync_checksum_s": payload.checksum_seconds,
+                             "async/sync_buckets": float(received["buckets"]),
+                             "async/sync_checksum_s": received["checksum_s"],
                              "async/sync_verify_s": received["verify_s"]}
 
     # ----- checkpoints ------------------------------------------------------------------------------

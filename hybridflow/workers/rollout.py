@@ -60,9 +60,16 @@ class RolloutWorker(Worker):
         self.version: int | None = None
 
     @register("ONE_TO_ALL")
-    def sync_weights(self, payload: WeightPayload) -> dict[str, float]:
-        """Take the trainer's weights (``payload``), verify them tensor by tensor, load them into the backend."""
+    def sync_weights(self, weights: WeightPayload | list[WeightPayload | None]) -> dict[str, float]:
+        """Take the trainer's weights, verify them tensor by tensor, load them into the backend; return the
+        sync's numbers (bytes, buckets, the trainer's pack and checksum seconds, this replica's unpack, verify and
+        load seconds).
+
+        ``weights``: a payload, or the per-rank outputs of ``ActorWorker.generation_weights`` (what a future of
+        that call resolves to here: each replica fetches rank 0's payload from the object store itself, and the
+        driver never holds the weights)."""
         start = time.perf_counter()
+        payload = weights if isinstance(weights, WeightPayload) else next(p for p in weights if p is not None)
         self.weights = unpack_weights(payload, device=self.device)
         received = time.perf_counter()
         if self.spec.verify_weights:
@@ -79,7 +86,8 @@ class RolloutWorker(Worker):
         self.rollout.resume()
         self.rollout.load(shard, version=payload.version)
         self.version = payload.version
-        return {"unpack_s": received - start, "verify_s": verified - received,
+        return {"bytes": payload.num_bytes, "buckets": len(payload.buckets), "pack_s": payload.pack_seconds,
+                "checksum_s": payload.checksum_seconds, "unpack_s": received - start, "verify_s": verified - received,
                 "load_s": time.perf_counter() - verified}
 
     @register("ONE_TO_ALL")
