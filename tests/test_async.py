@@ -174,3 +174,5 @@ def test_staleness_needs_a_rollout_pool_of_its_own(data_dir, tmp_path):
     with pytest.raises(ValueError, match="placement.roles.rollout got 'trainer'"):
         _config(data_dir, tmp_path, "placement.pools={trainer: [1]}",
                 "placement.roles={actor: trainer, rollout: trainer}")
+    with pytest.raises(ValueError, match="placement.mapping got 'auto'"):
+        _config(data_dir, tmp_path, *SPLIT, "placement.mapping=auto")

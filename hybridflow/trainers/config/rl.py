@@ -238,6 +238,8 @@ class PlacementSection:
             require(role in ROLES + (ROLLOUT_ROLE,), "roles", role, ", ".join(ROLES + (ROLLOUT_ROLE,)))
             require(pool in self.pools, f"roles.{role}", pool, ", ".join(self.pools))
         if ROLLOUT_ROLE in self.roles:
+            require(self.mapping == "manual", "mapping", self.mapping,
+                    "'manual' with roles.rollout (the planner does not model a rollout pool yet: docs/async.md)")
             shared = sorted(role for role in ROLES if self.pool_of(role) == self.roles[ROLLOUT_ROLE])
             require(not shared, "roles.rollout", self.roles[ROLLOUT_ROLE],
                     f"a pool no other role uses (it holds {', '.join(shared)}); without a pool of its own the actor "
