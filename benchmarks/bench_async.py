@@ -5,6 +5,9 @@ Both runs place the actor on pool ``trainer`` and the generation replica on pool
 k = 0 syncs the weights and generates before every update (the processes take turns), k = 1 generates batch
 i + 1 while batch i trains. Prints steps per second over steps 2..N (step 1 pays the workers' warm-up) and the
 load average before and after each run (the numbers scale with what else the machine runs).
+
+`--checksum` instead times the weight-sync checksum (``tensor_checksum``) of a 16 M-value bf16 tensor against a
+plain copy of it (the cost docs/async.md states).
 """
 
 from __future__ import annotations
@@ -47,13 +50,33 @@ def run(staleness: int, *, steps: int, directory: Path, new_tokens: int, prompts
             "load_after": os.getloadavg()[0]}
 
 
+def time_checksum(numel: int = 16_000_000) -> None:
+    """Seconds (best of 3) of the checksum and of a copy of one bf16 tensor, and their GB/s."""
+    import torch
+
+    from hybridflow.engine.weight_sync import tensor_checksum
+
+    tensor = torch.randn(numel).to(torch.bfloat16)
+    for name, work in (("copy", tensor.clone), ("checksum", lambda: tensor_checksum(tensor))):
+        seconds = []
+        for _ in range(3):
+            started = time.perf_counter()
+            work()
+            seconds.append(time.perf_counter() - started)
+        best = min(seconds)
+        print(f"{name} {best:.4f} s | {numel * 2 / best / 1e9:.2f} GB/s | load {os.getloadavg()[0]:.1f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--staleness", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--new-tokens", type=int, default=24)
     parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--checksum", action="store_true", help="time the weight checksum against a copy")
     args = parser.parse_args()
+    if args.checksum:
+        return time_checksum()
     with tempfile.TemporaryDirectory() as name:
         directory = Path(name)
         write_jsonl(directory / "train.jsonl", prompt_rows(256, split="train", seed=0,
