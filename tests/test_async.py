@@ -176,3 +176,18 @@ def test_staleness_needs_a_rollout_pool_of_its_own(data_dir, tmp_path):
                 "placement.roles={actor: trainer, rollout: trainer}")
     with pytest.raises(ValueError, match="placement.mapping got 'auto'"):
         _config(data_dir, tmp_path, *SPLIT, "placement.mapping=auto")
+
+
+def test_on_ray_the_rollout_process_generates_one_step_ahead_with_weights_sent_as_a_future(data_dir, tmp_path):
+    """Two processes (actor, rollout replica): the weights go from the actor's output to the replica through the
+    object store (the future path), every sync verified, the schedule the single-process runs follow."""
+    config = _config(data_dir, tmp_path / "ray", *ASYNC, "placement.runtime=ray", "trainer.total_steps=3")
+    trainer = RLTrainer(config, tensorboard=False)
+    try:
+        history = trainer.fit()
+        assert trainer.groups["rollout"].weight_version() == [2]
+    finally:
+        trainer.shutdown()
+    assert [metrics["async/staleness_max"] for metrics in history] == [0, 1, 1]
+    assert [metrics["async/weight_version"] for metrics in history] == [0, 1, 2]
+    assert all(metrics["async/sync_bytes"] > 0 and metrics["async/sync_verify_s"] > 0 for metrics in history)

@@ -71,7 +71,11 @@ class PipelinedSampling:
 
     # ----- one step ---------------------------------------------------------------------------------
     def sample(self, prompts: DataProto, seed: int, generate_and_score=None) -> Experience:
-        """Batch ``step`` of the pipeline, scored; batches up to ``step + k`` submitted before it returns."""
+        """Batch ``step`` of the pipeline, scored; batches up to ``step + k`` submitted before it returns.
+
+        ``prompts`` joins the pipeline as its newest batch (the loader's next, drawn by the trainer's loop); the
+        step's own seed and ``generate_and_score`` (the actor's generation) are not used: each batch is
+        generated on the rollout pool with the seed of the step that trains it."""
         self.step += 1
         self.queue.append(InFlight(index=self._next_index(), version=-1, prompts=prompts))
         while len(self.queue) < self.max_staleness + 1:  # the first step fills the pipeline
