@@ -34,11 +34,16 @@ from hybridflow.trainers.config.rl import RLConfig
 from hybridflow.trainers.config.loader import dump_yaml, to_plain
 from hybridflow.trainers.export import export_roles
 from hybridflow.trainers.metrics import MetricsLogger, StepReporter
+from hybridflow.trainers.pipelined import PipelinedSampling
 from hybridflow.trainers.preflight import check_sequence_length, max_positions, preflight
 from hybridflow.trainers.run_dir import claim_run_directory, set_aside_later_metrics
 from hybridflow.trainers.sampling import EpisodeLossMask, build_sampling
 from hybridflow.trainers.scoring import RewardScorer
 from hybridflow.trainers.step import PhaseTimer, Experience, StepResults, first_rank, step_metrics
+
+
+UNSAVED_ROLES = ("reference", "rollout")
+"""Roles a checkpoint leaves out: never trained (reference) or given the actor's weights at the next sync."""
 
 
 class RLTrainer:
@@ -122,6 +127,13 @@ class RLTrainer:
         self.sampling = build_sampling(self.config, loader=self.loader, score_B=self.sample_scores,
                                        pad_token_id=generation.pad_token_id, episode_job=self.episode_job,
                                        current_step=lambda: self.step)
+        self.pipeline = None  # a rollout pool of its own: generation runs ahead there (docs/async.md)
+        if "rollout" in self.groups:
+            self.sampling = self.pipeline = PipelinedSampling(
+                actor=self.actor, rollout=self.groups["rollout"], loader=self.loader, score=self.score,
+                max_staleness=self.config.asynchrony.max_staleness,
+                samples_per_prompt=self.config.batch.samples_per_prompt, run_seed=self.config.trainer.seed,
+                tis_cap=self.config.actor.loss.tis_cap)
 
     def _episode_job(self):
         """What the actor needs to run the step's episodes (``env``), or None for single-turn RL."""
@@ -338,8 +350,10 @@ class RLTrainer:
         PPO-ptx's data position, Safe-RLHF's log lambda) + every role's engine, atomically."""
         def save_roles(directory: Path) -> None:
             for role, group in self.groups.items():
-                if role != "reference":  # never trained: rebuilt from its model on resume
+                if role not in UNSAVED_ROLES:
                     group.save_checkpoint(str(directory / role))
+            if self.pipeline is not None:  # the batches generated but not trained yet
+                self.pipeline.save(directory)
 
         state = {"config": to_plain(self.user_config), "best": self.best, "loader": self.loader.state_dict(),
                  "kl_controller": self.kl_controller.state_dict(),
@@ -372,8 +386,10 @@ class RLTrainer:
         state = self.checkpointer.driver_state(path)
         self.best = state.get("best")
         for role, group in self.groups.items():
-            if role != "reference":
+            if role not in UNSAVED_ROLES:
                 group.load_checkpoint(str(path / role))
+        if self.pipeline is not None:
+            self.pipeline.load(path)
         self.loader.load_state_dict(state["loader"])
         self.kl_controller.load_state_dict(state["kl_controller"])
         for component in self.components:  # the keys are those of the checkpoints written before the components
