@@ -83,6 +83,7 @@ def run_one(name: str, policy_dir: str, files: dict, out: Path, steps: int, val_
         f"batch.prompts_per_step={PROMPTS_PER_STEP}", f"batch.samples_per_prompt={SAMPLES_PER_PROMPT}",
         f"batch.mini_batch_size={MINI_BATCH}", f"trainer.total_steps={steps}", "trainer.val_every=0",
         "trainer.val_function=arithmetic", f"trainer.output_dir={out / 'runs' / name}", "trainer.resume=false",
+        "trainer.overwrite=true",
         "trainer.progress_bar=false", *ALGORITHMS[name]])
     seconds: list[float] = []
     accuracy: dict[int, float] = {}

@@ -46,7 +46,8 @@ def run_variant(variant: str, *, steps: int, prompts: int, samples: int, new_tok
         f"actor.generation.max_new_tokens={new_tokens}", f"actor.generation.min_new_tokens={new_tokens}",
         f"batch.prompts_per_step={prompts}", f"batch.samples_per_prompt={samples}",
         f"batch.mini_batch_size={prompts * samples}", f"trainer.total_steps={steps}", "trainer.progress_bar=false",
-        "trainer.resume=false", f"trainer.output_dir={directory / 'run'}", *VARIANTS[variant]])
+        "trainer.resume=false",
+        "trainer.overwrite=true", f"trainer.output_dir={directory / 'run'}", *VARIANTS[variant]])
     history = run_rl(config, mode="local", tensorboard=False)
     timed = history[1:] if len(history) > 1 else history
     step_s = [sum(record[f"time/{phase}_s"] for phase in ("generate", "score", "update")) for record in timed]

@@ -332,6 +332,7 @@ def measure(path: str, *, steps: int) -> None:
                          f"batch.mini_batch_size={workload['prompts_per_step']}",
                          f"actor.generation.max_new_tokens={workload['response_length']}",
                          f"trainer.total_steps={steps}", "trainer.progress_bar=false", "trainer.resume=false",
+                         "trainer.overwrite=true",
                          f"trainer.output_dir={os.path.join(work_dir, run['name'])}",
                          *_dotted("", run["config"], [])]
             trainer = RLTrainer(load_rl_config(None, overrides), tensorboard=False)

@@ -70,6 +70,7 @@ def rl_run(files: dict[str, Path], output_dir: Path, *, policy: str, reward: lis
         f"batch.prompts_per_step={PROMPTS_PER_STEP}", f"batch.samples_per_prompt={SAMPLES_PER_PROMPT}",
         "batch.mini_batch_size=64", f"trainer.total_steps={steps}", f"trainer.val_every={steps}",
         "trainer.val_function=arithmetic", f"trainer.output_dir={output_dir}", "trainer.resume=false",
+        "trainer.overwrite=true",
         "trainer.progress_bar=false", *reward, *extra])
     with local_mode():
         trainer = RLTrainer(config, tensorboard=False)

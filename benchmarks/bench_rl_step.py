@@ -43,6 +43,7 @@ def smollm2_setup(directory: Path, *, num_train: int, new_tokens: int) -> tuple[
     train_path, _ = example.write_prompts(directory, num_train=num_train, num_eval=1, problems="arithmetic")
     return example.CONFIG, [f"actor.model.path={smollm2_path()}", f"data.train_path={train_path}",
                             "trainer.val_every=0", "trainer.save_every=0", "trainer.resume=false",
+                            "trainer.overwrite=true",
                             f"actor.generation.max_new_tokens={new_tokens}", f"actor.generation.min_new_tokens={new_tokens}"]
 
 

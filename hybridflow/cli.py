@@ -37,8 +37,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     target, _ = SUBCOMMANDS[name]
     module_name, function_name = target.split(":")
-    function = getattr(importlib.import_module(module_name), function_name)
-    return int(function(rest) or 0)
+    from hybridflow.trainers.boundary import errors_directory, run_guarded
+
+    # every command answers a failure in one line (train, sft and rm name their run's errors/ directory)
+    return run_guarded(f"hybridflow {name}",
+                       lambda: int(getattr(importlib.import_module(module_name), function_name)(rest) or 0),
+                       errors_dir=lambda: errors_directory(None))
 
 
 if __name__ == "__main__":

@@ -344,25 +344,30 @@ def test_the_env_config_checks_every_key():
     config = EnvConfig(class_path="examples/agents/calculator_env.py:CalculatorEnvironment")
     assert (config.max_turns, config.tool_timeout_s, config.tool_format, config.on_env_error) == (None, 30.0, "auto",
                                                                                                   "drop")
-    for key, value, allowed in (("class_path", "calculator_env.py", "'path/to/file.py:Class'"),
+    for key, value, allowed in (("class", "calculator_env.py", "'path/to/file.py:Class'"),
                                 ("max_turns", 0, "an integer >= 1 or null"),
                                 ("max_episode_tokens", 2.5, "an integer >= 1 or null"),
                                 ("tool_timeout_s", -1, "a number of seconds > 0"),
                                 ("tool_format", "xml", "auto, hermes, llama3"),
                                 ("on_env_error", "retry", "drop, zero_reward")):
-        arguments = {"class_path": "m:C", key: value}
+        arguments = {"class_path": "m:C", ("class_path" if key == "class" else key): value}
         with pytest.raises(ValueError, match=f"config key {key} got {value!r}; allowed: {allowed}"):
             EnvConfig(**arguments)
 
 
 def test_the_env_config_section_loads_from_yaml_keys_through_the_config_loader():
-    from hybridflow.trainers.config.loader import build_dataclass
+    from hybridflow.trainers.config.loader import build_dataclass, to_plain
 
-    config = build_dataclass(EnvConfig, {"class_path": "my_env.py:MyEnv", "kwargs": {"level": 2}, "max_turns": 3},
+    config = build_dataclass(EnvConfig, {"class": "my_env.py:MyEnv", "kwargs": {"level": 2}, "max_turns": 3},
                              path="env")
-    assert config.kwargs == {"level": 2} and config.max_turns == 3
+    assert config.class_path == "my_env.py:MyEnv" and config.kwargs == {"level": 2} and config.max_turns == 3
+    assert to_plain(config)["class"] == "my_env.py:MyEnv" and build_dataclass(EnvConfig, to_plain(config)) == config
+    with pytest.raises(ValueError, match="unknown config key env.class_path; allowed keys here: class, "):
+        build_dataclass(EnvConfig, {"class_path": "my_env.py:MyEnv"}, path="env")
+    with pytest.raises(ValueError, match="config key env.class is required but missing"):
+        build_dataclass(EnvConfig, {}, path="env")
     with pytest.raises(ValueError, match="config key env.tool_format got 'json'"):
-        build_dataclass(EnvConfig, {"class_path": "my_env.py:MyEnv", "tool_format": "json"}, path="env")
+        build_dataclass(EnvConfig, {"class": "my_env.py:MyEnv", "tool_format": "json"}, path="env")
 
 
 def _sandbox_available() -> bool:

@@ -330,7 +330,7 @@ def run_inputs(tmp_path_factory):
 def _agent_config(directory, output_dir, *overrides):
     return load_rl_config(None, [
         f"data.train_path={directory / 'train.jsonl'}", "actor.model.tiny={}",
-        f"actor.model.tokenizer_path={directory / 'tokenizer'}", f"env.class_path={__file__}:CountingEnv",
+        f"actor.model.tokenizer_path={directory / 'tokenizer'}", f"env.class={__file__}:CountingEnv",
         "env.max_episode_tokens=160", "env.record_every=1", "env.record_episodes=8", "env.decode_chunk_tokens=4",
         "actor.generation.max_new_tokens=6", "data.shuffle=false", "actor.engine.optim.lr=1e-3",
         "critic.engine.optim.lr=1e-3",
@@ -395,7 +395,7 @@ def test_the_env_section_is_refused_where_episodes_cannot_run(run_inputs, tmp_pa
     def config(*overrides):
         return _agent_config(run_inputs, tmp_path, *overrides)
 
-    with pytest.raises(ValueError, match=r"reward.function got 'math'; allowed: null with env.class_path"):
+    with pytest.raises(ValueError, match=r"reward.function got 'math'; allowed: null with env.class"):
         config("reward.function=math")
     with pytest.raises(ValueError, match=r"actor.hybrid_engine.tp_size got 2; allowed: 1 \(and pp_size 1\)"):
         config("actor.engine.layout=3d", "actor.engine.tp_size=2", "actor.hybrid_engine.tp_size=2",
@@ -404,7 +404,7 @@ def test_the_env_section_is_refused_where_episodes_cannot_run(run_inputs, tmp_pa
         config("algorithm.advantage_estimator=grpo", "algorithm.dynamic_sampling=true")
     assert config("actor.generation.backend=vllm").env.class_path.endswith(":CountingEnv")
     with pytest.raises(ValueError, match="does not define step"):  # a bad class is refused before any model
-        RLTrainer(config(f"env.class_path={__file__}:NoStep"), tensorboard=False)
+        RLTrainer(config(f"env.class={__file__}:NoStep"), tensorboard=False)
 
 
 class NoStep(Environment):

@@ -112,9 +112,13 @@ def test_sft_and_rm_report_a_non_utf8_data_file_in_one_line(kind, tmp_path, caps
 @pytest.fixture()
 def model_dir(tmp_path):
     """A Hugging Face directory the preflight accepts: the built-in task's config and tokenizer, and weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     directory = tmp_path / "model"
     shutil.copytree(ASSETS_DIR, directory)
-    save_file({"lm_head.weight": torch.zeros(2, 2)}, str(directory / "model.safetensors"))
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory))  # weights that fit config.json
+    save_file({name: tensor.contiguous() for name, tensor in model.state_dict().items()},
+              str(directory / "model.safetensors"))
     return directory
 
 
@@ -163,10 +167,12 @@ def test_model_directories_are_checked_before_any_model_is_built(tmp_path, promp
         _trainer(tmp_path, f"actor.model.path={model_dir}", "actor.model.builtin=null")
     shutil.copy(ASSETS_DIR / "tokenizer.json", model_dir)
     weights = model_dir / "model.safetensors"
-    whole = weights.read_bytes()  # one 2x2 float32 tensor: 16 bytes of data after the header
+    whole = weights.read_bytes()
     weights.write_bytes(whole[:-4])  # a copy cut short
+    data = len(whole) - 8 - int.from_bytes(whole[:8], "little")
     with pytest.raises(ValueError, match=rf"config key {key}: weights file '.*model\.safetensors' is corrupt: its "
-                                         rf"header lists 16 bytes of tensors but 12 follow it \(truncated\); re-copy"):
+                                         rf"header lists {data} bytes of tensors but {data - 4} follow it "
+                                         rf"\(truncated\); re-copy"):
         _trainer(tmp_path, f"reference.model.path={model_dir}")
     weights.write_bytes(whole[:40])  # cut inside the header
     with pytest.raises(ValueError, match=rf"config key {key}: weights file '.*model\.safetensors' is corrupt: its "
@@ -225,9 +231,9 @@ def test_disk_full_during_a_checkpoint_names_it_its_path_and_the_intact_previous
         checkpointer.save(2, {"note": "second"}, disk_full)
     partial = tmp_path / "checkpoints" / "step_000002.partial"
     assert str(caught.value) == (
-        f"could not save the checkpoint of step 2 to '{partial}': OSError: [Errno 28] No space left on device: "
-        f"'{partial / 'actor' / 'model.pt'}'; the previous checkpoint '{previous}' is intact and a resume starts from "
-        f"it; free disk space or make '{tmp_path / 'checkpoints'}' writable")
+        f"could not save the checkpoint of step 2 to '{partial}': no space left on the device (OSError: [Errno 28] No "
+        f"space left on device: '{partial / 'actor' / 'model.pt'}'); the previous checkpoint '{previous}' is intact "
+        f"and a resume starts from it; free disk space under '{tmp_path / 'checkpoints'}'")
     assert checkpointer.latest() == previous and not partial.exists()
     assert json.loads((previous / "driver.json").read_text()) == {"step": 1, "note": "first"}
 
@@ -239,9 +245,10 @@ def test_an_unwritable_checkpoint_directory_is_reported_without_an_earlier_check
         raise PermissionError(errno.EACCES, "Permission denied", str(directory))
 
     with pytest.raises(CheckpointSaveError, match=r"could not save the checkpoint of step 3 to "
-                                                  r"'.*step_000003\.partial': PermissionError: \[Errno 13\] "
-                                                  r"Permission denied: .*; no earlier "
-                                                  r"checkpoint exists, so a resume starts from step 0"):
+                                                  r"'.*step_000003\.partial': permission denied \(PermissionError: "
+                                                  r"\[Errno 13\] Permission denied: .*\); no earlier "
+                                                  r"checkpoint exists, so a resume starts from step 0; make '.*' "
+                                                  r"writable"):
         checkpointer.save(3, {}, read_only)
     assert checkpointer.latest() is None and checkpointer.steps() == {}
 
@@ -257,10 +264,10 @@ def test_the_train_command_reports_a_checkpoint_it_cannot_write_in_one_line_with
     assert main(argv) == 2
     err = capsys.readouterr().err
     partial = tmp_path / "run" / "checkpoints" / "step_000001.partial"
-    assert err == (f"hybridflow train: error: could not save the checkpoint of step 1 to '{partial}': "
-                   f"NotADirectoryError: [Errno 20] Not a directory: '{partial}'; no earlier checkpoint exists, so a "
-                   f"resume starts from "
-                   f"step 0; free disk space or make '{tmp_path / 'run' / 'checkpoints'}' writable\n")
+    assert err == (f"hybridflow train: error: could not save the checkpoint of step 1 to '{partial}': a path on the "
+                   f"way is a file, not a directory (NotADirectoryError: [Errno 20] Not a directory: '{partial}'); no "
+                   f"earlier checkpoint exists, so a resume starts from step 0; make "
+                   f"'{tmp_path / 'run' / 'checkpoints'}' a writable directory\n")
 
 
 @pytest.mark.parametrize("kind", ["sft", "rm"])
@@ -277,11 +284,13 @@ def test_sft_and_rm_check_the_model_directory_before_loading_it_and_answer_in_on
         f"model.tokenizer_path\n")
     shutil.copy(ASSETS_DIR / "tokenizer.json", model_dir)
     weights = model_dir / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[:-4])
+    whole = weights.read_bytes()
+    weights.write_bytes(whole[:-4])
+    data = len(whole) - 8 - int.from_bytes(whole[:8], "little")
     assert main(argv) == 2
     assert capsys.readouterr().err == (
-        f"hybridflow {kind}: error: config key model.path: weights file '{weights}' is corrupt: its header lists 16 "
-        f"bytes of tensors but 12 follow it (truncated); re-copy or re-export the model\n")
+        f"hybridflow {kind}: error: config key model.path: weights file '{weights}' is corrupt: its header lists {data} "
+        f"bytes of tensors but {data - 4} follow it (truncated); re-copy or re-export the model\n")
 
 
 def test_a_directory_given_as_a_data_file_is_named_as_a_directory(tmp_path):

@@ -1,6 +1,6 @@
 """Arithmetic with a calculator tool: questions of two to four operands, reward 1 for the right final answer.
 
-Use it as ``env.class_path: examples/agents/calculator_env.py:CalculatorEnvironment`` on rows written by
+Use it as ``env.class: examples/agents/calculator_env.py:CalculatorEnvironment`` on rows written by
 ``python examples/agents/calculator_env.py --rows 512 --out calculator.jsonl`` (fields ``prompt`` and
 ``answer``). The model may call ``calculator`` (hermes: ``<tool_call>{"name": "calculator", "arguments":
 {"expression": "12*7"}}</tool_call>``) as often as ``max_turns`` allows, then answers ``Answer: <number>``.

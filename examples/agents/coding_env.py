@@ -1,7 +1,7 @@
 """A small coding task with a sandboxed Python tool: the model may run code, then gives its solution, whose tests
 run in the bubblewrap sandbox (the built-in code reward: the fraction of the row's tests that pass).
 
-Use it as ``env.class_path: examples/agents/coding_env.py:CodingEnvironment`` on examples/agents/coding_tasks.jsonl
+Use it as ``env.class: examples/agents/coding_env.py:CodingEnvironment`` on examples/agents/coding_tasks.jsonl
 (fields ``prompt`` and ``tests``, assert statements). Needs bubblewrap (scripts/install_sandbox.sh): without it
 the environment is refused before any model is built.
 """

@@ -20,16 +20,17 @@ def _positive_number(value: Any) -> bool:
 class EnvConfig:
     """A multi-turn environment (docs/agents.md): the class, its arguments and the limits of one episode."""
 
-    class_path: str
+    class_path: str = field(metadata={"key": "class"})
     """The environment class, ``path/to/file.py:Class`` or ``package.module:Class`` (a subclass of
-    ``hybridflow.agents.Environment``; ``class`` is a Python keyword, hence the name)."""
+    ``hybridflow.agents.Environment``). Written ``env.class`` in YAML and overrides (the field is ``class_path``
+    in Python, ``class`` being a keyword)."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the class's constructor (one instance per episode)."""
     max_turns: int | None = None
     """Most turns of the model per episode; null: the class's own ``max_turns``."""
     max_episode_tokens: int | None = None
     """Most tokens of one episode (prompt, sampled and observation ids together); an episode that reaches it
-    ends, truncated. Null: bounded only by ``max_turns`` and the generation limits."""
+    ends, truncated. Null: the actor model's ``max_position_embeddings``."""
     tool_timeout_s: float = 30.0
     """Seconds one tool call may take (a tool's own ``timeout_s`` overrides it); past it the model reads a
     timeout error as the tool's result and the episode goes on."""
@@ -37,11 +38,12 @@ class EnvConfig:
     """How tool calls are written: ``hermes`` (``<tool_call>{json}</tool_call>``, Hermes/Qwen), ``llama3`` (the
     turn is ``{"name": ..., "parameters": ...}``), ``auto``: the format the model's chat template renders."""
     on_env_error: Literal["drop", "zero_reward"] = "drop"
-    """An episode whose environment raised: ``drop`` leaves it (and, for group estimators, its whole group) out
-    of the batch; ``zero_reward`` trains on it with reward 0. Counted either way (``agent/env_failures``)."""
+    """An episode whose environment raised: ``drop`` trains nothing of it (its row stays, so mini-batches stay
+    whole, with an empty loss mask, scoring its group's mean so a group baseline is unchanged); ``zero_reward``
+    trains its sampled tokens with reward 0. Counted either way (``agent/env_failures``)."""
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.class_path, str) and bool(_CLASS_SPEC.match(self.class_path)), "class_path",
+        _require(isinstance(self.class_path, str) and bool(_CLASS_SPEC.match(self.class_path)), "class",
                  self.class_path, "'path/to/file.py:Class' or 'package.module:Class'")
         _require(isinstance(self.kwargs, dict) and all(isinstance(key, str) for key in self.kwargs), "kwargs",
                  self.kwargs, "a mapping of argument names to values")

@@ -46,25 +46,25 @@ def _qualified(cls: type) -> str:
 def _import_spec(spec: str) -> Any:
     """The object named by ``file.py:Name`` or ``package.module:Name`` (``Name`` may be dotted)."""
     if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
-        raise ValueError(f"env.class_path must look like 'path/to/file.py:Class' or 'package.module:Class', "
+        raise ValueError(f"env.class must look like 'path/to/file.py:Class' or 'package.module:Class', "
                          f"got {spec!r}")
     module_name, attribute_path = spec.split(":")
     try:
         module = _import_file(Path(module_name), spec) if module_name.endswith(".py") \
             else importlib.import_module(module_name)
     except ImportError as error:
-        raise ValueError(f"env.class_path {spec!r}: cannot import module {module_name!r}: {error}") from error
+        raise ValueError(f"env.class {spec!r}: cannot import module {module_name!r}: {error}") from error
     target = module
     for attribute in attribute_path.split("."):
         if not hasattr(target, attribute):
-            raise ValueError(f"env.class_path {spec!r}: module {module_name!r} has no attribute {attribute_path!r}")
+            raise ValueError(f"env.class {spec!r}: module {module_name!r} has no attribute {attribute_path!r}")
         target = getattr(target, attribute)
     return target
 
 
 def _import_file(path: Path, spec: str):
     if not path.is_file():
-        raise ValueError(f"env.class_path {spec!r}: file {str(path)!r} does not exist")
+        raise ValueError(f"env.class {spec!r}: file {str(path)!r} does not exist")
     directory = str(path.resolve().parent)
     if directory not in sys.path:  # modules beside the file import as in `python file.py` (installed ones win)
         sys.path.append(directory)
@@ -80,7 +80,7 @@ def load_environment(spec: str | type, kwargs: dict | None = None) -> type[Envir
     """The Environment subclass named by ``spec`` (or given), checked: ValueError naming class and method."""
     cls = _import_spec(spec) if isinstance(spec, str) else spec
     if not inspect.isclass(cls):
-        raise EnvironmentDefinitionError(f"env.class_path {spec!r} names a {type(cls).__name__}, not a class")
+        raise EnvironmentDefinitionError(f"env.class {spec!r} names a {type(cls).__name__}, not a class")
     name = _qualified(cls)
     if not issubclass(cls, Environment):
         raise EnvironmentDefinitionError(f"{name} is not a subclass of hybridflow.agents.Environment; allowed: "

@@ -37,3 +37,45 @@ def init_local_process_group() -> None:
 
     if not dist.is_initialized():
         init_process_group(rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port())
+
+
+class _DeadlineExpired(BaseException):
+    """Raised by SIGALRM inside an in-process call that ran past its deadline."""
+
+
+@contextlib.contextmanager
+def call_deadline(timeout_s: float | None, *, role: str, method: str) -> Iterator[None]:
+    """Bound an in-process worker call by ``timeout_s`` as Ray mode bounds a remote one: a ``WorkerTimeoutError``
+    naming the role and method is raised in the call when the time is up (SIGALRM; Python code and sleeps are
+    interrupted, one long C call finishes first). A no-op off the main thread; an earlier alarm (an enclosing
+    deadline, pytest-timeout) is kept and re-armed with its remaining time."""
+    import signal
+    import threading
+    import time
+
+    from hybridflow.controller.errors import WorkerTimeoutError
+
+    if timeout_s is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    outer_left = signal.getitimer(signal.ITIMER_REAL)[0]
+    if 0 < outer_left <= timeout_s:  # the enclosing alarm fires first anyway
+        yield
+        return
+
+    def expire(signum, frame):
+        raise _DeadlineExpired  # a BaseException: the worker method's own `except Exception` cannot swallow it
+
+    started = time.monotonic()
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, timeout_s)
+    try:
+        yield
+    except _DeadlineExpired:
+        raise WorkerTimeoutError(role=role, method=method, pending_ranks=[0], timeout_s=timeout_s,
+                                 pids=[os.getpid()]) from None
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if outer_left > 0:
+            signal.setitimer(signal.ITIMER_REAL, max(outer_left - (time.monotonic() - started), 1e-3))

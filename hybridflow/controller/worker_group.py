@@ -13,7 +13,7 @@ from hybridflow.controller.errors import WorkerTimeoutError
 from hybridflow.controller.future import WATCHDOG_INTERVAL_S, Future, FutureValue, gather, output_pad, resolve_pad
 from hybridflow.controller.host import (RoleSpec, WorkerHost, build_roles, driver_thread_limit, run_method,
                                        threads_per_worker)
-from hybridflow.controller.local import init_local_process_group
+from hybridflow.controller.local import call_deadline, init_local_process_group
 from hybridflow.controller.protocols import Dispatch, GroupMesh, Protocol, get_protocol
 from hybridflow.controller.register import Registration, registered_methods
 from hybridflow.controller.resource_pool import ResourcePool
@@ -293,7 +293,9 @@ class WorkerGroup:
     def _run_local(self, method: str, protocol: Protocol, mesh: GroupMesh, dispatch: Dispatch) -> Future:
         call_args, call_kwargs = dispatch.calls[0]
         worker = self._hosts.local_roles[self.role]
-        output, info = run_method(worker, role=self.role, rank=0, method=method, args=call_args, kwargs=call_kwargs)
+        with call_deadline(self._hosts.timeout_s, role=self.role, method=method):  # as a remote call's timeout
+            output, info = run_method(worker, role=self.role, rank=0, method=method, args=call_args,
+                                      kwargs=call_kwargs)
         if info[2] != self._mesh_versions[0]:
             self._mesh = self._query_mesh()
         pad = resolve_pad(dispatch.pad)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 
@@ -36,6 +37,12 @@ def data_main(argv: list[str]) -> int:
     except ValueError as error:
         parser.error(str(error))
     out = Path(args.out)
+    for folder in (out, *out.parents):
+        if folder.exists() and not folder.is_dir():
+            print(f"hybridflow data: error: --out {str(args.out)!r} is a file, not a directory"
+                  if folder == out else f"hybridflow data: error: --out {str(args.out)!r}: {str(folder)!r} is a file",
+                  file=sys.stderr)
+            return 2
     out.mkdir(parents=True, exist_ok=True)
     files = {"train.jsonl": prompt_rows(args.train, split="train", seed=args.seed, config=task),
              "eval.jsonl": prompt_rows(args.eval, split="eval", seed=args.seed, config=task)}

@@ -16,12 +16,15 @@ def read_rows(path: str | Path) -> list[dict]:
     .parquet: one row per record. ValueError for a missing file, another suffix, a malformed
     line, or a file with no rows.
     """
+    if not str(path).strip():  # Path("") is the current directory
+        raise ValueError(f"dataset file path is empty ({str(path)!r}); give a .jsonl, .json or .parquet file")
     path = Path(path)
     if path.is_dir():
         raise ValueError(f"dataset file {str(path)!r} is a directory; give a .jsonl, .json or .parquet file")
     if not path.is_file():
         raise ValueError(f"dataset file {str(path)!r} does not exist")
     suffix = path.suffix.lower()
+    _check_not_compressed(path, suffix)
     try:
         rows = _read_by_suffix(path, suffix)
     except UnicodeDecodeError as error:
@@ -32,14 +35,47 @@ def read_rows(path: str | Path) -> list[dict]:
     return rows
 
 
+# magic numbers of the compressed formats a data file is most often mistaken for
+COMPRESSED = {b"\x1f\x8b": ("gzip", "gunzip"), b"BZh": ("bzip2", "bunzip2"), b"\xfd7zXZ": ("xz", "unxz"),
+              b"PK\x03\x04": ("zip", "unzip"), b"\x28\xb5\x2f\xfd": ("zstd", "unzstd")}
+
+
+def _check_not_compressed(path: Path, suffix: str) -> None:
+    if suffix == ".parquet":  # parquet compresses inside its own format
+        return
+    with path.open("rb") as handle:
+        head = handle.read(6)
+    for magic, (name, tool) in COMPRESSED.items():
+        if head.startswith(magic):
+            raise ValueError(f"dataset file {str(path)!r} is {name}-compressed, not {suffix} text; decompress it "
+                             f"first ({tool})")
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """``json.loads``' object hook: a key given twice in one object is an error (json keeps the last silently)."""
+    row = {}
+    for key, value in pairs:
+        if key in row:
+            raise _DuplicateKey(key)
+        row[key] = value
+    return row
+
+
+class _DuplicateKey(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(f"key {key!r} appears twice in one object (JSON would silently keep the last)")
+
+
 def _read_by_suffix(path: Path, suffix: str) -> list[dict]:
     if suffix == ".jsonl":
         rows = _read_jsonl(path)
     elif suffix == ".json":
         try:
-            rows = json.loads(path.read_text(encoding="utf-8"))
+            rows = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=_unique_keys)
         except json.JSONDecodeError as error:
             raise ValueError(f"dataset file {str(path)!r} is not valid JSON: {error}") from None
+        except _DuplicateKey as error:
+            raise ValueError(f"dataset file {str(path)!r}: {error}") from None
         if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
             raise ValueError(f"dataset file {str(path)!r}: a .json dataset must be a list of objects")
     elif suffix == ".parquet":
@@ -67,9 +103,11 @@ def _read_jsonl(path: Path) -> list[dict]:
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                row = json.loads(line, object_pairs_hook=_unique_keys)
             except json.JSONDecodeError as error:
                 raise ValueError(f"dataset file {str(path)!r} line {line_number} is not valid JSON: {error}") from None
+            except _DuplicateKey as error:
+                raise ValueError(f"dataset file {str(path)!r} line {line_number}: {error}") from None
             if not isinstance(row, dict):
                 raise ValueError(
                     f"dataset file {str(path)!r} line {line_number} is a {type(row).__name__}, not an object"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import errno
 import json
 import os
 import shutil
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.tensor import DTensor
@@ -110,12 +112,52 @@ def save_checkpoint(engine: "TrainingEngine", directory: str) -> None:
     """Write model + optimizer state (DCP) and engine.json (step, layout) to ``directory``."""
     tmp = _begin_atomic(directory)
     state, _ = _state(engine)
-    with _single_process_quiet():
-        dcp.save(state, checkpoint_id=tmp, no_dist=not dist.is_initialized())
+    try:
+        with _single_process_quiet():
+            dcp.save(state, checkpoint_id=tmp, no_dist=not dist.is_initialized())
+    except CheckpointException as error:  # a BaseException: `except Exception` handlers would never see it
+        cause = _with_full_disk_named(first_checkpoint_failure(error), tmp)  # before the cleanup frees space
+        if _is_rank0():
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise cause from None
     if _is_rank0():
         with open(os.path.join(tmp, ENGINE_FILE), "w") as handle:
             json.dump({"step": engine.step, **_layout_record(engine)}, handle, indent=2)
     _commit_atomic(tmp, directory)
+
+
+def first_checkpoint_failure(error: CheckpointException) -> BaseException:
+    """The exception of the lowest failing rank inside DCP's ``CheckpointException`` (an ``OSError`` such as
+    ENOSPC keeps its class and errno, so callers can say what happened); an interrupt (Ctrl-C, a signal) that
+    arrived mid-save before anything else, as it is; a RuntimeError when it holds none."""
+    for rank in sorted(error.failures):
+        if isinstance(error.failures[rank][0], KeyboardInterrupt):
+            return error.failures[rank][0]
+    for rank in sorted(error.failures):
+        cause = error.failures[rank][0]
+        if isinstance(cause, Exception):
+            return cause
+    return RuntimeError(f"distributed checkpoint failed on ranks {sorted(error.failures)}")
+
+
+# torch's file writer reports a full disk as "unexpected pos N vs M" without an errno; with less free space than
+# this left where it wrote, the failure is named as what it is
+FULL_BELOW_BYTES = 1 << 20
+
+
+def _with_full_disk_named(cause: BaseException, directory: str) -> BaseException:
+    """``cause``, or an ENOSPC ``OSError`` carrying its text when it has no errno and ``directory``'s file system is
+    (almost) full."""
+    if not isinstance(cause, Exception) or (isinstance(cause, OSError) and cause.errno is not None):
+        return cause
+    try:
+        full = shutil.disk_usage(directory).free < FULL_BELOW_BYTES
+    except OSError:
+        full = False
+    if not full:
+        return cause
+    return OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} ({type(cause).__name__}: "
+                                 f"{' '.join(str(cause).split())})", directory)
 
 
 def load_checkpoint(engine: "TrainingEngine", directory: str) -> None:
@@ -135,8 +177,13 @@ def load_checkpoint(engine: "TrainingEngine", directory: str) -> None:
         raise ValueError(f"checkpoint {directory!r} holds {saved} but this engine trains {mine}; resume with the "
                          f"same lora setting the checkpoint was written with")
     state, optim_template = _state(engine)
-    with _single_process_quiet():
-        dcp.load(state, checkpoint_id=directory, no_dist=not dist.is_initialized())
+    try:
+        with _single_process_quiet():
+            dcp.load(state, checkpoint_id=directory, no_dist=not dist.is_initialized())
+    except CheckpointException as error:
+        cause = first_checkpoint_failure(error)
+        raise ValueError(f"checkpoint {directory!r} cannot be read: {type(cause).__name__}: "
+                         f"{' '.join(str(cause).split())}") from None
     # strict=False: with tied embeddings at pp=1 the head shares the embedding's tensor
     set_model_state_dict(engine.model, _local_names(engine, state["model"]),
                          options=StateDictOptions(strict=False))

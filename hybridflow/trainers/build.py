@@ -13,6 +13,7 @@ from hybridflow.models.config import ModelConfig
 from hybridflow.trainers.config.rl import CriticSection, RLConfig
 from hybridflow.workers import (ActorSpec, ActorWorker, AdapterReferenceWorker, CostWorker, CriticSpec, CriticWorker,
                                 EngineSpec, ReferenceWorker, RewardSpec, RewardWorker, TokenizerSource, UpdateSizes)
+from hybridflow.workers.rollout import RolloutSpec, RolloutWorker
 
 # Tensor-name prefix of the cost critic (Safe-RLHF): it returns ``cost_values`` and trains on ``cost_returns``.
 COST_CRITIC_PREFIX = "cost_"
@@ -90,6 +91,8 @@ class RoleSpecs:
     actor_tokenizer: TokenizerSource
     cost: RewardSpec | None = None
     cost_critic: CriticSpec | None = None
+    rollout: RolloutSpec | None = None
+    """The generation replicas of a rollout pool of their own (``placement.roles.rollout``), else None."""
 
 
 def role_specs(config: RLConfig) -> RoleSpecs:
@@ -119,8 +122,12 @@ def role_specs(config: RLConfig) -> RoleSpecs:
         cost = _scorer_spec(config.cost.model, config.cost.engine, head="score", seed=seed,
                             actor_tokenizer=actor_tokenizer)
         cost_critic = _critic_specs(config, config.cost.critic, optimizer_steps=steps)
+    rollout = None
+    if config.placement.rollout_pool is not None:  # the actor's architecture, dtype and sampling, no optimizer
+        rollout = RolloutSpec(engine=replace(actor.engine, total_steps=None), generation=generation, tokens=tokens,
+                              verify_weights=config.asynchrony.verify_weights)
     return RoleSpecs(actor=actor, reference=reference, critic=critic, reward=reward, actor_tokenizer=actor_tokenizer,
-                     cost=cost, cost_critic=cost_critic)
+                     cost=cost, cost_critic=cost_critic, rollout=rollout)
 
 
 def update_sizes(config: RLConfig) -> UpdateSizes:
@@ -151,6 +158,8 @@ def resolve_runtime(config: RLConfig, mode: str | None = None) -> str | None:
     """The pools' mode for this run: ``mode`` when the caller chose one (``--local``), else what
     ``placement.runtime`` gives for the pools the active roles use (``controller.runtime_mode``)."""
     pools_in_use = {config.placement.pool_of(role) for role in config.active_roles}
+    if config.placement.rollout_pool is not None:
+        pools_in_use.add(config.placement.rollout_pool)
     return runtime_mode(config.placement.runtime, [config.placement.pools[name] for name in pools_in_use], mode=mode)
 
 
@@ -171,6 +180,8 @@ def build_worker_groups(config: RLConfig, specs: RoleSpecs, *,
     by_pool: dict[str, dict[str, tuple]] = {}
     for role in config.active_roles:
         by_pool.setdefault(config.placement.pool_of(role), {})[role] = arguments[role]
+    if specs.rollout is not None:
+        by_pool.setdefault(config.placement.rollout_pool, {})["rollout"] = (RolloutWorker, (specs.rollout,))
     groups: dict[str, WorkerGroup] = {}
     pools = []
     for pool_name, roles in by_pool.items():

@@ -1,7 +1,8 @@
 """Run checkpoints: the driver's state plus every worker's engine checkpoint, committed atomically.
 
 Layout under ``<output_dir>/checkpoints``: ``step_000010/driver.json`` and one directory per role;
-``latest`` names the newest complete checkpoint. A checkpoint is written to ``step_N.partial`` and
+``latest`` names the newest complete checkpoint (for people; resume scans the step directories).
+A checkpoint is written to ``step_N.partial`` and
 renamed only when every part is on disk, and ``latest`` is replaced last (write + rename), so a
 crash at any point leaves the previous checkpoint intact and resumable. With ``keep_last`` = K only
 the newest K checkpoints stay on disk (older ones are deleted after the new one is committed).
@@ -9,6 +10,7 @@ the newest K checkpoints stay on disk (older ones are deleted after the new one 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -21,12 +23,73 @@ class CheckpointSaveError(RuntimeError):
     """A checkpoint could not be written (disk full, unwritable directory, ...); the previous one is untouched."""
 
 
-class RunCheckpointer:
-    """Saves and finds run checkpoints in ``directory``."""
+# errno -> (the cause in plain words, what to do); the text forms are those a worker's traceback carries
+CAUSES = {errno.ENOSPC: ("no space left on the device", "free disk space under {dir}"),
+          errno.EDQUOT: ("the disk quota is exceeded", "free disk space under {dir}"),
+          errno.EACCES: ("permission denied", "make {dir} writable"),
+          errno.EPERM: ("permission denied", "make {dir} writable"),
+          errno.EROFS: ("the file system is read-only", "make {dir} writable"),
+          errno.EIO: ("an I/O error of the disk", "check the disk holding {dir}"),
+          errno.ENOTDIR: ("a path on the way is a file, not a directory", "make {dir} a writable directory")}
+CAUSE_TEXTS = {os.strerror(number): number for number in CAUSES}
+# a file system with less free space than this after a failed save is taken to be full
+FULL_BELOW_BYTES = 1 << 20
 
-    def __init__(self, directory: str | Path, *, keep_last: int = 0) -> None:
+
+def failure_cause(error: BaseException) -> tuple[str, str] | None:
+    """(the cause in plain words, advice with ``{dir}``) of a save failure: an OSError's errno anywhere in the
+    exception's chain, or its text in a worker's traceback; None when neither names a known cause."""
+    seen = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in CAUSES:
+            return CAUSES[current.errno]
+        current = current.__cause__ or current.__context__
+    text = str(error)
+    for message, number in CAUSE_TEXTS.items():
+        if message in text:
+            return CAUSES[number]
+    return None
+
+
+def directory_bytes(path: Path) -> int:
+    """Bytes of the files under ``path``."""
+    return sum(file.stat().st_size for file in path.rglob("*") if file.is_file())
+
+
+def _bytes(count: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if count < 1024:
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    return f"{count:.1f} TiB"
+
+
+def checkpoint_estimate(config) -> int:
+    """A lower bound of a run checkpoint's size before the first one exists: the weights files of every role it
+    saves (all but the reference; optimizer state comes on top)."""
+    total = 0
+    for role in config.active_roles:
+        model = config.section_of(role).model
+        if role != "reference" and model is not None and model.path is not None and Path(model.path).is_dir():
+            total += sum(path.stat().st_size for path in Path(model.path).glob("*.safetensors"))
+    return total
+
+
+class RunCheckpointer:
+    """Saves and finds run checkpoints in ``directory``.
+
+    A save first checks that the file system has room for about the size of the newest checkpoint (or
+    ``first_estimate_bytes`` before the first one). Resume scans the step directories for the newest complete
+    one (a readable ``driver.json``, written last); the ``latest`` pointer is written for people and
+    tools, never trusted.
+    """
+
+    def __init__(self, directory: str | Path, *, keep_last: int = 0, first_estimate_bytes: int = 0) -> None:
         self.directory = Path(directory)
         self.keep_last = keep_last
+        self.first_estimate_bytes = first_estimate_bytes
 
     def save(self, step: int, driver_state: dict, save_roles) -> Path:
         """Write ``driver_state`` and call ``save_roles(partial_dir)`` (it fills one directory per role)."""
@@ -36,11 +99,20 @@ class RunCheckpointer:
             if partial.exists():
                 shutil.rmtree(partial)
             partial.mkdir(parents=True)
+            self._check_free_space(step)
             save_roles(partial)
             (partial / "driver.json").write_text(json.dumps({"step": step, **driver_state}))
-        except Exception as error:  # ENOSPC, EACCES, EROFS, or a worker's OSError reported as WorkerError
-            shutil.rmtree(partial, ignore_errors=True)  # give the space back; `latest` never named it
-            raise CheckpointSaveError(self._save_failure(step, partial, error)) from error
+        except CheckpointSaveError:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
+        except BaseException as error:  # ENOSPC, EACCES, EROFS, a worker's error, torch's CheckpointException, ...
+            # torch's writer reports a full disk as "unexpected pos ..." without errno: read the free space now,
+            # before removing the partial directory gives it back
+            cause = failure_cause(error) or self._file_system_cause()
+            shutil.rmtree(partial, ignore_errors=True)  # no half-written directory stays behind
+            if isinstance(error, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+                raise
+            raise CheckpointSaveError(self._save_failure(step, partial, error, cause)) from error
         if final.exists():
             shutil.rmtree(final)
         os.replace(partial, final)
@@ -50,21 +122,94 @@ class RunCheckpointer:
         self._prune()
         return final
 
-    def _save_failure(self, step: int, partial: Path, error: Exception) -> str:
+    def _kept(self) -> str:
         previous = self.latest()
-        kept = (f"the previous checkpoint {str(previous)!r} is intact and a resume starts from it"
+        return (f"the previous checkpoint {str(previous)!r} is intact and a resume starts from it"
                 if previous is not None else "no earlier checkpoint exists, so a resume starts from step 0")
+
+    def _check_free_space(self, step: int) -> None:
+        previous = self.latest()
+        needed = directory_bytes(previous) if previous is not None else self.first_estimate_bytes
+        free = shutil.disk_usage(self.directory).free
+        if needed and free < needed:
+            basis = f"the size of {previous.name}" if previous is not None else "the size of the models' weights"
+            raise CheckpointSaveError(
+                f"not enough free space to save the checkpoint of step {step} under {str(self.directory)!r}: about "
+                f"{_bytes(needed)} needed ({basis}), {_bytes(free)} free; {self._kept()}; free disk space there")
+
+    def _file_system_cause(self) -> tuple[str, str] | None:
+        """The cause read from the file system itself, when the error does not say: (almost) no free space, or a
+        directory this process cannot write."""
+        try:
+            if shutil.disk_usage(self.directory).free < FULL_BELOW_BYTES:
+                return CAUSES[errno.ENOSPC]
+            if not os.access(self.directory, os.W_OK):
+                return CAUSES[errno.EACCES]
+        except OSError:
+            return None
+        return None
+
+    def _save_failure(self, step: int, partial: Path, error: BaseException, cause: tuple[str, str] | None) -> str:
+        plain, advice = cause or ("", "free disk space or make {dir} writable")
         cause = str(error).strip().splitlines()[-1] if str(error).strip() else ""
-        return (f"could not save the checkpoint of step {step} to {str(partial)!r}: {type(error).__name__}: {cause}; "
-                f"{kept}; free disk space or make {str(self.directory)!r} writable")
+        detail = f"{type(error).__name__}: {cause}"
+        return (f"could not save the checkpoint of step {step} to {str(partial)!r}: "
+                f"{f'{plain} ({detail})' if plain else detail}; {self._kept()}; "
+                f"{advice.format(dir=repr(str(self.directory)))}")
+
+    def _step_dirs(self) -> dict[int, Path]:
+        found = {}
+        if self.directory.is_dir():
+            for path in self.directory.glob("step_*"):
+                number = path.name.removeprefix("step_")
+                if path.suffix != ".partial" and path.is_dir() and number.isdigit():
+                    found[int(number)] = path
+        return dict(sorted(found.items()))
+
+    @staticmethod
+    def problem(path: Path) -> str | None:
+        """Why the checkpoint directory ``path`` cannot be resumed from (None when it is complete)."""
+        driver = path / "driver.json"
+        if not driver.is_file():
+            return "its driver state driver.json is missing"
+        try:
+            json.loads(driver.read_text())["step"]
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+            return "its driver state driver.json is unreadable"
+        return None  # a role directory deleted by hand is named when its engine loads the checkpoint
 
     def steps(self) -> dict[int, Path]:
         """Every complete checkpoint by step, oldest first."""
-        found = {}
-        for path in self.directory.glob("step_*"):
-            if path.suffix != ".partial" and (path / "driver.json").exists():
-                found[int(path.name.removeprefix("step_"))] = path
-        return dict(sorted(found.items()))
+        return {step: path for step, path in self._step_dirs().items() if self.problem(path) is None}
+
+    def has_any(self) -> bool:
+        """Whether any step directory exists, complete or not."""
+        return bool(self._step_dirs())
+
+    def resume_point(self) -> Path | None:
+        """The newest complete checkpoint, saying which newer ones are broken and whether ``latest`` disagrees;
+        None when there is no step directory; ValueError naming what is broken when none is complete."""
+        every = self._step_dirs()
+        broken = {path.name: self.problem(path) for path in every.values() if self.problem(path) is not None}
+        complete = self.steps()
+        if not every:
+            return None
+        if not complete:
+            raise ValueError(f"{str(self.directory)!r} holds checkpoints but none is complete: "
+                             + "; ".join(f"{name}: {why}" for name, why in broken.items())
+                             + "; allowed: restore the missing files, or trainer.overwrite=true to delete the run and "
+                               "start over")
+        newest = list(complete.values())[-1]
+        skipped = [f"{name} ({why})" for name, why in broken.items() if name > newest.name]
+        pointer = self.directory / "latest"
+        named = pointer.read_text().strip() if pointer.is_file() else None
+        if skipped:
+            print(f"resume: skipping incomplete checkpoints {', '.join(skipped)}; {newest.name} is the newest "
+                  f"complete one", flush=True)
+        elif named is not None and named != newest.name:
+            print(f"resume: 'latest' names {named}, which is not a complete checkpoint; {newest.name} is the "
+                  f"newest complete one", flush=True)
+        return newest
 
     def at_step(self, step: int | None) -> Path:
         """The checkpoint of ``step`` (None: the latest); ValueError listing the steps there are."""
@@ -82,12 +227,9 @@ class RunCheckpointer:
             shutil.rmtree(path)
 
     def latest(self) -> Path | None:
-        """The newest complete checkpoint, or None."""
-        pointer = self.directory / "latest"
-        if not pointer.exists():
-            return None
-        path = self.directory / pointer.read_text().strip()
-        return path if (path / "driver.json").exists() else None
+        """The newest complete checkpoint (found by scanning), or None."""
+        complete = self.steps()
+        return list(complete.values())[-1] if complete else None
 
     @staticmethod
     def driver_state(path: Path) -> dict:
@@ -100,7 +242,7 @@ class RunCheckpointer:
 LOOP_KEYS = ("trainer.total_steps", "trainer.val_every", "trainer.val_before_train", "trainer.save_every",
              "trainer.keep_last", "trainer.keep_best", "trainer.keep_best_mode", "trainer.resume",
              "trainer.allow_config_change", "trainer.progress_bar", "trainer.log_every", "trainer.tensorboard",
-             "trainer.wandb_project", "trainer.output_dir")
+             "trainer.wandb_project", "trainer.output_dir", "trainer.overwrite", "trainer.save_on_signal")
 LAYOUT_FIELDS = ("layout", "pp_size", "tp_size", "fsdp_cpu_offload", "micro_batch_tokens", "pipeline_schedule",
                  "num_threads")
 

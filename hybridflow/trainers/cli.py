@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
+
+from hybridflow.trainers.boundary import (RunInterrupted, errors_directory, hard_exits_reported, run_guarded,
+                                          signals_stop_the_run)
 
 # Each command's override examples: only keys of that command's config.
 OVERRIDE_EXAMPLES = {
@@ -43,11 +45,6 @@ def parse_job_args(prog: str, description: str, argv: list[str]) -> argparse.Nam
     return args
 
 
-def _fail(prog: str, error: Exception) -> int:
-    print(f"{prog}: error: {error}", file=sys.stderr)
-    return 2
-
-
 def _importable_working_directory() -> None:
     """``reward.function=my_module:fn`` should find ``my_module.py`` where the user runs the command, as
     ``python -m`` does; the console script's sys.path lacks the working directory."""
@@ -69,89 +66,104 @@ def _read_config_file(path: str | None) -> None:
         raise ValueError(f"config file {path!r}: {error}") from None
 
 
+def _last_checkpoint_note(trainer) -> str:
+    """Where a stopped run can resume from, for the one line a signal or a hard exit ends the run with."""
+    if trainer is None:
+        return "no run had started"
+    latest = trainer.checkpointer.latest()
+    if latest is None:
+        return (f"at step {trainer.step}; no checkpoint was saved (trainer.save_every=0 or none reached), so nothing "
+                f"can be resumed")
+    return f"at step {trainer.step}; last checkpoint: {latest}; the same command resumes from it"
+
+
+def _stop_at_step_end(trainer, request: dict):
+    """``fit``'s ``on_step``: after the step a first signal arrived in (``trainer.save_on_signal``), save a
+    checkpoint (unless the step just saved one) and stop."""
+    def on_step(step: int, metrics: dict) -> None:
+        if "signal" not in request:
+            return
+        latest = trainer.checkpointer.latest()
+        saved = latest if latest is not None and latest.name == f"step_{step:06d}" else trainer.save_checkpoint()
+        raise RunInterrupted(request["signal"], saved=saved)
+    return on_step
+
+
 def train_main(argv: list[str]) -> int:
     """`hybridflow train`: RL training (PPO, GRPO, RLOO, ReMax, REINFORCE++) from an RLConfig."""
-    import json
-
+    prog = "hybridflow train"
     # arguments first: `--help` and a bad file answer before torch is imported
-    args = parse_job_args("hybridflow train", "RL training from a YAML config; the trained models are exported "
+    args = parse_job_args(prog, "RL training from a YAML config; the trained models are exported "
                           "to OUTPUT_DIR/final/<role> (Hugging Face directories with tokenizer files).", argv)
     _importable_working_directory()
-    try:
+    run: dict = {"output_dir": None, "trainer": None}
+
+    def body() -> int:
+        import json
+
         _read_config_file(args.config)
-    except ValueError as error:
-        return _fail("hybridflow train", error)
-    from hybridflow.trainers.config.rl import load_rl_config
-    from hybridflow.trainers.config.loader import dump_yaml, to_plain
+        from hybridflow.trainers.config.rl import load_rl_config
+        from hybridflow.trainers.config.loader import dump_yaml, to_plain
 
-    try:
         config = load_rl_config(args.config, args.overrides)
-    except ValueError as error:
-        return _fail("hybridflow train", error)
-    if args.print_config:
-        derived = "\n".join(f"#   {line}" for line in json.dumps(to_plain(config.derived())).splitlines())
-        print(dump_yaml(config) + "# derived sizes (not config keys):\n" + derived)
+        run["output_dir"] = config.trainer.output_dir
+        if args.print_config:
+            derived = "\n".join(f"#   {line}" for line in json.dumps(to_plain(config.derived())).splitlines())
+            print(dump_yaml(config) + "# derived sizes (not config keys):\n" + derived)
+            return 0
+        from hybridflow.trainers.preflight import warn_local_pools
+        from hybridflow.trainers.rl import RLTrainer
+
+        if args.local:
+            warn_local_pools(config)
+        with signals_stop_the_run(graceful=lambda: config.trainer.save_on_signal and run["trainer"] is not None) \
+                as request, hard_exits_reported(prog, lambda: _last_checkpoint_note(run["trainer"])):
+            trainer = run["trainer"] = RLTrainer(config, mode="local" if args.local else None)
+            request["reinstall"]()  # ray.init (under Ray) replaced the SIGTERM handler
+            try:
+                history = trainer.fit(on_step=_stop_at_step_end(trainer, request))
+            finally:
+                trainer.shutdown()
+        last = history[-1] if history else {}
+        summary = {key: value for key, value in last.items() if key.startswith(("val/", "reward/score_mean"))}
+        print(f"finished step {trainer.step}: {json.dumps(summary)}; metrics in {trainer.logger.path}; "
+              f"models in {trainer.output_dir / 'final'}")
         return 0
-    from hybridflow.trainers.rl import RLTrainer
 
-    try:
-        trainer = RLTrainer(config, mode="local" if args.local else None)
-    except ValueError as error:  # datasets, reward function specs, model directories
-        return _fail("hybridflow train", error)
-    from hybridflow.controller.errors import WorkerError, WorkerTimeoutError, user_message
-    from hybridflow.rewards.plugin import RewardError
-    from hybridflow.trainers.checkpoint import CheckpointSaveError
-
-    try:
-        history = trainer.fit()
-    except CheckpointSaveError as error:
-        return _fail("hybridflow train", error)
-    except (WorkerError, WorkerTimeoutError, RewardError) as error:
-        # one line naming role, rank, method and cause; the full remote traceback goes to a file
-        return _fail("hybridflow train", user_message(error, trainer.output_dir / "errors"))
-    finally:
-        trainer.shutdown()
-    last = history[-1] if history else {}
-    summary = {key: value for key, value in last.items() if key.startswith(("val/", "reward/score_mean"))}
-    print(f"finished step {trainer.step}: {json.dumps(summary)}; metrics in {trainer.logger.path}; "
-          f"models in {trainer.output_dir / 'final'}")
-    return 0
+    return run_guarded(prog, body, errors_dir=lambda: errors_directory(run["output_dir"]),
+                       interrupted=lambda error: _last_checkpoint_note(run["trainer"]))
 
 
 def _supervised_main(kind: str, argv: list[str]) -> int:
-    import json
-
     prog = f"hybridflow {kind}"
     description = ("Supervised fine-tuning (loss on response tokens)." if kind == "sft"
                    else "Reward-model training (Bradley-Terry on chosen/rejected pairs).")
     args = parse_job_args(prog, description, argv)
     _importable_working_directory()
-    try:
+    run: dict = {"output_dir": None}
+
+    def body() -> int:
+        import json
+
         _read_config_file(args.config)
-    except ValueError as error:
-        return _fail(prog, error)
-    from hybridflow.trainers.config.loader import dump_yaml
-    from hybridflow.trainers.config.supervised import RMConfig, SFTConfig, load_supervised_config
+        from hybridflow.trainers.config.loader import dump_yaml
+        from hybridflow.trainers.config.supervised import RMConfig, SFTConfig, load_supervised_config
 
-    try:
         config = load_supervised_config(SFTConfig if kind == "sft" else RMConfig, args.config, args.overrides)
-    except ValueError as error:
-        return _fail(prog, error)
-    if args.print_config:
-        print(dump_yaml(config), end="")
-        return 0
-    from hybridflow.controller.errors import WorkerError, WorkerTimeoutError, user_message
-    from hybridflow.trainers.supervised import run_supervised
+        run["output_dir"] = config.output_dir
+        if args.print_config:
+            print(dump_yaml(config), end="")
+            return 0
+        from hybridflow.trainers.supervised import run_supervised
 
-    try:
-        result = run_supervised(config, mode="local" if args.local else None)
-    except (WorkerError, WorkerTimeoutError) as error:
-        # one line naming role, rank, method and cause; the full remote traceback goes to a file
-        return _fail(prog, user_message(error, Path(config.output_dir) / "errors"))
-    except ValueError as error:
-        return _fail(prog, error)
-    print(f"{kind} finished: {json.dumps(result['final'])}; model in {result['model_dir']}")
-    return 0
+        with signals_stop_the_run(), hard_exits_reported(prog):
+            result = run_supervised(config, mode="local" if args.local else None)
+        print(f"{kind} finished: {json.dumps(result['final'])}; model in {result['model_dir']}")
+        return 0
+
+    return run_guarded(prog, body, errors_dir=lambda: errors_directory(run["output_dir"]),
+                       interrupted=lambda error: f"{kind} runs keep no checkpoint: run it again to train from the "
+                                                 f"start")
 
 
 def sft_main(argv: list[str]) -> int:

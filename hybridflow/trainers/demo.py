@@ -204,7 +204,7 @@ def train_sft(config: DemoConfig, data_file: Path, output_dir: Path, *, steps: i
 
     model = "model.builtin=arithmetic" if init_dir is None else f"model.path={init_dir}"
     return run_supervised(load_supervised_config(SFTConfig, None, [
-        model, f"data.train_path={data_file}", f"output_dir={output_dir}",
+        model, f"data.train_path={data_file}", f"output_dir={output_dir}", "overwrite=true",
         *_supervised_overrides(config, steps=steps, batch_size=config.sft_batch_size, lr=lr)]),
         mode=config.mode, tensorboard=tensorboard)
 
@@ -239,7 +239,8 @@ def train_reward_model(config: DemoConfig, pairs: Path, pairs_eval: Path, output
 
     return run_supervised(load_supervised_config(RMConfig, None, [
         f"model.path={base_dir}", f"data.train_path={pairs}", f"data.val_path={pairs_eval}",
-        f"output_dir={output_dir}", f"eval_every={max(1, config.rm_steps // 4)}", f"reward_type={config.rm_type}",
+        f"output_dir={output_dir}", "overwrite=true", f"eval_every={max(1, config.rm_steps // 4)}",
+        f"reward_type={config.rm_type}",
         f"nll_coef={config.rm_nll_coef if config.rm_type == 'likelihood' else 0.0}",
         *_supervised_overrides(config, steps=config.rm_steps, batch_size=config.rm_batch_size, lr=config.rm_lr)]),
         mode=config.mode, tensorboard=tensorboard)
@@ -260,7 +261,7 @@ def build_ppo_trainer(config: DemoConfig, files: dict[str, Path], root: Path, *,
         f"batch.samples_per_prompt={config.samples_per_prompt}", f"batch.mini_batch_size={config.mini_batch_size}",
         f"trainer.total_steps={config.ppo_steps}", f"trainer.val_every={config.val_every}",
         "trainer.val_function=arithmetic", f"trainer.output_dir={root / 'ppo'}", f"trainer.seed={config.seed}",
-        "trainer.resume=false", "trainer.val_before_train=false"])  # the SFT model's accuracy is measured above
+        "trainer.resume=false", "trainer.overwrite=true", "trainer.val_before_train=false"])  # the SFT model's accuracy is measured above
     return RLTrainer(rl_config, mode=config.mode, tensorboard=tensorboard)
 
 

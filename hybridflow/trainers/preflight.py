@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import struct
+import sys
 from pathlib import Path
 
 from hybridflow.data.files import read_rows
+from hybridflow.models.checkpoint_check import has_score_head, tokenizer_size, weights_vs_config
 from hybridflow.models.config import ModelConfig
 from hybridflow.trainers.config.rl import RLConfig
 
@@ -35,13 +37,11 @@ def preflight(config: RLConfig) -> None:
         check_model(key, model, needs_tokenizer=role in TOKENIZER_ROLES)
     for key, model, lora, head in _lora_sections(config):
         check_lora_targets(key, model, lora, head=head)
+    _check_scoring_models(config)
+    _check_token_ids(config)
     if config.reward.function is not None:
-        from hybridflow.rewards.plugin import load_reward_function
-
-        try:
-            load_reward_function(config.reward.function)
-        except ValueError as error:
-            raise ValueError(f"config key reward.function: {error}") from None
+        check_reward_function("reward.function", config.reward.function)
+    _warn(inert_options(config))
     limit = max_positions(config.actor.model)
     if config.env is not None:
         _check_env(config, limit)
@@ -149,6 +149,10 @@ def check_model(key: str, model: ModelConfig, *, needs_tokenizer: bool) -> None:
             raise ValueError(f"config key {key}.path: {str(config_file)!r} is not valid JSON: {error}") from None
         for weights in sorted(directory.glob("*.safetensors")):
             _check_safetensors_header(key, weights)
+        problem = weights_vs_config(directory)
+        if problem is not None:
+            raise ValueError(f"config key {key}.path: model directory {model.path!r}: {problem}; re-export the "
+                             f"model or fix its config.json")
     tokenizer_dir = model.tokenizer_path if model.tokenizer_path is not None else model.path
     if needs_tokenizer and tokenizer_dir is not None:
         tokenizer_key = f"{key}.tokenizer_path" if model.tokenizer_path is not None else f"{key}.path"
@@ -159,6 +163,25 @@ def check_model(key: str, model: ModelConfig, *, needs_tokenizer: bool) -> None:
             raise ValueError(f"config key {tokenizer_key}: directory {tokenizer_dir!r} has no tokenizer files (one "
                              f"of {', '.join(TOKENIZER_FILES)}); copy the tokenizer there or set "
                              f"{key}.tokenizer_path")
+        _check_vocabulary(key, tokenizer_key, model)
+
+
+def model_vocab_size(model: ModelConfig) -> int | None:
+    """``vocab_size`` of a ``path`` model's config.json (None for built-in and tiny models, or when unset)."""
+    if model.path is None:
+        return None
+    value = json.loads((Path(model.path) / "config.json").read_text(encoding="utf-8")).get("vocab_size")
+    return value if isinstance(value, int) else None
+
+
+def _check_vocabulary(key: str, tokenizer_key: str, model: ModelConfig) -> None:
+    """A tokenizer with ids beyond the model's embedding would fail mid-generation with an IndexError."""
+    vocab_size = model_vocab_size(model)
+    tokens = tokenizer_size(model.tokenizer_path if model.tokenizer_path is not None else model.path)
+    if vocab_size is not None and tokens is not None and tokens > vocab_size:
+        raise ValueError(f"config key {tokenizer_key}: the tokenizer has token ids up to {tokens - 1} but the model "
+                         f"in {key}.path has vocab_size={vocab_size} (config.json): ids >= {vocab_size} have no "
+                         f"embedding; use the model's own tokenizer")
 
 
 def _check_safetensors_header(key: str, path: Path) -> None:
@@ -193,3 +216,89 @@ def _safetensors_data_problem(header: object, data_bytes: int) -> str | None:
         return (f"its header lists {needed} bytes of tensors but {data_bytes} follow it "
                 f"({'truncated' if needed > data_bytes else 'trailing bytes'})")
     return None
+
+
+def inert_options(config: RLConfig) -> list[str]:
+    """Options the user set that the rest of the config makes do nothing, each naming both keys."""
+    found = []
+    if config.reference.model is not None and "reference" not in config.active_roles:
+        found.append("reference.model is set but algorithm.kl_mode is 'none': no reference model is built")
+    if config.data.ptx_path is not None and config.actor.loss.ptx_coef <= 0:
+        found.append(f"data.ptx_path is set but actor.loss.ptx_coef is {config.actor.loss.ptx_coef}: the ptx rows "
+                     f"are never read (set ptx_coef > 0 to train on them)")
+    if config.trainer.keep_last and not config.trainer.save_every:
+        found.append(f"trainer.keep_last is {config.trainer.keep_last} but trainer.save_every is 0: no checkpoint "
+                     f"is saved")
+    if config.trainer.save_on_signal and not config.trainer.resume:
+        found.append("trainer.save_on_signal is set but trainer.resume is false: the next run will not resume "
+                     "from the checkpoint a signal saves")
+    return found
+
+
+def _warn(lines: list[str]) -> list[str]:
+    for line in lines:
+        print(f"warning: {line}", file=sys.stderr, flush=True)
+    return lines
+
+
+def warn_local_pools(config: RLConfig) -> list[str]:
+    """``--local`` runs every worker in one process: warn for each pool asking for more than one device."""
+    return _warn([f"placement.pools.{name} asks for {sum(counts)} devices but --local runs every worker in this "
+                  f"one process (world size 1)" for name, counts in config.placement.pools.items() if sum(counts) > 1])
+
+
+def check_reward_function(key: str, spec: str) -> None:
+    """Load the reward function ``spec``; a module that ends the process while it is imported (``sys.exit``,
+    ``os._exit``) is reported naming the key instead of ending the run without a word."""
+    import os
+
+    from hybridflow.rewards.plugin import load_reward_function
+
+    real_exit = os._exit
+
+    def refuse_exit(code: int = 0) -> None:
+        raise SystemExit(f"os._exit({code})")
+
+    os._exit = refuse_exit  # only while the user's module is imported here, in the driver
+    try:
+        load_reward_function(spec)
+    except ValueError as error:
+        raise ValueError(f"config key {key}: {error}") from None
+    except Exception as error:  # a syntax error or an exception while the module runs
+        raise ValueError(f"config key {key}: reward function {spec!r}: importing it raised "
+                         f"{type(error).__name__}: {' '.join(str(error).split())}") from None
+    except SystemExit as error:
+        call = error.code if isinstance(error.code, str) and error.code.startswith("os._exit") \
+            else f"sys.exit({error.code!r})"
+        raise ValueError(f"config key {key}: reward function {spec!r}: its module called {call} while being "
+                         f"imported; a reward module must not end the process") from None
+    finally:
+        os._exit = real_exit
+
+
+def _check_scoring_models(config: RLConfig) -> None:
+    """A reward or cost model given as a plain causal LM would score with a randomly initialised head."""
+    for section, key in ((config.reward, "reward"), (config.cost, "cost")):
+        if section is None or section.model is None or section.model.path is None:
+            continue
+        if getattr(section, "model_type", "score_head") != "score_head":
+            continue
+        if not has_score_head(section.model.path):
+            architectures = json.loads((Path(section.model.path) / "config.json").read_text()).get("architectures")
+            raise ValueError(f"config key {key}.model.path: {section.model.path!r} has no trained score head (no "
+                             f"'score.*' tensor; architectures {architectures}): its scores would come from a random "
+                             f"head; give a model trained by `hybridflow rm`"
+                             + (", or reward.model_type=likelihood" if key == "reward" else ""))
+
+
+def _check_token_ids(config: RLConfig) -> None:
+    """Suppressed and stop token ids must exist in the actor's vocabulary."""
+    vocab_size = model_vocab_size(config.actor.model)
+    if vocab_size is None:
+        return
+    generation = config.actor.generation
+    for name in ("suppress_tokens", "stop_token_ids"):
+        beyond = [token for token in getattr(generation, name, ()) or () if token >= vocab_size]
+        if beyond:
+            raise ValueError(f"config key actor.generation.{name} got {beyond}; allowed: token ids below the actor "
+                             f"model's vocab_size = {vocab_size}")

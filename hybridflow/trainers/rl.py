@@ -28,22 +28,31 @@ from hybridflow.rewards import RuleReward
 from hybridflow.trainers.advantage import AdvantageResult, compute_advantages, sequence_kl
 from hybridflow.trainers.auto_mapping import resolve_auto_mapping
 from hybridflow.trainers.build import build_worker_groups, role_specs
-from hybridflow.trainers.checkpoint import RunCheckpointer, config_changes
+from hybridflow.trainers.checkpoint import RunCheckpointer, checkpoint_estimate, config_changes
 from hybridflow.trainers.components import build_components
 from hybridflow.trainers.config.rl import RLConfig
 from hybridflow.trainers.config.loader import dump_yaml, to_plain
 from hybridflow.trainers.export import export_roles
 from hybridflow.trainers.metrics import MetricsLogger, StepReporter
+from hybridflow.trainers.pipelined import PipelinedSampling
 from hybridflow.trainers.preflight import check_sequence_length, max_positions, preflight
+from hybridflow.trainers.run_dir import claim_run_directory, set_aside_later_metrics
 from hybridflow.trainers.sampling import EpisodeLossMask, build_sampling
 from hybridflow.trainers.scoring import RewardScorer
 from hybridflow.trainers.step import PhaseTimer, Experience, StepResults, first_rank, step_metrics
+
+
+UNSAVED_ROLES = ("reference", "rollout")
+"""Roles a checkpoint leaves out: never trained (reference) or given the actor's weights at the next sync."""
 
 
 class RLTrainer:
     """Builds the datasets, worker groups and controllers of an RLConfig and runs its steps."""
 
     def __init__(self, config: RLConfig, *, mode: str | None = None, tensorboard: bool = True) -> None:
+        if not isinstance(config, RLConfig):
+            raise ValueError(f"RLTrainer needs an RLConfig (load_rl_config(path, overrides) builds one), got a "
+                             f"{type(config).__name__}")
         self.user_config = config
         preflight(config)  # data files, model directories, reward function: before anything is built
         config, self.plan = resolve_auto_mapping(config)
@@ -72,18 +81,28 @@ class RLTrainer:
                                                    horizon=algorithm.kl_horizon)
                               if algorithm.kl_controller == "adaptive" else FixedKLController(kl_coef=algorithm.kl_coef))
         self.output_dir = Path(config.trainer.output_dir)
-        self.checkpointer = RunCheckpointer(self.output_dir / "checkpoints", keep_last=config.trainer.keep_last)
-        resume_from = self._check_resume() if config.trainer.resume else None  # before any worker starts
-        self.groups, self.pools = build_worker_groups(config, self.specs, mode=mode)
-        self._build_step(ptx_loader)
-        self.step = 0
-        self.best: dict | None = None  # trainer.keep_best: {"metric", "value", "step"} of the best validation
-        self.step = self._resume(resume_from) if resume_from is not None else 0
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        (self.output_dir / "config.yaml").write_text(dump_yaml(self.user_config))
-        self.logger = MetricsLogger(self.output_dir, resume_step=self.step,
-                                    tensorboard=tensorboard and config.trainer.tensorboard,
-                                    wandb_project=config.trainer.wandb_project, run_config=to_plain(config))
+        self.checkpointer = RunCheckpointer(self.output_dir / "checkpoints", keep_last=config.trainer.keep_last,
+                                            first_estimate_bytes=checkpoint_estimate(config))
+        # one writer per directory, and never two runs mixed in it: locked for the whole run, released by shutdown
+        self.run_dir = claim_run_directory(
+            config.trainer.output_dir, key="trainer.output_dir", overwrite_key="trainer.overwrite",
+            resume_key="trainer.resume", resume=config.trainer.resume, overwrite=config.trainer.overwrite,
+            has_checkpoint=lambda _: self.checkpointer.has_any())
+        try:
+            resume_from = self._check_resume() if self.run_dir.resumes else None  # before any worker starts
+            self.groups, self.pools = build_worker_groups(config, self.specs, mode=mode)
+            self._build_step(ptx_loader)
+            self.step = 0
+            self.best: dict | None = None  # trainer.keep_best: {"metric", "value", "step"} of the best validation
+            self.step = self._resume(resume_from) if resume_from is not None else 0
+            (self.output_dir / "config.yaml").write_text(dump_yaml(self.user_config))
+            set_aside_later_metrics(self.output_dir, self.step)
+            self.logger = MetricsLogger(self.output_dir, resume_step=self.step,
+                                        tensorboard=tensorboard and config.trainer.tensorboard,
+                                        wandb_project=config.trainer.wandb_project, run_config=to_plain(config))
+        except BaseException:
+            self.run_dir.release()
+            raise
 
     def _build_step(self, ptx_loader: BatchLoader | None) -> None:
         """The step's parts over the worker groups: the roles' scoring calls (issued as futures), the critics to
@@ -108,6 +127,13 @@ class RLTrainer:
         self.sampling = build_sampling(self.config, loader=self.loader, score_B=self.sample_scores,
                                        pad_token_id=generation.pad_token_id, episode_job=self.episode_job,
                                        current_step=lambda: self.step)
+        self.pipeline = None  # a rollout pool of its own: generation runs ahead there (docs/async.md)
+        if "rollout" in self.groups:
+            self.sampling = self.pipeline = PipelinedSampling(
+                actor=self.actor, rollout=self.groups["rollout"], loader=self.loader, score=self.score,
+                max_staleness=self.config.asynchrony.max_staleness,
+                samples_per_prompt=self.config.batch.samples_per_prompt, run_seed=self.config.trainer.seed,
+                tis_cap=self.config.actor.loss.tis_cap)
 
     def _episode_job(self):
         """What the actor needs to run the step's episodes (``env``), or None for single-turn RL."""
@@ -324,8 +350,10 @@ class RLTrainer:
         PPO-ptx's data position, Safe-RLHF's log lambda) + every role's engine, atomically."""
         def save_roles(directory: Path) -> None:
             for role, group in self.groups.items():
-                if role != "reference":  # never trained: rebuilt from its model on resume
+                if role not in UNSAVED_ROLES:
                     group.save_checkpoint(str(directory / role))
+            if self.pipeline is not None:  # the batches generated but not trained yet
+                self.pipeline.save(directory)
 
         state = {"config": to_plain(self.user_config), "best": self.best, "loader": self.loader.state_dict(),
                  "kl_controller": self.kl_controller.state_dict(),
@@ -336,7 +364,7 @@ class RLTrainer:
     def _check_resume(self) -> Path | None:
         """The checkpoint to resume from, announced with the config changes since it was written; a change beyond
         the loop and layout keys is refused unless ``trainer.allow_config_change``."""
-        path = self.checkpointer.latest()
+        path = self.checkpointer.resume_point()
         if path is None:
             return None
         state = self.checkpointer.driver_state(path)
@@ -347,8 +375,8 @@ class RLTrainer:
             raise ValueError(
                 f"trainer.output_dir {str(self.output_dir)!r} holds checkpoint {path.name} (step {state['step']}) of a "
                 f"run with a different config:\n  " + "\n  ".join(refused) + "\nallowed: the same config, "
-                "trainer.allow_config_change=true to resume anyway, or trainer.resume=false or another "
-                "trainer.output_dir to start a new run")
+                "trainer.allow_config_change=true to resume anyway, or trainer.overwrite=true (deletes this run) or "
+                "another trainer.output_dir to start a new run")
         print(f"resuming from {path} (step {state['step']} of {self.config.trainer.total_steps})", flush=True)
         if reported or refused:
             print("config changes since that checkpoint:\n  " + "\n  ".join(reported + refused), flush=True)
@@ -358,8 +386,10 @@ class RLTrainer:
         state = self.checkpointer.driver_state(path)
         self.best = state.get("best")
         for role, group in self.groups.items():
-            if role != "reference":
+            if role not in UNSAVED_ROLES:
                 group.load_checkpoint(str(path / role))
+        if self.pipeline is not None:
+            self.pipeline.load(path)
         self.loader.load_state_dict(state["loader"])
         self.kl_controller.load_state_dict(state["kl_controller"])
         for component in self.components:  # the keys are those of the checkpoints written before the components
@@ -369,11 +399,14 @@ class RLTrainer:
 
     def shutdown(self) -> None:
         """Stop the workers and give their devices back."""
-        self.logger.close()
-        for group in self.groups.values():
-            group.shutdown()  # colocated views share processes; stopping them twice is harmless
-        for pool in self.pools:
-            pool.release()
+        try:
+            self.logger.close()
+            for group in self.groups.values():
+                group.shutdown()  # colocated views share processes; stopping them twice is harmless
+            for pool in self.pools:
+                pool.release()
+        finally:
+            self.run_dir.release()
 
 
 def run_rl(config: RLConfig, *, mode: str | None = None, tensorboard: bool = True) -> list[dict]:

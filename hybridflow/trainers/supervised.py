@@ -79,10 +79,21 @@ def _greedy_answer_metrics(config: SFTConfig, group: WorkerGroup, tokenizer, rul
 
 def run_supervised(config: SFTConfig | RMConfig, *, mode: str | None = None, tensorboard: bool = True) -> dict:
     """Train, evaluate, export; returns ``{"history": [...], "model_dir": str, "final": metrics}``."""
-    is_sft = isinstance(config, SFTConfig)
     from hybridflow.trainers.preflight import check_model
+    from hybridflow.trainers.run_dir import claim_run_directory
 
     check_model("model", config.model, needs_tokenizer=True)  # before the tokenizer and the model load
+    # one writer per directory and never two runs in it (there is no resume: a previous run needs `overwrite`)
+    run_dir = claim_run_directory(config.output_dir, key="output_dir", overwrite_key="overwrite",
+                                  overwrite=config.overwrite)
+    try:
+        return _train_and_export(config, mode=mode, tensorboard=tensorboard)
+    finally:
+        run_dir.release()
+
+
+def _train_and_export(config: SFTConfig | RMConfig, *, mode: str | None, tensorboard: bool) -> dict:
+    is_sft = isinstance(config, SFTConfig)
     tokenizer = tokenizer_of(config.model).load()
     train_data, val_data = _datasets(config, tokenizer)
     if config.batch_size > len(train_data):

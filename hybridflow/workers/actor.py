@@ -17,6 +17,7 @@ from hybridflow.controller import register
 from hybridflow.engine.hybrid_engine import HybridEngine
 from hybridflow.engine.optim import OptimizerOffload
 from hybridflow.engine.rollout import Rollout, rollout_class
+from hybridflow.engine.weight_sync import WeightPayload, pack_weights
 from hybridflow.protocol import DataProto
 from hybridflow.workers.base import ROLLOUT_TEMPERATURE, SEQUENCE_KEYS, ModelWorker, step_context, tensors_of
 from hybridflow.workers.spec import ActorSpec
@@ -232,6 +233,17 @@ class ActorWorker(ModelWorker):
         the rollout (``optimizer_offloaded``: 1 if any) and, on CUDA, the allocator's bytes during generation
         and after it."""
         return dict(self.last_transition)
+
+    @register("ONE_TO_ALL")
+    def generation_weights(self, version: int, checksums: bool = True) -> WeightPayload | None:
+        """The whole policy for a rollout pool (``RolloutWorker.sync_weights``): gathered on rank 0, cast to the
+        generation dtype, bucketed as the hybrid engine buckets (``hybrid_engine.bucket_mb``), with per-tensor
+        checksums; None on the other ranks (every rank takes part in the gather)."""
+        state = self.engine.full_state_dict()
+        if not state:
+            return None
+        return pack_weights(state, version=version, dtype=self.hybrid.dtype, checksums=checksums,
+                            bucket_bytes=int(self.actor_spec.hybrid_engine.bucket_mb * 2**20))
 
     @register("3D_PROTO")
     def compute_log_prob(self, data: DataProto) -> DataProto:

@@ -30,14 +30,36 @@ ConfigT = TypeVar("ConfigT")
 _YAML11_FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml's safe loader, refusing a key given twice in one mapping (plain YAML silently keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, typing.Hashable) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice in one mapping (first at line {seen[key] + 1}); yaml "
+                    f"would silently keep the last", key_node.start_mark)
+            if isinstance(key, typing.Hashable):
+                seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
-    """Read one YAML mapping from ``path`` (an empty file is an empty mapping)."""
+    """Read one YAML mapping from ``path`` (an empty file is an empty mapping; a key twice in a mapping is an
+    error)."""
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"config file {str(path)!r} is a directory; give a YAML file")
     if not path.is_file():
         raise ValueError(f"config file {str(path)!r} does not exist")
+    with path.open("rb") as handle:
+        if handle.read(2) == b"\x1f\x8b":
+            raise ValueError(f"config file {str(path)!r} is gzip-compressed; decompress it (gunzip) first")
     try:
         with path.open(encoding="utf-8") as handle:
-            data = yaml.safe_load(handle)
+            data = yaml.load(handle, Loader=_UniqueKeyLoader)
     except yaml.MarkedYAMLError as error:
         raise ValueError(_yaml_error_line(path, error)) from None
     except (yaml.YAMLError, UnicodeDecodeError) as error:
@@ -71,6 +93,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], cls: type | None
     ``{path: DIR}``. Two alternatives both given as overrides stay both (the section's own check
     then names the conflict).
     """
+    if isinstance(overrides, (str, bytes)) or not all(isinstance(item, str) for item in overrides):
+        raise ValueError(f"overrides must be a list of 'key.path=value' strings, got {overrides!r}")
     result = _deep_copy(data)
     set_by_override: set[tuple[str, ...]] = set()
     for override in overrides:
@@ -80,7 +104,12 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], cls: type | None
         keys = dotted_key.strip().split(".")
         if not all(keys):
             raise ValueError(f"override {override!r} has an empty key segment")
-        value = yaml.safe_load(raw_value) if raw_value.strip() else ""
+        try:
+            value = yaml.load(raw_value, Loader=_UniqueKeyLoader) if raw_value.strip() else ""
+        except yaml.YAMLError as error:
+            problem = getattr(error, "problem", None) or " ".join(str(error).split())
+            raise ValueError(f"override {override!r}: its value is not valid YAML: {problem} (quote the value or "
+                             f"fix its brackets)") from None
         node = result
         for depth, key in enumerate(keys[:-1]):
             child = node.get(key)
@@ -113,12 +142,18 @@ def _alternatives_of(cls: type | None, keys: list[str]) -> tuple[str, ...]:
     return ()
 
 
+def config_key(field: dataclasses.Field) -> str:
+    """The key a field is written under in YAML and overrides: its name, or ``metadata["key"]`` where the natural
+    key is a Python keyword (``env.class`` is the field ``class_path``)."""
+    return field.metadata.get("key", field.name)
+
+
 def build_dataclass(cls: type[ConfigT], data: dict[str, Any] | None, *, path: str = "") -> ConfigT:
     """Instantiate ``cls`` from a nested mapping, checking keys and types field by field."""
     data = {} if data is None else data
     if not isinstance(data, dict):
         raise ValueError(f"{path or 'config'} must be a mapping of keys to values, got {data!r}")
-    fields = {field.name: field for field in dataclasses.fields(cls) if field.init}
+    fields = {config_key(field): field for field in dataclasses.fields(cls) if field.init}
     unknown = sorted(set(data) - set(fields))
     if unknown:
         where = f"{path}." if path else ""
@@ -127,13 +162,14 @@ def build_dataclass(cls: type[ConfigT], data: dict[str, Any] | None, *, path: st
             raise ValueError(f"config key {where}{unknown[0]} is not allowed here: {refused[unknown[0]]}")
         raise ValueError(f"unknown config key {where}{unknown[0]}; allowed keys here: {', '.join(sorted(fields))}")
     hints = typing.get_type_hints(cls)
-    kwargs = {name: _coerce(hints[name], value, _join(path, name)) for name, value in data.items()}
-    missing = sorted(name for name, field in fields.items() if name not in kwargs
+    kwargs = {fields[key].name: _coerce(hints[fields[key].name], value, _join(path, key)) for key, value in data.items()}
+    missing = sorted(key for key, field in fields.items() if field.name not in kwargs
                      and field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING)
-    for name in list(missing):
+    for key in list(missing):
+        name = fields[key].name
         if dataclasses.is_dataclass(hints[name]):
-            kwargs[name] = build_dataclass(hints[name], {}, path=_join(path, name))  # names the deepest missing key
-            missing.remove(name)
+            kwargs[name] = build_dataclass(hints[name], {}, path=_join(path, key))  # names the deepest missing key
+            missing.remove(key)
     if missing:
         raise ValueError(f"config key {_join(path, missing[0])} is required but missing")
     try:
@@ -154,7 +190,7 @@ def to_plain(config: Any) -> Any:
     """A config dataclass as nested dicts/lists (for logging, checkpoints and YAML dumps): the result loads back
     as an equal config."""
     if dataclasses.is_dataclass(config):
-        return {field.name: to_plain(getattr(config, field.name)) for field in dataclasses.fields(config)}
+        return {config_key(field): to_plain(getattr(config, field.name)) for field in dataclasses.fields(config)}
     if isinstance(config, dict):
         return {key: to_plain(value) for key, value in config.items()}
     if isinstance(config, (list, tuple)):
@@ -199,7 +235,7 @@ def config_reference(cls: type, *, prefix: str = "", instance: Any = None) -> li
     for field in dataclasses.fields(cls):
         if not field.init:
             continue
-        key = _join(prefix, field.name)
+        key = _join(prefix, config_key(field))
         annotation = hints[field.name]
         section = _section_type(annotation)
         default = _default_of(field, instance)

@@ -68,7 +68,10 @@ class SupervisedRun:
     seed: int = 0
     """Seeds initialization (built-in models) and data order."""
     output_dir: str = "runs/supervised"
-    """Metrics and the exported model (``<output_dir>/model``)."""
+    """Metrics and the exported model (``<output_dir>/model``); a directory holding another run is refused
+    unless ``overwrite``."""
+    overwrite: bool = False
+    """Delete the previous run in ``output_dir`` (each entry named on stdout) and start over."""
     progress_bar: bool = True
     """Show a tqdm progress bar when stderr is a terminal; otherwise one line every ``log_every`` steps."""
     log_every: int = 1
