@@ -61,8 +61,8 @@ class ThreeCallAgent(OpenAIAgentEnvironment):
 
 def run_agents(env_class, rows, *, max_turns=None, max_new_tokens=6):
     """Run ``env_class``'s agent per row on the tiny model, which samples only "a".."h" and <|im_end|> (so that some
-    turns stop at <|im_end|> and others are cut by their length); the episodes, the requests, the tokenizer and the calls in flight at each rollout
-    step."""
+    turns stop at <|im_end|> and others are cut by their length); the episodes, the requests, the tokenizer and the
+    calls in flight at each rollout step."""
     tokenizer = chat_tokenizer(REASONING_TEMPLATE, merge_newlines=False)
     allowed = {IM_END, *encode(tokenizer, "abcdefgh")}
     suppressed = tuple(token for token in range(256) if token not in allowed)
@@ -193,7 +193,7 @@ class CountingAgent(OpenAIAgentEnvironment):
 
 
 def test_a_grpo_step_trains_the_episodes_the_endpoint_recorded(run_inputs, tmp_path):  # noqa: F811
-    config = _agent_config(run_inputs, tmp_path, f"env.class_path={__file__}:CountingAgent",
+    config = _agent_config(run_inputs, tmp_path, f"env.class={__file__}:CountingAgent",
                            "algorithm.advantage_estimator=grpo", "actor.loss.old_log_probs=recompute")
     history, batch = _train(config)
     metrics = history[-1]
@@ -281,7 +281,7 @@ def test_a_call_sets_its_sampling_options_within_the_steps_limits():
 def test_a_step_on_the_vllm_backend_trains_the_episodes_the_endpoint_recorded(run_inputs, tmp_path):  # noqa: F811
     pytest.importorskip("vllm")
     tiny = "actor.model.tiny={hidden_size: 128, intermediate_size: 256, num_attention_heads: 4}"  # vLLM: head dim 32
-    history, batch = _train(_agent_config(run_inputs, tmp_path, tiny, f"env.class_path={__file__}:CountingAgent",
+    history, batch = _train(_agent_config(run_inputs, tmp_path, tiny, f"env.class={__file__}:CountingAgent",
                                           "actor.generation.backend=vllm", "actor.generation.vllm_kv_cache_gib=0.0625",
                                           "actor.loss.old_log_probs=recompute"))
     metrics = history[-1]

@@ -2,7 +2,7 @@
 
 The agent loop below knows nothing of hybridflow's token ids: it calls ``client.chat.completions.create`` with the
 calculator's schema, runs the tool calls it gets back, appends the results as tool messages, and returns 1.0 for a
-right ``Answer: <number>``. In a run (``env.class_path: examples/agents/calculator_endpoint.py:CalculatorAgent``,
+right ``Answer: <number>``. In a run (``env.class: examples/agents/calculator_endpoint.py:CalculatorAgent``,
 rows from ``python examples/agents/calculator_env.py --out calculator.jsonl``) hybridflow points the client at the
 step's endpoint and trains the ids the endpoint recorded (docs/agents.md, "The OpenAI-compatible endpoint").
 The same function runs against any OpenAI-compatible server, e.g. a vLLM one, without hybridflow:
