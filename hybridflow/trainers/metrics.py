@@ -104,6 +104,15 @@ class StepReporter:
         parts += [f"{key} {value:.4g}" for key, value in shown.items()]
         print(" | ".join(parts), file=self.stream, flush=True)
 
+    def warn(self, message: str | None) -> None:
+        """Print a warning line (above the bar on a terminal); None prints nothing."""
+        if message is None:
+            return
+        if self.bar is not None:
+            self.bar.write(f"WARNING: {message}", file=sys.stderr)
+        else:
+            print(f"WARNING: {message}", file=self.stream, flush=True)
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()

@@ -32,6 +32,7 @@ from hybridflow.trainers.checkpoint import RunCheckpointer, config_changes
 from hybridflow.trainers.components import build_components
 from hybridflow.trainers.config.rl import RLConfig
 from hybridflow.trainers.config.loader import dump_yaml, to_plain
+from hybridflow.trainers.diagnostics import SUMMARY_KEYS, LearningSignalMonitor
 from hybridflow.trainers.export import export_roles
 from hybridflow.trainers.metrics import MetricsLogger, StepReporter
 from hybridflow.trainers.preflight import check_sequence_length, preflight
@@ -124,7 +125,8 @@ class RLTrainer:
         trainer = self.config.trainer
         validates = bool(trainer.val_every) and self.val_data is not None
         reporter = StepReporter("rl", total=trainer.total_steps, initial=self.step, progress_bar=trainer.progress_bar,
-                                every=trainer.log_every, keys=("reward/score_mean",))
+                                every=trainer.log_every, keys=SUMMARY_KEYS)
+        signal = LearningSignalMonitor(trainer.warn_no_signal_steps)
         try:
             if validates and trainer.val_before_train and self.step == 0:  # the starting score, as step 0
                 metrics = self._timed_validation()
@@ -135,6 +137,7 @@ class RLTrainer:
                 started = time.perf_counter()
                 self.step += 1
                 metrics = self.train_step(self.loader.next_batch())
+                reporter.warn(signal.observe(self.step, metrics))
                 last = self.step == trainer.total_steps
                 if validates and (self.step % trainer.val_every == 0 or last):
                     metrics.update(self._timed_validation())
@@ -229,7 +232,8 @@ class RLTrainer:
         return step_metrics(StepResults(  # 5. the metrics, built in one place
             experience=experience, response_mask_BT=response_mask_BT, batch=batch, reward_metrics=reward_metrics,
             advantages=advantages, sequence_kl=kl, kl_coef=self.kl_controller.value, transition=transition,
-            updates=updates, timing=timer.seconds), self.components)
+            updates=updates, timing=timer.seconds,
+            scores_B=scores_B if dense_rewards_BT is None else scores_B + dense_rewards_BT.sum(-1)), self.components)
 
     def rewards(self, batch: DataProto) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
         """The reward split by where it is credited (``RewardScorer.token_rewards``: sequence_B on the last token,

@@ -286,6 +286,9 @@ class TrainerSection:
     worker_timeout_s: float = 3600.0
     """Seconds one worker call (a generation, an update, ...) may take before the run fails with an error
     naming the role, method and the ranks still running (a frozen worker cannot hang the run)."""
+    warn_no_signal_steps: int = 3
+    """Warn (naming the likely causes, docs/diagnostics.md) when every group's samples got the same reward for
+    this many steps in a row: a group estimator then learns nothing; 0: never warn."""
     watchdog_s: float = 120.0
     """While a worker call runs longer than this, log every this many seconds which role, method and
     ranks it is waiting for."""
@@ -296,6 +299,8 @@ class TrainerSection:
         require(self.save_every >= 0, "save_every", self.save_every, "an integer >= 0")
         require(self.keep_last >= 0, "keep_last", self.keep_last, "an integer >= 0 (0 keeps every checkpoint)")
         require(self.log_every >= 1, "log_every", self.log_every, "an integer >= 1")
+        require(self.warn_no_signal_steps >= 0, "warn_no_signal_steps", self.warn_no_signal_steps,
+                "an integer >= 0 (0: never warn)")
         require(_finite_positive(self.worker_timeout_s), "worker_timeout_s", self.worker_timeout_s,
                 "a number of seconds > 0")
         require(_finite_positive(self.watchdog_s), "watchdog_s", self.watchdog_s, "a number of seconds > 0")
