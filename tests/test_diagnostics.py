@@ -110,3 +110,13 @@ def test_a_run_with_a_varying_reward_logs_signal_and_no_warning(data_dir, tmp_pa
     assert record["signal/steps_without_signal"] == 0.0
     assert record["signal/entropy"] > 0 and 0.0 <= record["actor/clip_fraction"] <= 1.0
     assert 0.0 < record["actor/pg_grad_share"] <= 1.0
+
+
+def test_the_kl_to_an_identical_reference_is_zero_before_the_first_update_in_bf16(data_dir, tmp_path):
+    # the reference holds fp32 weights computing in bf16 by autocast, as the actor does; held in bf16 it gave
+    # kl/sequence_kl -7.8e-4 here (and -0.055 on SmolLM2-135M with 16 new tokens)
+    history = _fit(data_dir, tmp_path / "run", "length_reward", "trainer.total_steps=1", "batch.mini_batch_size=8",
+                   "algorithm.kl_mode=loss", "actor.engine.dtype=bfloat16", "reference.engine.dtype=bfloat16")
+    record = history[-1]
+    assert abs(record["kl/sequence_kl"]) < 1e-6
+    assert record["actor/kl_loss"] == 0.0

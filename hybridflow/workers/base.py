@@ -42,6 +42,8 @@ class ModelWorker(Worker):
     TRAINABLE = True
     """False for roles that only score (reference, reward, cost): their engine holds the weights in the
     compute dtype with no gradients or optimizer."""
+    FP32_WEIGHTS: bool | None = None
+    """Hold the weights in fp32 (None: when trainable); see ``TrainingEngine``'s ``fp32_weights``."""
 
     def __init__(self, spec: EngineSpec) -> None:
         self.spec = spec
@@ -49,7 +51,8 @@ class ModelWorker(Worker):
             pin_num_threads(spec.engine.num_threads)  # the driver's share of the node's cores no longer applies
         # a checkpoint is read shard by shard onto meta-initialised stages: no rank holds the whole model
         self.engine = TrainingEngine.from_model_config(spec.engine, spec.model, head=spec.head, seed=spec.seed,
-                                                       total_steps=spec.total_steps, trainable=self.TRAINABLE)
+                                                       total_steps=spec.total_steps, trainable=self.TRAINABLE,
+                                                       fp32_weights=self.FP32_WEIGHTS)
         self.set_parallel_layout(self.engine.layout)
 
     @register("ONE_TO_ALL")
