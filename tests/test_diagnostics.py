@@ -120,3 +120,35 @@ def test_the_kl_to_an_identical_reference_is_zero_before_the_first_update_in_bf1
     record = history[-1]
     assert abs(record["kl/sequence_kl"]) < 1e-6
     assert record["actor/kl_loss"] == 0.0
+
+
+def test_off_a_terminal_a_long_phase_prints_at_once_then_a_line_every_few_seconds():
+    import io
+    import time
+
+    from hybridflow.trainers.metrics import Heartbeat
+
+    stream = io.StringIO()
+    heartbeat = Heartbeat("rl", every_s=0.2, progress_bar=False, stream=stream)
+    with heartbeat.phase("validation", total=4):
+        assert stream.getvalue() == "[rl] validation (0/4)...\n"  # from the first second
+        heartbeat.advance(3)
+        assert heartbeat.describe().startswith("validation (3/4, ")
+        time.sleep(0.5)
+    with heartbeat.phase("step 1/2: generate", announce=False):
+        time.sleep(0.3)
+    lines = stream.getvalue().splitlines()
+    assert lines[0] == "[rl] validation (0/4)..."
+    assert sum(line.startswith("[rl] validation (3/4, ") for line in lines) >= 2
+    assert [line for line in lines if "generate" in line] == ["[rl] step 1/2: generate (0 s)"]
+    assert heartbeat.describe() is None  # no phase runs
+
+
+def test_a_run_says_what_it_does_before_its_first_step(data_dir, tmp_path, capsys):
+    _fit(data_dir, tmp_path / "run", "length_reward", "trainer.total_steps=1", f"data.val_path={data_dir / 'train.jsonl'}",
+         "trainer.val_every=1")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:3] == ["[rl] reading and tokenizing the prompts...",
+                         "[rl] starting the workers and loading the models (actor, reference)...",
+                         "[rl] validation after step 0 (32 held-out prompts, greedy), batches (0/16)..."]
+    assert lines[-1].startswith("[rl] exporting the trained models to ")

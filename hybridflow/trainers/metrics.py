@@ -1,12 +1,16 @@
 """MetricsLogger: one JSON line per step, TensorBoard scalars, and the history for plots and summaries;
-StepReporter: a progress bar on a terminal, one printed line per N steps elsewhere (CI, nohup, files)."""
+StepReporter: a progress bar on a terminal, one printed line per N steps elsewhere (CI, nohup, files);
+Heartbeat: progress of the long phases between the steps' lines (loading models, validation, a step's generation),
+from the first second: a bar on a terminal, one line every N seconds elsewhere."""
 
 from __future__ import annotations
 
 import json
 import math
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -116,3 +120,82 @@ class StepReporter:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+class Heartbeat:
+    """Says what a run is doing while it does it. ``with heartbeat.phase("loading models"):`` prints the phase at
+    once; while it lasts, a terminal (stderr a TTY, ``progress_bar`` on) shows a tqdm bar with the elapsed
+    seconds (and ``done/total`` when the phase counts items: ``phase(..., total=16)`` and ``advance()``);
+    elsewhere one line every ``every_s`` seconds, ``[rl] validation: 3/16, 45 s``, flushed. ``describe()`` is
+    the current phase, for messages such as the worker watchdog's."""
+
+    def __init__(self, name: str, *, every_s: float = 30.0, progress_bar: bool = True, stream=None) -> None:
+        self.name, self.every_s = name, every_s
+        self.stream = stream if stream is not None else sys.stdout
+        self.use_bar = progress_bar and sys.stderr.isatty()
+        self._lock = threading.Lock()
+        self._phase: tuple[str, int | None, float] | None = None  # (description, total, start)
+        self._done = 0
+        self._bar = None
+
+    def describe(self) -> str | None:
+        """``'validation (3/16, 45 s)'`` while a phase runs, else None."""
+        with self._lock:
+            if self._phase is None:
+                return None
+            description, total, start = self._phase
+            count = f"{self._done}/{total}, " if total is not None else ""
+            return f"{description} ({count}{time.monotonic() - start:.0f} s)"
+
+    @contextmanager
+    def phase(self, description: str, *, total: int | None = None, announce: bool = True):
+        """Report ``description`` from now until the block ends (phases do not nest: an inner one replaces the
+        outer one's report for its duration). ``announce=False``: off a terminal, no line at the start (a step's
+        phases: the step's own line follows them), only the ones every ``every_s`` seconds."""
+        outer = self._phase, self._done
+        with self._lock:
+            self._phase, self._done = (description, total, time.monotonic()), 0
+        if announce or self.use_bar:
+            self._emit(started=True)
+        stop = threading.Event()
+        ticker = threading.Thread(target=self._tick, args=(stop,), daemon=True, name=f"heartbeat-{self.name}")
+        ticker.start()
+        try:
+            yield self
+        finally:
+            stop.set()
+            ticker.join()
+            if self._bar is not None:
+                self._bar.close()
+                self._bar = None
+            with self._lock:
+                self._phase, self._done = outer
+
+    def advance(self, count: int = 1) -> None:
+        """``count`` more items of the current phase are done."""
+        with self._lock:
+            self._done += count
+        if self._bar is not None:
+            self._bar.update(count)
+
+    def _tick(self, stop: threading.Event) -> None:
+        interval = 1.0 if self.use_bar else self.every_s
+        while not stop.wait(interval):
+            self._emit(started=False)
+
+    def _emit(self, *, started: bool) -> None:
+        if self.use_bar:
+            if started:
+                from tqdm import tqdm
+
+                description, total, _ = self._phase
+                self._bar = tqdm(total=total, desc=f"[{self.name}] {description}", leave=False)
+            elif self._bar is not None:
+                self._bar.refresh()  # the elapsed time moves even when no item finished
+            return
+        if started:
+            description, total, _ = self._phase
+            line = f"[{self.name}] {description}{'' if total is None else f' (0/{total})'}..."
+        else:
+            line = f"[{self.name}] {self.describe()}"
+        print(line, file=self.stream, flush=True)

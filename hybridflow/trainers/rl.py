@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from hybridflow.algorithms import AdaptiveKLController, FixedKLController
+from hybridflow.controller import DRIVER_ACTIVITY
 from hybridflow.data import BatchLoader, PromptDataset, SFTDataset
 from hybridflow.protocol import DataProto
 from hybridflow.rewards import RuleReward
@@ -34,7 +35,7 @@ from hybridflow.trainers.config.rl import RLConfig
 from hybridflow.trainers.config.loader import dump_yaml, to_plain
 from hybridflow.trainers.diagnostics import SUMMARY_KEYS, LearningSignalMonitor
 from hybridflow.trainers.export import export_roles
-from hybridflow.trainers.metrics import MetricsLogger, StepReporter
+from hybridflow.trainers.metrics import Heartbeat, MetricsLogger, StepReporter
 from hybridflow.trainers.preflight import check_sequence_length, preflight
 from hybridflow.trainers.sampling import build_sampling
 from hybridflow.trainers.scoring import RewardScorer
@@ -51,11 +52,15 @@ class RLTrainer:
         if self.plan is not None:
             print(f"auto-mapping chose:\n{self.plan.describe()}")
         self.config = config
+        self.heartbeat = Heartbeat("rl", every_s=config.trainer.progress_every_s,
+                                   progress_bar=config.trainer.progress_bar)
+        DRIVER_ACTIVITY.set(self.heartbeat.describe)  # the worker watchdog names what the driver is doing
         self.derived = config.derived()
         self.specs = role_specs(config)
         self.tokenizer = self.specs.actor_tokenizer.load()
-        self.train_data = self._dataset(config.data.train_path)
-        self.val_data = self._dataset(config.data.val_path) if config.data.val_path else None
+        with self.heartbeat.phase("reading and tokenizing the prompts"):
+            self.train_data = self._dataset(config.data.train_path)
+            self.val_data = self._dataset(config.data.val_path) if config.data.val_path else None
         check_sequence_length(config, max(len(example.input_ids) for data in (self.train_data, self.val_data)
                                           if data is not None for example in data.examples))
         ptx_loader = self._ptx_loader()  # read before any worker starts, like the prompts
@@ -75,7 +80,8 @@ class RLTrainer:
         self.output_dir = Path(config.trainer.output_dir)
         self.checkpointer = RunCheckpointer(self.output_dir / "checkpoints", keep_last=config.trainer.keep_last)
         resume_from = self._check_resume() if config.trainer.resume else None  # before any worker starts
-        self.groups, self.pools = build_worker_groups(config, self.specs, mode=mode)
+        with self.heartbeat.phase(f"starting the workers and loading the models ({', '.join(config.active_roles)})"):
+            self.groups, self.pools = build_worker_groups(config, self.specs, mode=mode)
         self._build_step(ptx_loader)
         self.step = 0
         self.best: dict | None = None  # trainer.keep_best: {"metric", "value", "step"} of the best validation
@@ -151,12 +157,16 @@ class RLTrainer:
                     on_step(self.step, metrics)
         finally:
             reporter.close()
-        self.export(self.output_dir / "final")
+        with self.heartbeat.phase(f"exporting the trained models to {self.output_dir / 'final'}"):
+            self.export(self.output_dir / "final")
         return self.logger.history
 
     def _timed_validation(self) -> dict[str, float]:
         started = time.perf_counter()
-        metrics = self.validate()
+        batches = -(-len(self.val_data) // self.config.batch.prompts_per_step)
+        with self.heartbeat.phase(f"validation after step {self.step} ({len(self.val_data)} held-out prompts, "
+                                  f"greedy), batches", total=batches):
+            metrics = self.validate()
         metrics["time/validate_s"] = time.perf_counter() - started
         return metrics
 
@@ -184,7 +194,8 @@ class RLTrainer:
     # ------------------------------------------------------------------ one step
     def train_step(self, prompts: DataProto) -> dict[str, float]:
         """One RL iteration on a batch of prompts (the paper's Figure 1); returns its metrics."""
-        timer = PhaseTimer()
+        timer = PhaseTimer(report=lambda name: self.heartbeat.phase(
+            f"step {self.step}/{self.config.trainer.total_steps}: {name}", announce=False))
         seed = self.config.trainer.seed * 1_000_003 + self.step
         # 1. generate, 2. score (one round; DAPO's dynamic sampling draws more)
         experience = self.sampling.sample(prompts, seed, partial(self.generate_and_score, timer=timer))
@@ -293,6 +304,7 @@ class RLTrainer:
             batch = self.actor.generate_sequences(prompts)
             columns["val/score_mean"].append(self.response_scores(batch))
             columns["val/response_length_mean"].append(batch["response_mask"].sum(-1).float())
+            self.heartbeat.advance()
             if self.val_rule is not None:
                 columns["val/function_mean"].append(self.scorer.rule_scores(batch, self.val_rule))
             for component in self.components:

@@ -161,16 +161,22 @@ def signal_metrics(results: StepResults) -> dict[str, float]:
 
 
 class PhaseTimer:
-    """Seconds per named phase of a step, summed over repeats (dynamic sampling generates several times)."""
+    """Seconds per named phase of a step, summed over repeats (dynamic sampling generates several times);
+    ``report(name)``, when given, is a context manager entered around each phase (the trainer's progress)."""
 
-    def __init__(self) -> None:
+    def __init__(self, report=None) -> None:
         self.seconds: dict[str, float] = {}
+        self.report = report
 
     @contextmanager
     def __call__(self, name: str):
         start = time.perf_counter()
         try:
-            yield
+            if self.report is None:
+                yield
+            else:
+                with self.report(name):
+                    yield
         finally:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 

@@ -277,6 +277,9 @@ class TrainerSection:
     progress_bar: bool = True
     """Show a tqdm progress bar when stderr is a terminal; otherwise (CI, nohup, files) one line every
     ``log_every`` steps."""
+    progress_every_s: float = 30.0
+    """Off a terminal: while a long phase runs (loading the models, validation, a step's generation, scoring and
+    update, the export), print what it is and how long it has run every this many seconds (a bar on a terminal)."""
     log_every: int = 1
     """When stderr is not a terminal (or ``progress_bar`` is false): print one metrics line every N steps."""
     tensorboard: bool = True
@@ -299,6 +302,8 @@ class TrainerSection:
         require(self.save_every >= 0, "save_every", self.save_every, "an integer >= 0")
         require(self.keep_last >= 0, "keep_last", self.keep_last, "an integer >= 0 (0 keeps every checkpoint)")
         require(self.log_every >= 1, "log_every", self.log_every, "an integer >= 1")
+        require(_finite_positive(self.progress_every_s), "progress_every_s", self.progress_every_s,
+                "a number of seconds > 0")
         require(self.warn_no_signal_steps >= 0, "warn_no_signal_steps", self.warn_no_signal_steps,
                 "an integer >= 0 (0: never warn)")
         require(_finite_positive(self.worker_timeout_s), "worker_timeout_s", self.worker_timeout_s,
