@@ -1,4 +1,4 @@
-"""MetricsLogger: one JSON line per step, TensorBoard scalars, and the history for plots and summaries;
+"""MetricsLogger: one JSON line per step, the chosen trackers (``loggers.py``), and the history for plots and summaries;
 StepReporter: a progress bar on a terminal, one printed line per N steps elsewhere (CI, nohup, files);
 Heartbeat: progress of the long phases between the steps' lines (loading models, validation, a step's generation),
 from the first second: a bar on a terminal, one line every N seconds elsewhere."""
@@ -6,7 +6,6 @@ from the first second: a bar on a terminal, one line every N seconds elsewhere."
 from __future__ import annotations
 
 import json
-import math
 import sys
 import threading
 import time
@@ -15,15 +14,21 @@ from pathlib import Path
 
 
 class MetricsLogger:
-    """Appends ``{"step": n, "time/wall": unix seconds, **metrics}`` to ``metrics.jsonl`` and TensorBoard under
-    ``directory``.
+    """Appends ``{"step": n, "time/wall": unix seconds, **metrics}`` to ``metrics.jsonl`` under ``directory`` and
+    hands the same metrics to each tracker of ``loggers`` (``trainers/loggers.py``: tensorboard, wandb, mlflow,
+    trackio), with the run's config once and a table of sampled episodes where the library has tables.
 
     On resume the JSONL keeps the lines of steps before the resume point and drops later ones (they
     belong to the run that crashed after its last checkpoint), so the file reads as one clean run.
+    ``tensorboard`` and ``wandb_project`` are the older switches (still honoured): TensorBoard on, and W&B under
+    that project.
     """
 
     def __init__(self, directory: str | Path, *, resume_step: int = 0, tensorboard: bool = True,
-                 wandb_project: str | None = None, run_config: dict | None = None) -> None:
+                 wandb_project: str | None = None, run_config: dict | None = None, loggers: tuple[str, ...] = (),
+                 project: str | None = None, mlflow_tracking_uri: str | None = None) -> None:
+        from hybridflow.trainers.loggers import TRACKERS, RunInfo
+
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.path = self.directory / "metrics.jsonl"
@@ -34,20 +39,23 @@ class MetricsLogger:
                 if record["step"] <= resume_step:
                     self.history.append(record)
         self.path.write_text("".join(json.dumps(record) + "\n" for record in self.history))
-        self.writer = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(str(self.directory / "tensorboard"))
-        self.wandb_run = None
-        if wandb_project is not None:
-            try:
-                import wandb
-            except ImportError:
-                raise ValueError(f"config key trainer.wandb_project got {wandb_project!r} but wandb is not "
-                                 f"installed; allowed: null, or install it (pip install wandb)") from None
-            self.wandb_run = wandb.init(project=wandb_project, dir=str(self.directory), config=run_config or {},
-                                        resume="allow")
+        names = [name for name in loggers if name in TRACKERS and (name != "tensorboard" or tensorboard)]
+        if tensorboard and not loggers:
+            names.append("tensorboard")
+        if wandb_project is not None and "wandb" not in names:
+            names.append("wandb")
+        info = RunInfo(directory=self.directory, project=project or wandb_project or "hybridflow",
+                       name=self.directory.resolve().name, config=run_config or {},
+                       mlflow_tracking_uri=mlflow_tracking_uri,
+                       config_key="trainer.loggers" if "wandb" in loggers or wandb_project is None
+                       else "trainer.wandb_project")
+        self.trackers = {}
+        try:
+            for name in names:
+                self.trackers[name] = TRACKERS[name](info)
+        except BaseException:
+            self.close()
+            raise
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, "time/wall": round(time.time(), 3),
@@ -55,14 +63,15 @@ class MetricsLogger:
         self.history.append(record)
         with self.path.open("a") as handle:
             handle.write(json.dumps(record) + "\n")
-        if self.writer is not None:
-            for name, value in record.items():
-                if name not in ("step", "time/wall") and math.isfinite(value):
-                    self.writer.add_scalar(name, value, step)
-            self.writer.flush()
-        if self.wandb_run is not None:
-            self.wandb_run.log({name: value for name, value in record.items() if name not in ("step", "time/wall")},
-                               step=step)
+        scalars = {name: value for name, value in record.items() if name not in ("step", "time/wall")}
+        for tracker in self.trackers.values():
+            tracker.log(step, scalars)
+
+    def log_episodes(self, step: int, rows: list[tuple]) -> None:
+        """A table of sampled episodes, ``(step, prompt, response, reward)`` rows, to the trackers that have tables."""
+        if rows:
+            for tracker in self.trackers.values():
+                tracker.log_episodes(step, rows)
 
     def series(self, name: str) -> tuple[list[int], list[float]]:
         """(steps, values) of one metric over the logged steps that have it."""
@@ -70,10 +79,9 @@ class MetricsLogger:
         return [step for step, _ in points], [value for _, value in points]
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-        if self.wandb_run is not None:
-            self.wandb_run.finish()
+        for tracker in self.trackers.values():
+            tracker.close()
+        self.trackers = {}
 
 
 class StepReporter:

@@ -35,6 +35,7 @@ from hybridflow.trainers.config.rl import RLConfig
 from hybridflow.trainers.config.loader import dump_yaml, to_plain
 from hybridflow.trainers.diagnostics import SUMMARY_KEYS, LearningSignalMonitor
 from hybridflow.trainers.export import export_roles
+from hybridflow.trainers.loggers import episode_rows
 from hybridflow.trainers.metrics import Heartbeat, MetricsLogger, StepReporter
 from hybridflow.trainers.preflight import check_sequence_length, preflight
 from hybridflow.trainers.sampling import build_sampling
@@ -88,9 +89,12 @@ class RLTrainer:
         self.step = self._resume(resume_from) if resume_from is not None else 0
         self.output_dir.mkdir(parents=True, exist_ok=True)
         (self.output_dir / "config.yaml").write_text(dump_yaml(self.user_config))
+        trainer = config.trainer
         self.logger = MetricsLogger(self.output_dir, resume_step=self.step,
-                                    tensorboard=tensorboard and config.trainer.tensorboard,
-                                    wandb_project=config.trainer.wandb_project, run_config=to_plain(config))
+                                    tensorboard=tensorboard and trainer.tensorboard, loggers=tuple(trainer.loggers),
+                                    wandb_project=trainer.wandb_project, run_config=to_plain(config),
+                                    project=trainer.project, mlflow_tracking_uri=trainer.mlflow_tracking_uri)
+        self.episodes: list[tuple] = []  # the last step's sampled episodes, for the loggers' tables
 
     def _build_step(self, ptx_loader: BatchLoader | None) -> None:
         """The step's parts over the worker groups: the roles' scoring calls (issued as futures), the critics to
@@ -148,6 +152,7 @@ class RLTrainer:
                 if validates and (self.step % trainer.val_every == 0 or last):
                     metrics.update(self._timed_validation())
                 metrics["time/step_s"] = time.perf_counter() - started
+                self.logger.log_episodes(self.step, self.episodes)
                 self.logger.log(self.step, metrics)
                 self._keep_best(self.step, metrics)
                 if trainer.save_every and (self.step % trainer.save_every == 0 or last):
@@ -240,6 +245,8 @@ class RLTrainer:
         self.kl_controller.update(kl, self.derived.samples_per_step)
         for component in self.components:
             component.after_step(batch)
+        self.episodes = episode_rows(self.tokenizer, batch, scores_B, step=self.step,
+                                     limit=self.config.trainer.episodes_per_log)
         return step_metrics(StepResults(  # 5. the metrics, built in one place
             experience=experience, response_mask_BT=response_mask_BT, batch=batch, reward_metrics=reward_metrics,
             advantages=advantages, sequence_kl=kl, kl_coef=self.kl_controller.value, transition=transition,
