@@ -145,8 +145,8 @@ def test_off_a_terminal_a_long_phase_prints_at_once_then_a_line_every_few_second
 
 
 def test_a_run_says_what_it_does_before_its_first_step(data_dir, tmp_path, capsys):
-    _fit(data_dir, tmp_path / "run", "length_reward", "trainer.total_steps=1", f"data.val_path={data_dir / 'train.jsonl'}",
-         "trainer.val_every=1")
+    _fit(data_dir, tmp_path / "run", "length_reward", "trainer.total_steps=1",
+         f"data.val_path={data_dir / 'train.jsonl'}", "trainer.val_every=1")
     lines = capsys.readouterr().out.splitlines()
     assert lines[:3] == ["[rl] reading and tokenizing the prompts...",
                          "[rl] starting the workers and loading the models (actor, reference)...",

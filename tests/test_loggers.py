@@ -132,7 +132,8 @@ def test_an_rl_run_sends_its_metrics_and_sampled_episodes_to_mlflow_and_wandb(of
     from hybridflow.trainers.config.rl import load_rl_config
     from hybridflow.trainers.rl import RLTrainer
 
-    write_jsonl(tmp_path / "train.jsonl", prompt_rows(8, split="train", seed=0, config=ArithmeticTaskConfig(max_digits=1)))
+    rows = prompt_rows(8, split="train", seed=0, config=ArithmeticTaskConfig(max_digits=1))
+    write_jsonl(tmp_path / "train.jsonl", rows)
     run_dir = tmp_path / "run"
     config = load_rl_config(None, [
         f"data.train_path={tmp_path / 'train.jsonl'}", "actor.model.builtin=arithmetic", "reward.function=arithmetic",

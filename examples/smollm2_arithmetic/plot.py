@@ -1,4 +1,7 @@
-"""Plot a run's training reward and held-out accuracy per step: `python examples/smollm2_arithmetic/plot.py RUN_DIR [OUT.png]`."""
+"""Plot a run's training reward and held-out accuracy per step.
+
+    python examples/smollm2_arithmetic/plot.py RUN_DIR [OUT.png]      # default OUT: RUN_DIR/curve.png
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""GRPO on SmolLM2-135M-Instruct with short verifiable answers: `python examples/smollm2_arithmetic/run.py [key=value ...]`.
+"""GRPO on SmolLM2-135M-Instruct with short verifiable answers.
+
+    python examples/smollm2_arithmetic/run.py [--evaluate MODEL_DIR] [key=value ...]
 
 Writes train/held-out prompt files (reasoning-gym's basic_arithmetic: a + b or a - b, 1-2 digit operands; the
 held-out problems never appear in training) under ``<output_dir>/data``, then trains ``config.yaml``.

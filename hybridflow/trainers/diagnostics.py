@@ -82,5 +82,5 @@ class LearningSignalMonitor:
         return (f"no learning signal for {self.steps_without_signal} steps (step {step}): every group's samples got "
                 f"the same reward, so the group advantages are 0 and only the KL term moves the weights. Likely "
                 f"causes: {what}; sampling too close to greedy (raise actor.generation.temperature or "
-                f"batch.samples_per_prompt); a learning rate so high that the policy collapsed onto one answer per "
-                f"prompt (signal/entropy near 0: lower actor.engine.optim.lr). docs/diagnostics.md")
+                f"batch.samples_per_prompt); a learning rate so high that the policy broke (if earlier steps had "
+                f"signal: lower actor.engine.optim.lr). docs/diagnostics.md")

@@ -40,7 +40,8 @@ def _import(module: str, name: str, info: RunInfo):
     except ImportError:
         asked = (f"got {info.project!r}" if info.config_key == "trainer.wandb_project" else f"asks for {name}")
         raise ValueError(f"config key {info.config_key} {asked} but {module.split('.')[0]} is not installed; "
-                         f"allowed: install the extra (pip install 'hybridflow[loggers]'), or leave {name} out") from None
+                         f"allowed: install the extra (pip install 'hybridflow[loggers]'), or leave {name} "
+                         "out") from None
 
 
 def _finite(metrics: dict[str, float]) -> dict[str, float]:
