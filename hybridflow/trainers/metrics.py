@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 
@@ -46,13 +47,13 @@ class MetricsLogger:
             names.append("wandb")
         info = RunInfo(directory=self.directory, project=project or wandb_project or "hybridflow",
                        name=self.directory.resolve().name, config=run_config or {},
-                       mlflow_tracking_uri=mlflow_tracking_uri,
-                       config_key="trainer.loggers" if "wandb" in loggers or wandb_project is None
-                       else "trainer.wandb_project")
+                       mlflow_tracking_uri=mlflow_tracking_uri)
         self.trackers = {}
         try:
             for name in names:
-                self.trackers[name] = TRACKERS[name](info)
+                asked_by_project = name == "wandb" and name not in loggers  # the older switch, wandb_project
+                self.trackers[name] = TRACKERS[name](replace(info, config_key="trainer.wandb_project")
+                                                     if asked_by_project else info)
         except BaseException:
             self.close()
             raise
