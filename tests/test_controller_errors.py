@@ -15,7 +15,8 @@ import ray.cloudpickle
 import torch
 import torch.distributed as dist
 
-from hybridflow.controller import ResourcePool, Worker, WorkerError, WorkerGroup, WorkerTimeoutError, register
+from hybridflow.controller import (DRIVER_ACTIVITY, ResourcePool, Worker, WorkerError, WorkerGroup, WorkerTimeoutError,
+                                   register)
 from hybridflow.controller.errors import user_message
 from hybridflow.controller.worker_group import DEFAULT_CALL_TIMEOUT_S
 
@@ -86,6 +87,7 @@ def test_a_hung_collective_fails_within_the_process_group_timeout(faulty):
 def test_a_frozen_worker_is_reported_by_the_watchdog_then_times_out_naming_rank_and_pid(faulty, caplog):
     pids = faulty.pid()
     os.kill(pids[1], signal.SIGSTOP)
+    activity = DRIVER_ACTIVITY.set(lambda: "step 3/20: generate (5 s)")  # what a trainer's heartbeat describes
     try:
         future = faulty.pid.future()
         with caplog.at_level(logging.WARNING, logger="hybridflow.controller"), \
@@ -93,10 +95,12 @@ def test_a_frozen_worker_is_reported_by_the_watchdog_then_times_out_naming_rank_
             future.get(timeout_s=2.0, watchdog_s=0.4)
     finally:
         os.kill(pids[1], signal.SIGCONT)
+        DRIVER_ACTIVITY.reset(activity)
     assert info.value.pending_ranks == [1] and info.value.pids == [pids[1]]
     assert f"faulty.pid did not finish within 2 s on ranks [1] (pids [{pids[1]}])" in str(info.value)
     reports = [record.getMessage() for record in caplog.records if record.name == "hybridflow.controller"]
     assert reports and all(f"faulty.pid: still waiting for rank 1 (pid {pids[1]}) after" in r for r in reports)
+    assert all(r.endswith("; the driver is at: step 3/20: generate (5 s)") for r in reports)
     assert future.get() == pids  # resumed, the worker answers
 
 

@@ -2,6 +2,7 @@
 
 from hybridflow.controller.errors import WorkerError, WorkerTimeoutError
 from hybridflow.controller.future import (
+    DRIVER_ACTIVITY,
     DriverFetchStats,
     Future,
     driver_fetch_stats,
@@ -25,6 +26,7 @@ from hybridflow.controller.worker import Worker
 from hybridflow.controller.worker_group import WorkerGroup
 
 __all__ = [
+    "DRIVER_ACTIVITY",
     "Dispatch", "DriverFetchStats", "Future", "GroupMesh", "Protocol", "ResourcePool", "Worker", "WorkerError",
     "WorkerGroup", "WorkerTimeoutError", "broadcast", "driver_fetch_stats", "get_protocol", "lazy_fetch_stats",
     "local_mode",

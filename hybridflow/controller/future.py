@@ -14,6 +14,7 @@ returns a fixed multiple of its input rows (n samples per prompt).
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import threading
 import time
@@ -34,6 +35,8 @@ FAIL_FAST_POLL_S = 0.5
 WATCHDOG_INTERVAL_S = 120.0
 """How often a driver waiting on a worker call logs which ranks it still waits for."""
 logger = logging.getLogger("hybridflow.controller")
+DRIVER_ACTIVITY: contextvars.ContextVar = contextvars.ContextVar("hybridflow_driver_activity", default=None)
+"""A callable returning what the driver is doing (a trainer's current phase, or None): the watchdog names it."""
 
 
 # ---------------------------------------------------------------- driver fetch accounting
@@ -126,8 +129,11 @@ def gather(refs: dict[int, ray.ObjectRef], *, role: str, method: str, timeout_s:
                                      pids=_pids_of(pending_ranks, pids))
         if next_report is not None and now >= next_report:
             left = "no timeout" if deadline is None else f"timeout in {deadline - now:.0f} s"
-            logger.warning("%s.%s: still waiting for %s after %.0f s (%s)", role, method,
-                           _describe_ranks(pending_ranks, pids), now - start, left)
+            describe = DRIVER_ACTIVITY.get()
+            activity = describe() if describe is not None else None
+            logger.warning("%s.%s: still waiting for %s after %.0f s (%s)%s", role, method,
+                           _describe_ranks(pending_ranks, pids), now - start, left,
+                           f"; the driver is at: {activity}" if activity else "")
             next_report += watchdog_s
     if count:
         _count_fetched(list(values.values()))

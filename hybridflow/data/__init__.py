@@ -6,7 +6,7 @@ from hybridflow._lazy import lazy_exports
 
 if TYPE_CHECKING:  # the same names for static tools (type checkers, IDEs, tests/test_layering.py)
     from hybridflow.data.collate import left_pad, prompt_response_tensors, right_pad
-    from hybridflow.data.encoding import CHAT_TEMPLATE_MODES, PromptEncoder, decode_responses
+    from hybridflow.data.encoding import CHAT_TEMPLATE_MODES, PromptEncoder, answer_texts, decode_responses
     from hybridflow.data.files import read_rows, write_jsonl
     from hybridflow.data.loader import BatchLoader
     from hybridflow.data.pairs import PreferenceDataset, SFTDataset
@@ -22,6 +22,7 @@ _EXPORTS = {
     "CHAT_TEMPLATE_MODES": "hybridflow.data.encoding",
     "PromptEncoder": "hybridflow.data.encoding",
     "decode_responses": "hybridflow.data.encoding",
+    "answer_texts": "hybridflow.data.encoding",
     "read_rows": "hybridflow.data.files",
     "write_jsonl": "hybridflow.data.files",
     "BatchLoader": "hybridflow.data.loader",
@@ -41,6 +42,7 @@ __all__ = [
     "ResumableSampler",
     "SFTDataset",
     "decode_responses",
+    "answer_texts",
     "left_pad",
     "prompt_response_tensors",
     "read_rows",

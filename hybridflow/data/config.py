@@ -24,10 +24,16 @@ class PromptFiles:
     ``prompt`` text (completion-style prompts; ``messages`` rows are then refused)."""
     system_prompt: str | None = None
     """A system message put before every chat that has none (under a chat template only)."""
+    response_prefix: str | None = None
+    """Text that pre-starts every response (e.g. ``"The answer is "``): appended to the prompt after the chat
+    template's assistant header, so it is part of the prompt and never trained; training, validation and the
+    export-time evaluation all use it, and rule rewards read it before the generated text. ``"{name}"`` (the
+    whole value) takes each row's ``name`` field instead; any other value is used literally. null: none."""
 
     def prompt_format(self) -> dict:
         """The keyword arguments every dataset takes for reading and rendering prompts."""
-        return dict(prompt_key=self.prompt_key, chat_template=self.chat_template, system_prompt=self.system_prompt)
+        return dict(prompt_key=self.prompt_key, chat_template=self.chat_template, system_prompt=self.system_prompt,
+                    response_prefix=self.response_prefix)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_prompt_tokens, int) or self.max_prompt_tokens < 1:

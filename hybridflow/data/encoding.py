@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 CHAT_TEMPLATE_MODES = ("auto", "always", "never")
 
 
@@ -13,6 +15,10 @@ class PromptEncoder:
     one, or "always") the prompt is rendered with add_generation_prompt=True and tokenized without
     adding special tokens again (the template writes them); without one the text is tokenized
     as-is with the tokenizer's own special tokens (e.g. a leading BOS).
+
+    `response_prefix` pre-starts the model's reply: it is appended to the rendered prompt (after the chat
+    template's assistant header), so it is part of the prompt, never trained. A value `{name}` (the whole
+    string) takes each row's `name` field; any other value is used literally, braces included.
     """
 
     def __init__(
@@ -23,6 +29,7 @@ class PromptEncoder:
         messages_key: str = "messages",
         chat_template: str = "auto",
         system_prompt: str | None = None,
+        response_prefix: str | None = None,
     ) -> None:
         if chat_template not in CHAT_TEMPLATE_MODES:
             raise ValueError(f"chat_template must be one of {CHAT_TEMPLATE_MODES}, got {chat_template!r}")
@@ -38,6 +45,22 @@ class PromptEncoder:
         self.messages_key = messages_key
         self.system_prompt = system_prompt
         self.uses_chat_template = has_template and chat_template != "never"
+        self.response_prefix = response_prefix
+        field = re.fullmatch(r"\{(\w+)\}", response_prefix or "")
+        self.prefix_field = field.group(1) if field else None
+        """The row field holding each row's prefix (``response_prefix: "{name}"``), or None for a fixed one."""
+
+    def prefix_of(self, row: dict, *, row_index: int, source_name: str) -> str:
+        """The text that pre-starts this row's response ('' without ``response_prefix``)."""
+        if self.prefix_field is None:
+            return self.response_prefix or ""
+        prefix = row.get(self.prefix_field)
+        if not isinstance(prefix, str):
+            raise ValueError(
+                f"row {row_index} of {source_name}: response_prefix {self.response_prefix!r} takes the row's "
+                f"{self.prefix_field!r} field, which must be text; got {prefix!r} (fields present: {sorted(row)})"
+            )
+        return prefix
 
     def conversation(self, row: dict, *, row_index: int, source_name: str) -> tuple[list[dict], str]:
         """(the row's chat: its messages, or its prompt text as one user turn; the user's prompt as written)."""
@@ -60,7 +83,12 @@ class PromptEncoder:
         return [{"role": "user", "content": raw_prompt}], raw_prompt
 
     def prompt_text(self, row: dict, *, row_index: int, source_name: str) -> tuple[str, str]:
-        """(text fed to the model, the user's prompt as written) for one row."""
+        """(text fed to the model, the user's prompt as written) for one row; the text ends in the row's
+        response prefix."""
+        text, raw_prompt = self._rendered(row, row_index=row_index, source_name=source_name)
+        return text + self.prefix_of(row, row_index=row_index, source_name=source_name), raw_prompt
+
+    def _rendered(self, row: dict, *, row_index: int, source_name: str) -> tuple[str, str]:
         messages, raw_prompt = self.conversation(row, row_index=row_index, source_name=source_name)
         if not self.uses_chat_template:
             if row.get(self.messages_key) is not None:
@@ -105,3 +133,12 @@ def decode_responses(tokenizer, data) -> list[str]:
     responses, masks = data["responses"].tolist(), data["response_mask"].bool().tolist()
     return [tokenizer.decode([token for token, real in zip(row, mask) if real], skip_special_tokens=True)
             for row, mask in zip(responses, masks)]
+
+
+def answer_texts(tokenizer, data) -> list[str]:
+    """What each sample answered, as a reward function reads it: the row's response prefix (the non-tensor
+    ``response_prefix``, when the prompts had one) followed by the generated text."""
+    texts = decode_responses(tokenizer, data)
+    if "response_prefix" not in data:
+        return texts
+    return [str(prefix) + text for prefix, text in zip(data["response_prefix"], texts)]

@@ -39,6 +39,7 @@ class _PairDataset:
         messages_key: str,
         chat_template: str,
         system_prompt: str | None,
+        response_prefix: str | None = None,
     ) -> None:
         for name, value in (("max_prompt_tokens", max_prompt_tokens), ("max_response_tokens", max_response_tokens)):
             if value < 1:
@@ -46,7 +47,7 @@ class _PairDataset:
         rows, self.source_name = load_rows(source, description=description)
         self.encoder = PromptEncoder(
             tokenizer, prompt_key=prompt_key, messages_key=messages_key,
-            chat_template=chat_template, system_prompt=system_prompt,
+            chat_template=chat_template, system_prompt=system_prompt, response_prefix=response_prefix,
         )
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         rendered = [
@@ -102,11 +103,13 @@ class SFTDataset(_PairDataset):
         messages_key: str = "messages",
         chat_template: str = "auto",
         system_prompt: str | None = None,
+        response_prefix: str | None = None,
     ) -> None:
         super().__init__(
             source, tokenizer, response_keys=(response_key,), description="SFT dataset",
             max_prompt_tokens=max_prompt_tokens, max_response_tokens=max_response_tokens, prompt_key=prompt_key,
             messages_key=messages_key, chat_template=chat_template, system_prompt=system_prompt,
+            response_prefix=response_prefix,
         )
 
     def batch(self, indices: Sequence[int]):
@@ -141,11 +144,13 @@ class PreferenceDataset(_PairDataset):
         messages_key: str = "messages",
         chat_template: str = "auto",
         system_prompt: str | None = None,
+        response_prefix: str | None = None,
     ) -> None:
         super().__init__(
             source, tokenizer, response_keys=(chosen_key, rejected_key), description="preference dataset",
             max_prompt_tokens=max_prompt_tokens, max_response_tokens=max_response_tokens, prompt_key=prompt_key,
             messages_key=messages_key, chat_template=chat_template, system_prompt=system_prompt,
+            response_prefix=response_prefix,
         )
 
     def batch(self, indices: Sequence[int]):

@@ -30,6 +30,8 @@ class PromptExample:
     """Every other field of the row (ground truth `answer`, test cases, ...)."""
     row_index: int
     """Position of the row in the source file."""
+    response_prefix: str = ""
+    """The text pre-starting the response (``data.response_prefix``), already at the end of ``input_ids``."""
 
 
 class PromptDataset:
@@ -49,6 +51,7 @@ class PromptDataset:
         messages_key: str = "messages",
         chat_template: str = "auto",
         system_prompt: str | None = None,
+        response_prefix: str | None = None,
     ) -> None:
         if max_prompt_tokens < 1:
             raise ValueError(f"max_prompt_tokens must be >= 1, got {max_prompt_tokens}")
@@ -59,6 +62,7 @@ class PromptDataset:
             messages_key=messages_key,
             chat_template=chat_template,
             system_prompt=system_prompt,
+            response_prefix=response_prefix,
         )
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.max_prompt_tokens = max_prompt_tokens
@@ -83,7 +87,9 @@ class PromptDataset:
                     longest_dropped = max(longest_dropped, len(input_ids))
                     continue
                 extra = {key: value for key, value in rows[index].items() if key not in (prompt_key, messages_key)}
-                self.examples.append(PromptExample(list(input_ids), raw_prompt, conversations[index], extra, index))
+                prefix = self.encoder.prefix_of(rows[index], row_index=index, source_name=self.source_name)
+                self.examples.append(PromptExample(list(input_ids), raw_prompt, conversations[index], extra, index,
+                                                   prefix))
         if self.num_filtered:
             warnings.warn(
                 f"dropped {self.num_filtered} of {len(rows)} prompts of {self.source_name} longer than "
@@ -105,21 +111,23 @@ class PromptDataset:
         Tensors: `input_ids` [B, P] and `attention_mask` [B, P], left-padded to the longest prompt
         of the batch. Non-tensors: `raw_prompt` (str), `messages` (the prompt as a chat, list of
         dicts), `extra_fields` (dict of the row's other fields, passed to reward functions as
-        keyword arguments), `row_index` (int).
+        keyword arguments), `row_index` (int); with a response prefix, `response_prefix` (str: reward
+        functions read it before the generated text).
         """
         from hybridflow.protocol import DataProto
 
         examples = [self.examples[index] for index in indices]
         input_ids_BP, attention_mask_BP = left_pad([e.input_ids for e in examples], pad_token_id=self.pad_token_id)
-        return DataProto.from_dict(
-            tensors={"input_ids": input_ids_BP, "attention_mask": attention_mask_BP},
-            non_tensors={
-                "raw_prompt": [e.raw_prompt for e in examples],
-                "messages": [e.messages for e in examples],
-                "extra_fields": [e.extra_fields for e in examples],
-                "row_index": [e.row_index for e in examples],
-            },
-        )
+        non_tensors = {
+            "raw_prompt": [e.raw_prompt for e in examples],
+            "messages": [e.messages for e in examples],
+            "extra_fields": [e.extra_fields for e in examples],
+            "row_index": [e.row_index for e in examples],
+        }
+        if self.encoder.response_prefix is not None:
+            non_tensors["response_prefix"] = [e.response_prefix for e in examples]
+        return DataProto.from_dict(tensors={"input_ids": input_ids_BP, "attention_mask": attention_mask_BP},
+                                   non_tensors=non_tensors)
 
     def batches_in_order(self, batch_size: int) -> Iterator:
         """Every example once, in file order, in DataProtos of up to `batch_size` rows (for validation)."""

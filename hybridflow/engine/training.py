@@ -43,12 +43,16 @@ class TrainingEngine:
 
     def __init__(self, config: EngineConfig, build_model: Callable[[], nn.Module], *, head: str = "lm",
                  weights_path: str | None = None, head_seed: int = 0, trainable: bool = True, seed: int = 0,
-                 total_steps: int | None = None, lora: "LoraConfig | None" = None):
+                 total_steps: int | None = None, lora: "LoraConfig | None" = None,
+                 fp32_weights: bool | None = None):
         """``build_model()`` returns the full model; with ``weights_path`` it returns the architecture on the
         meta device, and each rank allocates only its shards and reads them from that Hugging Face
         directory (``engine/weights.py``). ``head_seed`` initialises a value/score head the checkpoint lacks.
         ``trainable=False`` (reference, reward and cost models): parameters are held in the compute dtype
         (bf16 on GPUs: half the memory of fp32 masters), without gradients and without an optimizer.
+        ``fp32_weights`` (default: ``trainable``) holds them in fp32 instead, computing in the compute dtype by
+        autocast exactly as a trained model does: a reference then gives its actor's log-probs bit for bit
+        (held in bf16 it differs by ~1e-3 per token, since autocast keeps norms and residuals in the weights' dtype).
         ``seed`` (the run's) is set before ``build_model()`` (same initial weights on every rank);
         ``total_steps`` is the run's optimizer step count, the length of a linear or cosine LR schedule.
         ``lora``: LoRA adapters on the layers it targets (``models/lora.py``): only they (and a value/score head) are
@@ -62,6 +66,7 @@ class TrainingEngine:
         self.config, self.head, self.trainable = config, head, trainable
         self.lora = lora
         """The LoRA adapters of this model (None: every parameter is trained)."""
+        self.fp32_weights = trainable if fp32_weights is None else fp32_weights
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             full_model = build_model()
@@ -126,7 +131,7 @@ class TrainingEngine:
         # fp32 master weights whatever dtype the model was built in; compute runs in config.dtype (autocast).
         # A meta model stays on meta through sharding and is allocated shard by shard in _materialize.
         on_meta = all(p.device.type == "meta" for p in model.parameters())
-        dtype = torch.float32 if self.trainable else self.compute_dtype
+        dtype = torch.float32 if self.fp32_weights else self.compute_dtype
         model.to(dtype=dtype) if on_meta else model.to(device=self.device, dtype=dtype)
         model.train()
         if self.lora is not None:
@@ -177,13 +182,15 @@ class TrainingEngine:
     @classmethod
     def from_model_config(cls, config: EngineConfig, model_config, *, head: str = "lm", seed: int = 0,
                           total_steps: int | None = None, trainable: bool = True,
-                          lora: "LoraConfig | None" = None) -> "TrainingEngine":
+                          lora: "LoraConfig | None" = None,
+                          fp32_weights: bool | None = None) -> "TrainingEngine":
         """The engine of a ``ModelConfig`` under ``head``: a local checkpoint is read shard by shard onto
         meta-initialised stages (no rank ever holds the whole model); a tiny random model is built whole (it is
         tiny). ``seed`` initialises a tiny model or a new value/score head."""
         from hybridflow.models import build_model
 
-        runtime = dict(head=head, seed=seed, total_steps=total_steps, trainable=trainable, lora=lora)
+        runtime = dict(head=head, seed=seed, total_steps=total_steps, trainable=trainable, lora=lora,
+                       fp32_weights=fp32_weights)
         if model_config.path is None or not cls.meta_init_supported(config, model_config, head=head):
             return cls(config, lambda: build_model(model_config, head=head, seed=seed), **runtime)
         return cls(config, lambda: build_model(model_config, head=head, seed=seed, device="meta"),

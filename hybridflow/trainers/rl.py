@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from hybridflow.algorithms import AdaptiveKLController, FixedKLController
+from hybridflow.controller import DRIVER_ACTIVITY
 from hybridflow.data import BatchLoader, PromptDataset, SFTDataset
 from hybridflow.protocol import DataProto
 from hybridflow.rewards import RuleReward
@@ -32,8 +33,10 @@ from hybridflow.trainers.checkpoint import RunCheckpointer, checkpoint_estimate,
 from hybridflow.trainers.components import build_components
 from hybridflow.trainers.config.rl import RLConfig
 from hybridflow.trainers.config.loader import dump_yaml, to_plain
+from hybridflow.trainers.diagnostics import SUMMARY_KEYS, LearningSignalMonitor
 from hybridflow.trainers.export import export_roles
-from hybridflow.trainers.metrics import MetricsLogger, StepReporter
+from hybridflow.trainers.loggers import episode_rows
+from hybridflow.trainers.metrics import Heartbeat, MetricsLogger, StepReporter
 from hybridflow.trainers.pipelined import PipelinedSampling
 from hybridflow.trainers.preflight import check_sequence_length, max_positions, preflight
 from hybridflow.trainers.run_dir import claim_run_directory, set_aside_later_metrics
@@ -59,11 +62,15 @@ class RLTrainer:
         if self.plan is not None:
             print(f"auto-mapping chose:\n{self.plan.describe()}")
         self.config = config
+        self.heartbeat = Heartbeat("rl", every_s=config.trainer.progress_every_s,
+                                   progress_bar=config.trainer.progress_bar)
+        DRIVER_ACTIVITY.set(self.heartbeat.describe)  # the worker watchdog names what the driver is doing
         self.derived = config.derived()
         self.specs = role_specs(config)
         self.tokenizer = self.specs.actor_tokenizer.load()
-        self.train_data = self._dataset(config.data.train_path)
-        self.val_data = self._dataset(config.data.val_path) if config.data.val_path else None
+        with self.heartbeat.phase("reading and tokenizing the prompts"):
+            self.train_data = self._dataset(config.data.train_path)
+            self.val_data = self._dataset(config.data.val_path) if config.data.val_path else None
         check_sequence_length(config, max(len(example.input_ids) for data in (self.train_data, self.val_data)
                                           if data is not None for example in data.examples))
         ptx_loader = self._ptx_loader()  # read before any worker starts, like the prompts
@@ -90,19 +97,24 @@ class RLTrainer:
             has_checkpoint=lambda _: self.checkpointer.has_any())
         try:
             resume_from = self._check_resume() if self.run_dir.resumes else None  # before any worker starts
-            self.groups, self.pools = build_worker_groups(config, self.specs, mode=mode)
+            with self.heartbeat.phase(f"starting the workers and loading the models "
+                                      f"({', '.join(config.active_roles)})"):
+                self.groups, self.pools = build_worker_groups(config, self.specs, mode=mode)
             self._build_step(ptx_loader)
             self.step = 0
             self.best: dict | None = None  # trainer.keep_best: {"metric", "value", "step"} of the best validation
             self.step = self._resume(resume_from) if resume_from is not None else 0
             (self.output_dir / "config.yaml").write_text(dump_yaml(self.user_config))
             set_aside_later_metrics(self.output_dir, self.step)
+            trainer = config.trainer
             self.logger = MetricsLogger(self.output_dir, resume_step=self.step,
-                                        tensorboard=tensorboard and config.trainer.tensorboard,
-                                        wandb_project=config.trainer.wandb_project, run_config=to_plain(config))
+                                        tensorboard=tensorboard and trainer.tensorboard, loggers=tuple(trainer.loggers),
+                                        wandb_project=trainer.wandb_project, run_config=to_plain(config),
+                                        project=trainer.project, mlflow_tracking_uri=trainer.mlflow_tracking_uri)
         except BaseException:
             self.run_dir.release()
             raise
+        self.episodes: list[tuple] = []  # the last step's sampled episodes, for the loggers' tables
 
     def _build_step(self, ptx_loader: BatchLoader | None) -> None:
         """The step's parts over the worker groups: the roles' scoring calls (issued as futures), the critics to
@@ -172,7 +184,8 @@ class RLTrainer:
         trainer = self.config.trainer
         validates = bool(trainer.val_every) and self.val_data is not None
         reporter = StepReporter("rl", total=trainer.total_steps, initial=self.step, progress_bar=trainer.progress_bar,
-                                every=trainer.log_every, keys=("reward/score_mean",))
+                                every=trainer.log_every, keys=SUMMARY_KEYS)
+        signal = LearningSignalMonitor(trainer.warn_no_signal_steps)
         try:
             if validates and trainer.val_before_train and self.step == 0:  # the starting score, as step 0
                 metrics = self._timed_validation()
@@ -183,10 +196,12 @@ class RLTrainer:
                 started = time.perf_counter()
                 self.step += 1
                 metrics = self.train_step(self.loader.next_batch())
+                reporter.warn(signal.observe(self.step, metrics))
                 last = self.step == trainer.total_steps
                 if validates and (self.step % trainer.val_every == 0 or last):
                     metrics.update(self._timed_validation())
                 metrics["time/step_s"] = time.perf_counter() - started
+                self.logger.log_episodes(self.step, self.episodes)
                 self.logger.log(self.step, metrics)
                 self._keep_best(self.step, metrics)
                 if trainer.save_every and (self.step % trainer.save_every == 0 or last):
@@ -196,12 +211,16 @@ class RLTrainer:
                     on_step(self.step, metrics)
         finally:
             reporter.close()
-        self.export(self.output_dir / "final")
+        with self.heartbeat.phase(f"exporting the trained models to {self.output_dir / 'final'}"):
+            self.export(self.output_dir / "final")
         return self.logger.history
 
     def _timed_validation(self) -> dict[str, float]:
         started = time.perf_counter()
-        metrics = self.validate()
+        batches = -(-len(self.val_data) // self.config.batch.prompts_per_step)
+        with self.heartbeat.phase(f"validation after step {self.step} ({len(self.val_data)} held-out prompts, "
+                                  f"greedy), batches", total=batches):
+            metrics = self.validate()
         metrics["time/validate_s"] = time.perf_counter() - started
         return metrics
 
@@ -229,7 +248,8 @@ class RLTrainer:
     # ------------------------------------------------------------------ one step
     def train_step(self, prompts: DataProto) -> dict[str, float]:
         """One RL iteration on a batch of prompts (the paper's Figure 1); returns its metrics."""
-        timer = PhaseTimer()
+        timer = PhaseTimer(report=lambda name: self.heartbeat.phase(
+            f"step {self.step}/{self.config.trainer.total_steps}: {name}", announce=False))
         seed = self.config.trainer.seed * 1_000_003 + self.step
         # 1. generate, 2. score (one round; DAPO's dynamic sampling draws more)
         experience = self.sampling.sample(prompts, seed, partial(self.generate_and_score, timer=timer))
@@ -274,10 +294,13 @@ class RLTrainer:
         self.kl_controller.update(kl, self.derived.samples_per_step)
         for component in self.components:
             component.after_step(batch)
+        self.episodes = episode_rows(self.tokenizer, batch, scores_B, step=self.step,
+                                     limit=self.config.trainer.episodes_per_log)
         return step_metrics(StepResults(  # 5. the metrics, built in one place
             experience=experience, response_mask_BT=response_mask_BT, batch=batch, reward_metrics=reward_metrics,
             advantages=advantages, sequence_kl=kl, kl_coef=self.kl_controller.value, transition=transition,
-            updates=updates, timing=timer.seconds), self.components)
+            updates=updates, timing=timer.seconds,
+            scores_B=scores_B if dense_rewards_BT is None else scores_B + dense_rewards_BT.sum(-1)), self.components)
 
     def rewards(self, batch: DataProto) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
         """The reward split by where it is credited (``RewardScorer.token_rewards``: sequence_B on the last token,
@@ -337,6 +360,7 @@ class RLTrainer:
             batch = self.generate(prompts)
             columns["val/score_mean"].append(self.response_scores(batch))
             columns["val/response_length_mean"].append(batch["response_mask"].sum(-1).float())
+            self.heartbeat.advance()
             if self.val_rule is not None:
                 columns["val/function_mean"].append(self.scorer.rule_scores(batch, self.val_rule))
             for component in self.components:

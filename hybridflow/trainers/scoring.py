@@ -14,7 +14,7 @@ from torch import Tensor
 
 from hybridflow.protocol import DataProto
 from hybridflow.rewards import RuleReward
-from hybridflow.data import decode_responses
+from hybridflow.data import answer_texts
 
 
 class RewardScorer:
@@ -32,7 +32,7 @@ class RewardScorer:
         assert rule is not None
         prompts = [str(prompt) for prompt in data["raw_prompt"]]
         extra = list(data["extra_fields"]) if "extra_fields" in data else None
-        return rule.score_batch(prompts, decode_responses(self.tokenizer, data), extra)
+        return rule.score_batch(prompts, answer_texts(self.tokenizer, data), extra)
 
     def token_rewards(self, data: DataProto) -> tuple[Tensor, Tensor | None, dict[str, float]]:
         """The reward split by where it is credited -> (sequence_B, dense_BT or None, metrics).

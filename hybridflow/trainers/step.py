@@ -18,6 +18,7 @@ from torch import Tensor
 
 from hybridflow.protocol import DataProto
 from hybridflow.trainers.advantage import AdvantageResult, token_mean
+from hybridflow.trainers.diagnostics import group_signal_metrics, sampled_entropy
 
 
 @dataclass
@@ -54,6 +55,9 @@ class StepResults:
     """The metrics of each update of the step (actor, critic, the components')."""
     timing: dict[str, float]
     """Seconds per phase (generate, score, update)."""
+    scores_B: Tensor | None = None
+    """Each sample's total reward as the estimator saw it (the components' adjustments applied): the
+    learning-signal diagnostics compare them within each group."""
 
 
 class StepComponent:
@@ -139,22 +143,40 @@ def step_metrics(results: StepResults, components: list[StepComponent]) -> dict[
     })
     if "values" in batch:
         metrics["critic/values_before_mean"] = token_mean(batch["values"], mask_BT)
+    metrics.update(signal_metrics(results))
     for component in components:
         metrics.update(component.metrics(results))
     return metrics
 
 
-class PhaseTimer:
-    """Seconds per named phase of a step, summed over repeats (dynamic sampling generates several times)."""
+def signal_metrics(results: StepResults) -> dict[str, float]:
+    """The learning-signal diagnostics (``trainers/diagnostics.py``): tied groups and the sampled entropy."""
+    batch, metrics = results.batch, {}
+    if results.scores_B is not None and "uid" in batch:
+        metrics.update(group_signal_metrics(results.scores_B, batch["uid"]))
+    sampled = "logprobs" if "logprobs" in batch else "old_logprobs"
+    if sampled in batch:
+        metrics["signal/entropy"] = sampled_entropy(batch[sampled], results.response_mask_BT)
+    return metrics
 
-    def __init__(self) -> None:
+
+class PhaseTimer:
+    """Seconds per named phase of a step, summed over repeats (dynamic sampling generates several times);
+    ``report(name)``, when given, is a context manager entered around each phase (the trainer's progress)."""
+
+    def __init__(self, report=None) -> None:
         self.seconds: dict[str, float] = {}
+        self.report = report
 
     @contextmanager
     def __call__(self, name: str):
         start = time.perf_counter()
         try:
-            yield
+            if self.report is None:
+                yield
+            else:
+                with self.report(name):
+                    yield
         finally:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 

@@ -70,7 +70,9 @@ def _greedy_answer_metrics(config: SFTConfig, group: WorkerGroup, tokenizer, rul
                                        eos_token_id=tokenizer.eos_token_id)
         answers = tokenizer.batch_decode(output_BS[:, input_ids_BP.shape[1]:], skip_special_tokens=True)
         fields = list(batch["extra_fields"])
-        scores.append(rule.score_batch(list(batch["raw_prompt"]), answers, fields))
+        # a response prefix pre-started each answer in the prompt: the rule reads it whole
+        prefixes = batch["response_prefix"] if "response_prefix" in batch else [""] * len(answers)
+        scores.append(rule.score_batch(list(batch["raw_prompt"]), [p + a for p, a in zip(prefixes, answers)], fields))
         matches += [float(answer.strip() == str(row.get(config.data.response_key, "")).strip())
                     for answer, row in zip(answers, fields)]
     shutil.rmtree(scratch, ignore_errors=True)

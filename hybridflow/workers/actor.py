@@ -74,11 +74,23 @@ def policy_loss_fn(spec: ActorSpec):
             kl_BT = kl_estimate(outputs["logprobs"], batch["ref_logprobs"], estimator=loss_config.kl_loss_estimator,
                                 mask_BT=mask_BT)
             kl = aggregate(kl_BT)
-            loss = loss + kl_coef * kl
             metrics["kl_loss"] = kl.detach()
+            if outputs["logprobs"].requires_grad:
+                metrics["pg_grad_share"] = pg_grad_share(outputs["logprobs"], loss, kl_coef * kl)
+            loss = loss + kl_coef * kl
         return loss, metrics
 
     return loss_fn
+
+
+def pg_grad_share(logprobs_BT: Tensor, pg_loss: Tensor, kl_loss: Tensor) -> Tensor:
+    """|d pg / d logprobs| / (|d pg / d logprobs| + |d kl / d logprobs|): the policy-gradient term's share of the
+    push on the token log-probs, where both terms enter the model's backward. autograd walks only the loss's own
+    [B, T] graph back to the log-probs (never the model), so it costs O(B * T), not a second backward."""
+    grads = [torch.autograd.grad(term, logprobs_BT, retain_graph=True, allow_unused=True)[0]
+             for term in (pg_loss, kl_loss)]
+    pg_norm, kl_norm = (grad.norm() if grad is not None else torch.zeros(()) for grad in grads)
+    return (pg_norm / (pg_norm + kl_norm).clamp(min=1e-30)).detach()
 
 
 def next_token_loss_fn(scale: float):

@@ -42,6 +42,8 @@ class ModelWorker(Worker):
     TRAINABLE = True
     """False for roles that only score (reference, reward, cost): their engine holds the weights in the
     compute dtype with no gradients or optimizer."""
+    FP32_WEIGHTS: bool | None = None
+    """Hold the weights in fp32 (None: when trainable); see ``TrainingEngine``'s ``fp32_weights``."""
 
     def __init__(self, spec: EngineSpec) -> None:
         self.spec = spec
@@ -53,7 +55,7 @@ class ModelWorker(Worker):
                              f"LoRA applies to the trained roles: actor.lora, critic.lora")
         self.engine = TrainingEngine.from_model_config(spec.engine, spec.model, head=spec.head, seed=spec.seed,
                                                        total_steps=spec.total_steps, trainable=self.TRAINABLE,
-                                                       lora=spec.lora)
+                                                       lora=spec.lora, fp32_weights=self.FP32_WEIGHTS)
         self.set_parallel_layout(self.engine.layout)
 
     @register("ONE_TO_ALL")

@@ -373,15 +373,33 @@ class TrainerSection:
     progress_bar: bool = True
     """Show a tqdm progress bar when stderr is a terminal; otherwise (CI, nohup, files) one line every
     ``log_every`` steps."""
+    progress_every_s: float = 30.0
+    """Off a terminal: while a long phase runs (loading the models, validation, a step's generation, scoring and
+    update, the export), print what it is and how long it has run every this many seconds (a bar on a terminal)."""
     log_every: int = 1
     """When stderr is not a terminal (or ``progress_bar`` is false): print one metrics line every N steps."""
+    loggers: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])
+    """Where the metrics go: any of jsonl (``output_dir/metrics.jsonl``, always written: resume and plots read
+    it), tensorboard (``output_dir/tensorboard``), wandb, mlflow, trackio (through their own libraries, the
+    ``loggers`` extra: ``pip install 'hybridflow[loggers]'``). Each gets the config, every step's metrics and,
+    where the library has tables (wandb, mlflow, trackio), a table of sampled episodes (docs/diagnostics.md)."""
+    project: str | None = None
+    """The W&B / trackio project and MLflow experiment name; null: ``wandb_project``, else ``hybridflow``."""
+    mlflow_tracking_uri: str | None = None
+    """MLflow's tracking store (``file:///path``, ``http://host:5000``); null: $MLFLOW_TRACKING_URI, else a file
+    store in ``output_dir/mlruns``."""
+    episodes_per_log: int = 8
+    """Rows of each step's sampled-episodes table (prompt, response, reward) for the loggers that have tables."""
     tensorboard: bool = True
-    """Write TensorBoard scalars under ``output_dir/tensorboard``."""
+    """False turns the tensorboard logger off (the older switch; ``loggers`` is the newer one)."""
     wandb_project: str | None = None
-    """Also log to Weights & Biases under this project (needs ``pip install wandb``); null: off."""
+    """Also log to Weights & Biases under this project (adds wandb to ``loggers``); null: off."""
     worker_timeout_s: float = 3600.0
     """Seconds one worker call (a generation, an update, ...) may take before the run fails with an error
     naming the role, method and the ranks still running (a frozen worker cannot hang the run)."""
+    warn_no_signal_steps: int = 3
+    """Warn (naming the likely causes, docs/diagnostics.md) when every group's samples got the same reward for
+    this many steps in a row: a group estimator then learns nothing; 0: never warn."""
     watchdog_s: float = 120.0
     """While a worker call runs longer than this, log every this many seconds which role, method and
     ranks it is waiting for."""
@@ -392,6 +410,15 @@ class TrainerSection:
         require(self.save_every >= 0, "save_every", self.save_every, "an integer >= 0")
         require(self.keep_last >= 0, "keep_last", self.keep_last, "an integer >= 0 (0 keeps every checkpoint)")
         require(self.log_every >= 1, "log_every", self.log_every, "an integer >= 1")
+        require(_finite_positive(self.progress_every_s), "progress_every_s", self.progress_every_s,
+                "a number of seconds > 0")
+        from hybridflow.trainers.loggers import LOGGER_NAMES
+
+        for name in self.loggers:
+            require(name in LOGGER_NAMES, "loggers", self.loggers, f"a list of {', '.join(LOGGER_NAMES)}")
+        require(self.episodes_per_log >= 0, "episodes_per_log", self.episodes_per_log, "an integer >= 0")
+        require(self.warn_no_signal_steps >= 0, "warn_no_signal_steps", self.warn_no_signal_steps,
+                "an integer >= 0 (0: never warn)")
         require(_finite_positive(self.worker_timeout_s), "worker_timeout_s", self.worker_timeout_s,
                 "a number of seconds > 0")
         require(_finite_positive(self.watchdog_s), "watchdog_s", self.watchdog_s, "a number of seconds > 0")
