@@ -7,7 +7,8 @@ outputs concatenated; a row-parallel projection splits its input at the piece bo
 the partial products, then all-reduces over the generation tensor-parallel group (Megatron style).
 No concatenated copy of the weights ever exists, so no rank holds a redundant copy.
 
-Supported families: Llama, Qwen2 (q/k/v biases), Mistral (full attention): RMSNorm, rotary
+Supported families: Llama, Qwen2 (q/k/v biases), Mistral (full attention), Qwen3 (per-head q/k RMSNorm before
+the rotation): RMSNorm, rotary
 embeddings as the HF config describes them (rope_theta and the static rope scalings that
 transformers implements), grouped-query attention, SiLU-gated MLP, tied or untied output head.
 
@@ -59,7 +60,7 @@ class DecoderSpec:
 
     @classmethod
     def from_hf(cls, hf_config) -> "DecoderSpec":
-        """Read the numbers from a transformers config of the Llama, Qwen2 or Mistral family."""
+        """Read the numbers from a transformers config of a supported family."""
         window = getattr(hf_config, "sliding_window", None)
         if window is not None and getattr(hf_config, "use_sliding_window", True):
             raise ValueError(f"sliding_window={window}: sliding-window attention is not supported by the "
@@ -369,16 +370,28 @@ class DecoderStage:
         cos_LD, sin_LD = cache.rotary
         return cos_LD[positions_BS].unsqueeze(1), sin_LD[positions_BS].unsqueeze(1)
 
+    def _queries_keys_values(self, x_BSH: torch.Tensor, prefix: str, cos, sin):
+        """(q [B, Nq, S, D], k [B, Nkv, S, D], v [B, Nkv, S, D]) of one attention layer: projected, each head
+        RMS-normalised where the family has q/k norms (Qwen3), then rotated."""
+        B, S, _ = x_BSH.shape
+        D = self.spec.head_dim
+        q_BSND = self._column(x_BSH, f"{prefix}.q_proj").view(B, S, self.local_heads, D)
+        k_BSND = self._column(x_BSH, f"{prefix}.k_proj").view(B, S, self.local_kv_heads, D)
+        v_BNSD = self._column(x_BSH, f"{prefix}.v_proj").view(B, S, self.local_kv_heads, D).transpose(1, 2)
+        if f"{prefix}.q_norm.weight" in self.weights:
+            q_BSND = self._rms_norm(q_BSND, f"{prefix}.q_norm.weight")
+            k_BSND = self._rms_norm(k_BSND, f"{prefix}.k_norm.weight")
+        q_BNSD, k_BNSD = q_BSND.transpose(1, 2), k_BSND.transpose(1, 2)
+        q_BNSD = q_BNSD * cos + _rotate_half(q_BNSD) * sin
+        k_BNSD = k_BNSD * cos + _rotate_half(k_BNSD) * sin
+        return q_BNSD, k_BNSD, v_BNSD
+
     def _attention(self, x_BSH: torch.Tensor, layer: int, slot: int, cache: KVCache,
                    cos, sin, mask_B1SL: torch.Tensor) -> torch.Tensor:
         B, S, _ = x_BSH.shape
         D = self.spec.head_dim
         prefix = f"model.layers.{layer}.self_attn"
-        q_BNSD = self._column(x_BSH, f"{prefix}.q_proj").view(B, S, self.local_heads, D).transpose(1, 2)
-        k_BNSD = self._column(x_BSH, f"{prefix}.k_proj").view(B, S, self.local_kv_heads, D).transpose(1, 2)
-        v_BNSD = self._column(x_BSH, f"{prefix}.v_proj").view(B, S, self.local_kv_heads, D).transpose(1, 2)
-        q_BNSD = q_BNSD * cos + _rotate_half(q_BNSD) * sin
-        k_BNSD = k_BNSD * cos + _rotate_half(k_BNSD) * sin
+        q_BNSD, k_BNSD, v_BNSD = self._queries_keys_values(x_BSH, prefix, cos, sin)
         end = cache.length + S
         cache.keys[slot][:, :, cache.length:end] = k_BNSD
         cache.values[slot][:, :, cache.length:end] = v_BNSD
@@ -400,11 +413,7 @@ class DecoderStage:
         B = x_B1H.shape[0]
         D = self.spec.head_dim
         prefix = f"model.layers.{layer}.self_attn"
-        q_BN1D = self._column(x_B1H, f"{prefix}.q_proj").view(B, 1, self.local_heads, D).transpose(1, 2)
-        k_BK1D = self._column(x_B1H, f"{prefix}.k_proj").view(B, 1, self.local_kv_heads, D).transpose(1, 2)
-        v_BK1D = self._column(x_B1H, f"{prefix}.v_proj").view(B, 1, self.local_kv_heads, D).transpose(1, 2)
-        q_BN1D = q_BN1D * cos + _rotate_half(q_BN1D) * sin
-        k_BK1D = k_BK1D * cos + _rotate_half(k_BK1D) * sin
+        q_BN1D, k_BK1D, v_BK1D = self._queries_keys_values(x_B1H, prefix, cos, sin)
         cache.keys[slot].index_copy_(2, index_1, k_BK1D)
         cache.values[slot].index_copy_(2, index_1, v_BK1D)
         out_BN1D = attention(q_BN1D, cache.keys[slot], cache.values[slot], mask_B11L, D ** -0.5)

@@ -9,14 +9,15 @@ if TYPE_CHECKING:
 
 # model_type (as written in config.json); transformers is imported only by family_config_class, so that
 # configs naming a family validate without it
-SUPPORTED_FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2")
+SUPPORTED_FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def family_config_class(family: str) -> "type[PretrainedConfig]":
     """The transformers config class of a supported ``family``."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    return {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}[check_family(family)]
+    classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+    return classes[check_family(family)]
 
 
 def check_family(family: str, *, source: str = "model") -> str:

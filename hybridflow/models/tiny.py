@@ -30,6 +30,12 @@ TINY_DEFAULTS: dict[str, Any] = {
     "eos_token_id": 2,
 }
 
+FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    # Qwen3's config defaults head_dim to 128 whatever the hidden size: keep hidden / heads like the others
+    "qwen3": {"head_dim": 16},
+}
+"""Per-family additions to ``TINY_DEFAULTS`` (fields whose family default does not fit a 64-wide model)."""
+
 
 def tiny_config(family: str = "llama", **overrides: Any) -> PretrainedConfig:
     """A Hugging Face config of a tiny ``family`` decoder: ``TINY_DEFAULTS`` updated by ``overrides``.
@@ -43,7 +49,7 @@ def tiny_config(family: str = "llama", **overrides: Any) -> PretrainedConfig:
     if unknown:
         raise ValueError(f"tiny_config got unknown {family} config fields {unknown}; "
                          f"known fields include {sorted(TINY_DEFAULTS)}")
-    values = {**TINY_DEFAULTS, **overrides}
+    values = {**TINY_DEFAULTS, **FAMILY_DEFAULTS.get(family, {}), **overrides}
     if family == "mistral":
         values.setdefault("sliding_window", None)  # full attention, like the other families
     try:

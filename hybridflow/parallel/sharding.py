@@ -1,4 +1,4 @@
-"""The tensor-parallel shard contract for the supported decoder families (Llama, Qwen2, Mistral).
+"""The tensor-parallel shard contract for the supported decoder families (``hybridflow.models.families``).
 
 One table says along which dimension each Hugging Face parameter is split over tensor-parallel
 ranks, so the training layout (DTensor plans), the generation engine and the 3D-HybridEngine agree
@@ -7,7 +7,7 @@ on what a rank's local shard is: shard ``i`` of ``tp_size`` is the i-th equal ch
 - column-parallel (output features split, dim 0): q/k/v projections, MLP gate/up, their biases;
 - row-parallel (input features split, dim 1): attention output and MLP down projections;
 - vocabulary-parallel (dim 0): input embedding and the output head (tied or not);
-- everything else (norms, row-parallel biases, value/score heads) is replicated.
+- everything else (norms, q/k head norms, row-parallel biases, value/score heads) is replicated.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from __future__ import annotations
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
 VOCAB_PARALLEL = ("embed_tokens", "lm_head")
+HEAD_NORMS = ("q_norm", "k_norm")
+"""Norms over one attention head's features (Qwen3): replicated, applied to each rank's own heads."""
 
 
 def tp_shard_dim(param_name: str) -> int | None:
