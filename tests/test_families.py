@@ -112,11 +112,11 @@ def test_the_tensor_parallel_plan_gives_single_process_logits_and_gradients(fami
         _check_reports(reports)
 
 
-def family_model_dir(family: str, directory) -> str:
+def family_model_dir(family: str, directory, **overrides) -> str:
     """A Hugging Face directory of a tiny random ``family`` model sized to the built-in task's tokenizer."""
     from hybridflow.data.builtin import ASSETS_DIR
 
-    model = build_tiny_model(family, seed=5, vocab_size=24, **FAMILIES[family])
+    model = build_tiny_model(family, seed=5, vocab_size=24, **{**FAMILIES[family], **overrides})
     model.save_pretrained(str(directory))
     for path in ASSETS_DIR.iterdir():
         if path.name != "config.json":
