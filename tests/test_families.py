@@ -21,6 +21,7 @@ from hybridflow.parallel.launch import run_distributed
 
 FAMILIES = {
     "qwen3": {},
+    "gemma3_text": {"final_logit_softcapping": 30.0},  # sliding (window 4) and full layers alternate
 }
 """Family -> tiny-config overrides that exercise what is particular to it."""
 OPTIM = OptimConfig(lr=1e-3, eps=1e-4)
@@ -57,6 +58,33 @@ def test_packed_training_logprobs_equal_a_transformers_forward(family):
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_greedy_generation_of_the_native_decoder_equals_transformers_generate(family):
     assert_greedy_equals_hf(tiny(family))
+
+
+@pytest.mark.parametrize("static_decode", [False, True])  # True: the fixed-shape decode steps CUDA graphs replay
+def test_gemma3_sliding_layers_cache_only_their_window_and_generation_past_it_equals_transformers(static_decode):
+    from hybridflow.engine.decoder import DecoderStage
+    from hybridflow.engine.generation import GenerationEngine, SamplingConfig
+
+    model = tiny("gemma3_text")
+    window = model.config.sliding_window
+    stage = DecoderStage.from_state_dict(model.config, model.state_dict())
+    cache = stage.new_cache(batch=3, max_len=40)
+    sliding = [i for i, kind in enumerate(model.config.layer_types) if kind == "sliding_attention"]
+    assert sliding and len(sliding) < model.config.num_hidden_layers
+    for slot, keys in enumerate(cache.keys):
+        assert keys.shape[2] == (window if slot in sliding else 40)
+        assert cache.values[slot].shape == keys.shape
+    # 7-token prompts and 24 new tokens: every sequence is several windows long
+    generator = torch.Generator().manual_seed(4)
+    prompts = torch.randint(3, 256, (3, 7), generator=generator)
+    mask = torch.ones_like(prompts)
+    mask[1, :2] = 0
+    engine = GenerationEngine(stage, static_decode=static_decode)
+    out = engine.generate(prompts * mask, mask, SamplingConfig(max_new_tokens=24, greedy=True))
+    with torch.no_grad():
+        expected = model.generate(prompts * mask, attention_mask=mask, max_new_tokens=24, do_sample=False,
+                                  pad_token_id=0, eos_token_id=None)[:, 7:]
+    assert torch.equal(out["responses"], expected)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

@@ -52,13 +52,16 @@ def read_safetensors(path: str) -> dict[str, torch.Tensor]:
     return state
 
 
-def _reset_rotary_buffers(stage: nn.Module, device: torch.device) -> None:
-    """Rotary inverse frequencies are non-persistent buffers computed at construction: recompute them."""
+def _reset_computed_buffers(stage: nn.Module, device: torch.device) -> None:
+    """Non-persistent buffers computed at construction (rotary inverse frequencies; Gemma 3's embedding scale) are
+    not in the checkpoint and hold garbage after ``to_empty``: recompute them."""
     for name, module in list(stage.named_modules()):
         if type(module).__name__.endswith("RotaryEmbedding"):
             fresh = type(module)(config=module.config).to(device)
             for buffer_name, buffer in fresh.named_buffers(recurse=False):
                 setattr(module, buffer_name, buffer)
+        if hasattr(module, "scalar_embed_scale"):  # Gemma3TextScaledWordEmbedding
+            module.embed_scale = torch.tensor(module.scalar_embed_scale, device=device)
 
 
 def _fill(param: nn.Parameter, full: torch.Tensor) -> None:
@@ -81,7 +84,7 @@ def materialize_and_load(stage: nn.Module, *, device: torch.device, path: str, h
     from safetensors import safe_open
 
     stage.to_empty(device=device)
-    _reset_rotary_buffers(stage, device)
+    _reset_computed_buffers(stage, device)
     files = checkpoint_files(path)
     params = dict(stage.named_parameters(remove_duplicate=False))
     missing = [name for name in params if name not in files
