@@ -21,6 +21,7 @@ from hybridflow.parallel.launch import run_distributed
 
 FAMILIES = {
     "qwen3": {},
+    "qwen3_moe": {"mlp_only_layers": [1]},  # a dense layer among the mixture-of-experts ones
     "gemma3_text": {"final_logit_softcapping": 30.0},  # sliding (window 4) and full layers alternate
 }
 """Family -> tiny-config overrides that exercise what is particular to it."""

@@ -8,9 +8,11 @@ the partial products, then all-reduces over the generation tensor-parallel group
 No concatenated copy of the weights ever exists, so no rank holds a redundant copy.
 
 Supported families: Llama, Qwen2 (q/k/v biases), Mistral (full attention), Qwen3 (per-head q/k RMSNorm before
-the rotation): RMSNorm, rotary
-embeddings as the HF config describes them (rope_theta and the static rope scalings that
-transformers implements), grouped-query attention, SiLU-gated MLP, tied or untied output head.
+the rotation), Qwen3-MoE (top-k routed experts, ``models/moe.py``), Gemma 3 text ((1 + w) norms around both
+blocks, scaled embeddings, local and global rotary bases, sliding-window layers whose KV cache is a ring of the
+window, ``engine/sliding_window.py``, final logit softcapping): RMSNorm, rotary embeddings as the HF config
+describes them (rope_theta and the static rope scalings that transformers implements), grouped-query attention,
+gated MLP, tied or untied output head.
 
 Shape legend: B batch rows (the active ones), S positions in this forward, L cache positions,
 H hidden size, I local intermediate features, Nq / Nkv local query / key-value heads, D head dim,
@@ -26,6 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from hybridflow.engine.sliding_window import ring_columns, ring_key_valid, window_mask, write_ring
+from hybridflow.models.moe import grouped_experts, route
 
 Pieces = list[torch.Tensor]
 """One parameter as consecutive pieces along its tensor-parallel dim (a single piece when whole)."""
@@ -71,6 +74,10 @@ class DecoderSpec:
     """Keys a sliding-window layer sees, its own position included (None: no sliding layers)."""
     layer_types: tuple[str, ...] = ()
     """Per layer "full_attention" or "sliding_attention" (empty: every layer full)."""
+    experts_per_token: int = 0
+    """K of a mixture-of-experts model (Qwen3-MoE; 0: dense)."""
+    normalize_top_k: bool = False
+    """Whether an MoE token's K expert weights are renormalised to sum to one (``norm_topk_prob``)."""
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -107,7 +114,9 @@ class DecoderSpec:
                    embedding_scale=hf_config.hidden_size ** 0.5 if gemma else None,
                    attention_scale=hf_config.query_pre_attn_scalar ** -0.5 if gemma else None,
                    final_logit_softcapping=getattr(hf_config, "final_logit_softcapping", None),
-                   sliding_window=window, layer_types=layer_types)
+                   sliding_window=window, layer_types=layer_types,
+                   experts_per_token=getattr(hf_config, "num_experts_per_tok", 0) or 0,
+                   normalize_top_k=bool(getattr(hf_config, "norm_topk_prob", False)))
 
     def check_tp_size(self, tp_size: int) -> None:
         """ValueError unless heads, key/value heads and vocabulary divide evenly over ``tp_size`` ranks."""
@@ -343,7 +352,11 @@ class DecoderStage:
     def _check_weights(self) -> None:
         names = [f"model.layers.{i}.{m}.weight" for i in self.layers for m in
                  ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
-                  "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+                  "self_attn.v_proj", "self_attn.o_proj")]
+        for i in self.layers:
+            moe = f"model.layers.{i}.mlp.gate.weight" in self.weights
+            names += ([f"model.layers.{i}.mlp.experts.{m}" for m in ("gate_up_proj", "down_proj")] if moe
+                      else [f"model.layers.{i}.mlp.{m}.weight" for m in ("gate_proj", "up_proj", "down_proj")])
         if self.has_embedding or (self.has_head and self.spec.tie_word_embeddings):
             names.append("model.embed_tokens.weight")
         if self.has_final_norm:
@@ -527,8 +540,21 @@ class DecoderStage:
                 normed, layer, slot, cache, cos, sin, mask_B11L, index_1))
         return hidden_B1H
 
+    def _experts(self, x_BSH: torch.Tensor, prefix: str) -> torch.Tensor:
+        """A mixture-of-experts MLP (Qwen3-MoE): route each token to its top-k experts and run them as one grouped
+        computation (``models/moe.py``). Its weights are replicated over tensor-parallel ranks, so each rank
+        computes the whole block and nothing is reduced."""
+        x_TH = x_BSH.reshape(-1, x_BSH.shape[-1])
+        _, weights_TK, experts_TK = route(x_TH, self.weights[f"{prefix}.gate.weight"][0], self.spec.experts_per_token,
+                                          self.spec.normalize_top_k)
+        out_TH = grouped_experts(x_TH, experts_TK, weights_TK, self.weights[f"{prefix}.experts.gate_up_proj"][0],
+                                 self.weights[f"{prefix}.experts.down_proj"][0], self.activation)
+        return out_TH.view(x_BSH.shape)
+
     def _mlp(self, x_BSH: torch.Tensor, layer: int) -> torch.Tensor:
         prefix = f"model.layers.{layer}.mlp"
+        if f"{prefix}.gate.weight" in self.weights:
+            return self._experts(x_BSH, prefix)
         names = [f"{prefix}.{part}_proj" for part in ("gate", "up", "down")]
         pieces = [self.weights[f"{name}.weight"] for name in names]
         if (all(len(p) == 1 for p in pieces) and not any(f"{name}.bias" in self.weights for name in names)

@@ -9,15 +9,16 @@ if TYPE_CHECKING:
 
 # model_type (as written in config.json); transformers is imported only by family_config_class, so that
 # configs naming a family validate without it
-SUPPORTED_FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+SUPPORTED_FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe",
+                                        "gemma3_text")
 
 
 def family_config_class(family: str) -> "type[PretrainedConfig]":
     """The transformers config class of a supported ``family``."""
-    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
-               "gemma3_text": Gemma3TextConfig}
+               "qwen3_moe": Qwen3MoeConfig, "gemma3_text": Gemma3TextConfig}
     return classes[check_family(family)]
 
 

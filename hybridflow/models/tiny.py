@@ -33,6 +33,9 @@ TINY_DEFAULTS: dict[str, Any] = {
 FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     # Qwen3's config defaults head_dim to 128 whatever the hidden size: keep hidden / heads like the others
     "qwen3": {"head_dim": 16},
+    # eight experts of a quarter of the dense width, two per token (Qwen3-30B-A3B: 128 experts, 8 per token)
+    "qwen3_moe": {"head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "norm_topk_prob": True},
     # Gemma 3: hidden / heads wide heads, the score scale of that width, a window shorter than the test sequences
     "gemma3_text": {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 4},
 }

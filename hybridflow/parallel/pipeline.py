@@ -12,11 +12,13 @@ packed micro-batch from the position ids and attends within them without an N x 
 
 from __future__ import annotations
 
+import copy
 from typing import Callable
 
 import torch
 from torch import Tensor, nn
 
+from hybridflow.models.moe import GROUPED_EXPERTS
 from hybridflow.models.packed_attention import dense_packed_bias, packed_attention_config, packed_attention_inputs
 from hybridflow.parallel.layout import stage_layer_range
 
@@ -59,8 +61,13 @@ class DecoderStage(nn.Module):
         # the stage's attention modules read a config whose sdpa attends within packed sequences
         attention_config = packed_attention_config(model.config)
         self.attn_implementation = attention_config._attn_implementation
+        experts_config = copy.copy(model.config)
+        experts_config._experts_implementation = GROUPED_EXPERTS  # one batched matmul, not a loop over experts
         for layer in self.model.layers.values():
             layer.self_attn.config = attention_config
+            experts = getattr(getattr(layer, "mlp", None), "experts", None)
+            if experts is not None:
+                experts.config = experts_config
         layer_types = getattr(model.config, "layer_types", None)
         self.layer_types = {str(i): layer_types[i] if layer_types else None for i in layer_range}
         """Layer (its global index as a string) -> its layer type, None for models without them."""
