@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from hybridflow.models.heads import SCALAR_HEAD, init_scalar_head
+from hybridflow.models.moe import per_expert_names, stack_experts
 
 EMBEDDING, OUTPUT_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
@@ -73,6 +74,16 @@ def _fill(param: nn.Parameter, full: torch.Tensor) -> None:
             param.copy_(full)
 
 
+def _read(handles: dict, files: dict[str, str], name: str) -> torch.Tensor:
+    """Tensor ``name`` of the checkpoint, opening its safetensors file once."""
+    from safetensors import safe_open
+
+    file = files[name]
+    if file not in handles:
+        handles[file] = safe_open(file, framework="pt")
+    return handles[file].get_tensor(name)
+
+
 def materialize_and_load(stage: nn.Module, *, device: torch.device, path: str, head: str, seed: int,
                          ties_embeddings: bool) -> None:
     """Allocate ``stage`` (built on meta and already sharded) on ``device`` and load its shards from ``path``.
@@ -81,15 +92,13 @@ def materialize_and_load(stage: nn.Module, *, device: torch.device, path: str, h
     value/score head missing from a causal-LM checkpoint is initialised from ``seed`` (with a
     warning), exactly as ``build_model`` does; any other missing weight is a ValueError.
     """
-    from safetensors import safe_open
-
     stage.to_empty(device=device)
     _reset_computed_buffers(stage, device)
     files = checkpoint_files(path)
     params = dict(stage.named_parameters(remove_duplicate=False))
     missing = [name for name in params if name not in files
                and not (name == OUTPUT_HEAD and ties_embeddings and EMBEDDING in files)
-               and name.split(".")[0] != SCALAR_HEAD]
+               and name.split(".")[0] != SCALAR_HEAD and per_expert_names(name, files) is None]
     if missing:
         shown = missing[:5] + (["..."] if len(missing) > 5 else [])
         raise ValueError(f"checkpoint {path!r} lacks weights that head {head!r} needs: {shown}")
@@ -97,7 +106,10 @@ def materialize_and_load(stage: nn.Module, *, device: torch.device, path: str, h
     try:
         for name, param in params.items():
             source = EMBEDDING if name == OUTPUT_HEAD and name not in files and ties_embeddings else name
-            if source not in files:  # a new scalar head
+            experts = per_expert_names(source, files) if source not in files else None
+            if experts is not None:  # stacked experts from a checkpoint that stores one Linear per expert
+                full = stack_experts([[_read(handles, files, part) for part in expert] for expert in experts])
+            elif source not in files:  # a new scalar head
                 if name.endswith(".weight"):
                     warnings.warn(f"{path!r} has no {head} head: initialising a new one from seed {seed}",
                                   stacklevel=3)
@@ -107,10 +119,7 @@ def materialize_and_load(stage: nn.Module, *, device: torch.device, path: str, h
                 else:
                     full = torch.zeros(param.shape)
             else:
-                file = files[source]
-                if file not in handles:
-                    handles[file] = safe_open(file, framework="pt")
-                full = handles[file].get_tensor(source)
+                full = _read(handles, files, source)
             if tuple(full.shape) != tuple(param.shape):
                 raise ValueError(f"checkpoint {path!r}: {source} has shape {tuple(full.shape)}, the model expects "
                                  f"{tuple(param.shape)}")

@@ -12,6 +12,7 @@ from transformers.utils import logging as transformers_logging
 
 from hybridflow.models.config import HEADS, ModelConfig
 from hybridflow.models.families import family_of
+from hybridflow.models.moe import GROUPED_EXPERTS
 from hybridflow.models.heads import SCALAR_HEAD, init_scalar_head
 from hybridflow.models.tiny import seeded_init, tiny_config
 
@@ -73,6 +74,8 @@ def build_model(config: ModelConfig, *, head: str = "lm", seed: int = 0,
     model_cls = AutoModelForCausalLM if head == "lm" else AutoModelForTokenClassification
     kwargs = {"dtype": dtype, "attn_implementation": config.attn_implementation,
               "trust_remote_code": config.trust_remote_code}
+    if getattr(hf_config, "num_experts", 0):  # mixture of experts: one grouped computation (models/moe.py)
+        kwargs["experts_implementation"] = GROUPED_EXPERTS
     if torch.device(device).type == "meta":
         with torch.device("meta"):
             return model_cls.from_config(hf_config, **kwargs).eval()

@@ -85,3 +85,25 @@ def register() -> None:
 
 
 register()
+
+
+STACKED_EXPERT_PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+"""A stacked expert parameter -> the per-expert Linear weights it concatenates (dim 0), as checkpoints on the hub
+store them (``mlp.experts.<e>.gate_proj.weight``); transformers converts between the two when it loads and saves."""
+
+
+def per_expert_names(name: str, available) -> list[list[str]] | None:
+    """For a stacked expert parameter ``name`` (``...mlp.experts.gate_up_proj``) missing from a checkpoint, the
+    per-expert names that make it up, expert by expert, when ``available`` (a container of names) holds them."""
+    prefix, _, kind = name.rpartition(".")
+    if kind not in STACKED_EXPERT_PARTS or not prefix.endswith("mlp.experts"):
+        return None
+    experts = []
+    while all(f"{prefix}.{len(experts)}.{part}.weight" in available for part in STACKED_EXPERT_PARTS[kind]):
+        experts.append([f"{prefix}.{len(experts)}.{part}.weight" for part in STACKED_EXPERT_PARTS[kind]])
+    return experts or None
+
+
+def stack_experts(parts: list[list[Tensor]]) -> Tensor:
+    """The stacked parameter [E, ...] from each expert's weights (concatenated along dim 0 within an expert)."""
+    return torch.stack([torch.cat(expert, dim=0) for expert in parts])
