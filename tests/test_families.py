@@ -195,3 +195,10 @@ def test_grpo_train_and_sft_run_end_to_end_from_a_model_directory_of_the_family(
     initial = AutoModelForCausalLM.from_pretrained(model_dir)
     changed = [name for name, tensor in initial.state_dict().items() if not torch.equal(tuned.state_dict()[name], tensor)]
     assert type(tuned) is type(initial) and "model.layers.0.self_attn.q_proj.weight" in changed
+
+
+def test_a_scalar_head_on_gemma3_is_refused_naming_what_is_allowed():
+    with pytest.raises(ValueError, match=r"head 'value' .* transformers does not have for 'gemma3_text' .*; "
+                                         r"allowed: head 'lm'"):
+        build_tiny_model("gemma3_text", head="value")
+    assert type(build_tiny_model("qwen3_moe", head="value")).__name__ == "Qwen3MoeForTokenClassification"

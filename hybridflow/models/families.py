@@ -22,6 +22,9 @@ def family_config_class(family: str) -> "type[PretrainedConfig]":
     return classes[check_family(family)]
 
 
+LM_ONLY_FAMILIES: tuple[str, ...] = ("gemma3_text",)
+"""Families transformers has no ``*ForTokenClassification`` for: no value or score head (critic, reward, cost)."""
+
 CAUSAL_LM_CLASS_NAMES: dict[str, str] = {"gemma3_text": "Gemma3ForCausalLM"}
 """The transformers causal-LM class of families whose name is not the config's name with ``ForCausalLM``."""
 
