@@ -202,3 +202,16 @@ def test_a_scalar_head_on_gemma3_is_refused_naming_what_is_allowed():
                                          r"allowed: head 'lm'"):
         build_tiny_model("gemma3_text", head="value")
     assert type(build_tiny_model("qwen3_moe", head="value")).__name__ == "Qwen3MoeForTokenClassification"
+
+
+@pytest.mark.parametrize("family, overrides", [("qwen3", {"head_dim": 32}), ("qwen3_moe", {"mlp_only_layers": []})])
+def test_the_planners_model_spec_counts_the_parameters_of_a_saved_model_of_the_family(family, overrides, tmp_path):
+    from hybridflow.mapping.model_spec import model_spec
+
+    model = build_tiny_model(family, **{**FAMILIES[family], **overrides})
+    model.config.save_pretrained(str(tmp_path))
+    spec = model_spec(str(tmp_path))
+    assert spec.head_dim == model.config.head_dim
+    # the per-head q/k norms (2 * head_dim per layer) are the only weights the spec leaves out
+    norms = 2 * model.config.head_dim * model.config.num_hidden_layers
+    assert spec.num_params() + norms == sum(p.numel() for p in model.parameters())
