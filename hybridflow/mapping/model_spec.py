@@ -113,7 +113,7 @@ def spec_from_hf_config(config: dict, *, name: str) -> ModelSpec:
         vocab_size=int(config["vocab_size"]),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         attention_head_dim=int(config["head_dim"]) if config.get("head_dim") else None,
-        num_experts=int(config.get("num_experts") or 0),
+        num_experts=int(config.get("num_experts") or config.get("num_local_experts") or 0),
         moe_intermediate_size=int(config.get("moe_intermediate_size") or 0),
     )
 
