@@ -112,7 +112,8 @@ def test_a_saved_model_directory_loads_shard_by_shard_onto_the_meta_device_with_
 
     model = tiny(family)
     model.save_pretrained(str(tmp_path / "model"))  # the hub's layout (Qwen3-MoE: one Linear per expert)
-    engine = TrainingEngine.from_model_config(EngineConfig(micro_batch_tokens=64), ModelConfig(path=str(tmp_path / "model")))
+    engine = TrainingEngine.from_model_config(EngineConfig(micro_batch_tokens=64),
+                                              ModelConfig(path=str(tmp_path / "model")))
     batch = make_batch()
     mask_BT = batch["response_mask"].bool()
     torch.testing.assert_close(engine.forward(batch)["logprobs"][mask_BT], reference_logprobs(model, batch)[mask_BT],
@@ -183,7 +184,8 @@ def test_grpo_train_and_sft_run_end_to_end_from_a_model_directory_of_the_family(
     write_jsonl(tmp_path / "prompts.jsonl", prompt_rows(8, split="train", seed=0, config=task))
     write_jsonl(tmp_path / "sft.jsonl", sft_rows(8, split="train", seed=0, config=task))
     assert main(["train", f"data.train_path={tmp_path / 'prompts.jsonl'}", f"actor.model.path={model_dir}",
-                 "reward.function=arithmetic", "algorithm.advantage_estimator=grpo", "actor.generation.max_new_tokens=3",
+                 "reward.function=arithmetic", "algorithm.advantage_estimator=grpo",
+                 "actor.generation.max_new_tokens=3",
                  "batch.prompts_per_step=2", "batch.samples_per_prompt=2", "batch.mini_batch_size=4",
                  "trainer.total_steps=2", "trainer.progress_bar=false", "trainer.tensorboard=false",
                  f"trainer.output_dir={tmp_path / 'grpo'}", "--local"]) == 0
@@ -193,7 +195,8 @@ def test_grpo_train_and_sft_run_end_to_end_from_a_model_directory_of_the_family(
                  "max_steps=2", "progress_bar=false", f"output_dir={tmp_path / 'sft'}", "--local"]) == 0
     tuned = AutoModelForCausalLM.from_pretrained(str(tmp_path / "sft" / "model"))
     initial = AutoModelForCausalLM.from_pretrained(model_dir)
-    changed = [name for name, tensor in initial.state_dict().items() if not torch.equal(tuned.state_dict()[name], tensor)]
+    changed = [name for name, tensor in initial.state_dict().items()
+               if not torch.equal(tuned.state_dict()[name], tensor)]
     assert type(tuned) is type(initial) and "model.layers.0.self_attn.q_proj.weight" in changed
 
 

@@ -38,7 +38,8 @@ def grouped_experts(hidden_TH: Tensor, top_k_index_TK: Tensor, top_k_weights_TK:
     token_A = order_A // top_k
     counts_E = torch.bincount(sorted_expert_A, minlength=num_experts)
     capacity = int(counts_E.max())
-    slot_A = torch.arange(order_A.numel(), device=order_A.device) - (torch.cumsum(counts_E, 0) - counts_E)[sorted_expert_A]
+    starts_E = torch.cumsum(counts_E, 0) - counts_E
+    slot_A = torch.arange(order_A.numel(), device=order_A.device) - starts_E[sorted_expert_A]  # place in its group
     batch_ECH = hidden_TH.new_zeros(num_experts, capacity, hidden_TH.shape[-1])
     batch_ECH = batch_ECH.index_put((sorted_expert_A, slot_A), hidden_TH[token_A])
     gate_ECI, up_ECI = torch.bmm(batch_ECH, gate_up_E2IH.transpose(1, 2)).chunk(2, dim=-1)

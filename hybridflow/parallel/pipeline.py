@@ -88,7 +88,8 @@ class DecoderStage(nn.Module):
         largest matmul of a small model, and the prompt's positions are never read.
         """
         hidden_1NH = self.model.embed_tokens(tokens) if self.is_first else tokens
-        inputs = {kind: self._layer_inputs(kind, hidden_1NH, position_ids_1N) for kind in set(self.layer_types.values())}
+        inputs = {kind: self._layer_inputs(kind, hidden_1NH, position_ids_1N)
+                  for kind in set(self.layer_types.values())}
         for index, layer in self.model.layers.items():
             mask, rotary, attention_kwargs = inputs[self.layer_types[index]]
             hidden_1NH = layer(hidden_1NH, attention_mask=mask, position_ids=position_ids_1N,

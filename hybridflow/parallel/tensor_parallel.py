@@ -1,7 +1,8 @@
 """Tensor parallelism (DTensor) for the supported decoder families, following the shard table in sharding.py.
 
 ``apply_tensor_parallel(model, tp_mesh)`` turns every parameter of a Hugging Face decoder of a supported family
-(``hybridflow.models.families``) (causal LM or scalar-head model, whole or one pipeline stage) into a DTensor on ``tp_mesh``:
+(``hybridflow.models.families``; causal LM or scalar-head model, whole or one pipeline stage) into a DTensor on
+``tp_mesh``:
 
 - q/k/v, gate/up (and Qwen2's q/k/v biases): ColwiseParallel, local shard = i-th chunk of dim 0;
 - o_proj, down_proj: RowwiseParallel, i-th chunk of dim 1, output all-reduced;
