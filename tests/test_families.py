@@ -218,3 +218,27 @@ def test_the_planners_model_spec_counts_the_parameters_of_a_saved_model_of_the_f
     # the per-head q/k norms (2 * head_dim per layer) are the only weights the spec leaves out
     norms = 2 * model.config.head_dim * model.config.num_hidden_layers
     assert spec.num_params() + norms == sum(p.numel() for p in model.parameters())
+
+
+def test_the_router_balancing_loss_equals_transformers_aux_loss_and_joins_the_training_loss_with_its_coefficient():
+    from hybridflow.models.moe import RouterLogitsRecorder
+
+    model = tiny("qwen3_moe").train()
+    recorder = RouterLogitsRecorder(model)
+    ids = torch.randint(3, 256, (1, 12), generator=torch.Generator().manual_seed(0))
+    expected = model(input_ids=ids, output_router_logits=True).aux_loss
+    torch.testing.assert_close(recorder.balancing_loss(12), expected, rtol=1e-6, atol=0)
+
+    batch = make_batch()
+    steps = {}
+    for coef in (0.0, 0.5):  # one micro-batch: the loss is the NLL plus coef times its balancing loss
+        engine = TrainingEngine(EngineConfig(micro_batch_tokens=1024, optim=OPTIM, router_aux_loss_coef=coef),
+                                lambda: tiny("qwen3_moe"))
+        steps[coef] = (engine.train_step(batch, token_nll_loss), as_numpy(engine.full_state_dict()))
+    with_aux, without = steps[0.5][0], steps[0.0][0]
+    assert "router_aux_loss" not in without and with_aux["router_aux_loss"] > 0.9  # 1 when perfectly balanced
+    assert with_aux["loss"] == pytest.approx(without["loss"] + 0.5 * with_aux["router_aux_loss"], rel=1e-6)
+    router = "model.layers.0.mlp.gate.weight"
+    assert not np.allclose(steps[0.5][1][router], steps[0.0][1][router], rtol=0, atol=1e-7)
+    with pytest.raises(ValueError, match=r"router_aux_loss_coef=0.5 needs a mixture-of-experts model under pp_size 1"):
+        TrainingEngine(EngineConfig(router_aux_loss_coef=0.5), lambda: tiny("qwen3"))

@@ -108,3 +108,27 @@ def per_expert_names(name: str, available) -> list[list[str]] | None:
 def stack_experts(parts: list[list[Tensor]]) -> Tensor:
     """The stacked parameter [E, ...] from each expert's weights (concatenated along dim 0 within an expert)."""
     return torch.stack([torch.cat(expert, dim=0) for expert in parts])
+
+
+class RouterLogitsRecorder:
+    """Keeps the router logits of every MoE layer of ``model`` from its last training forward (forward hooks on
+    the routers; inference and activation-checkpointing recomputation are not recorded twice: the list restarts
+    at each forward of ``model`` itself)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.routers = [module for name, module in model.named_modules()
+                        if name.endswith("mlp.gate") and hasattr(module, "top_k") and hasattr(module, "num_experts")]
+        self.top_k = self.routers[0].top_k if self.routers else 0
+        self.logits: list[Tensor] = []
+        for router in self.routers:
+            router.register_forward_hook(self._record)
+        model.register_forward_pre_hook(lambda module, inputs: self.logits.clear())
+
+    def _record(self, module, inputs, outputs) -> None:
+        if module.training and torch.is_grad_enabled():
+            self.logits.append(_local(outputs[0]))
+
+    def balancing_loss(self, num_tokens: int) -> Tensor:
+        """``load_balancing_loss`` over the first ``num_tokens`` tokens (the real ones) of every recorded layer,
+        concatenated as transformers does."""
+        return load_balancing_loss(torch.cat([logits_NE[:num_tokens] for logits_NE in self.logits]), self.top_k)
