@@ -302,7 +302,8 @@ def test_unsupported_architecture_is_a_value_error_naming_the_supported_families
     from transformers import GPT2Config, GPT2LMHeadModel
 
     tiny_gpt2 = lambda: GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32))
-    with pytest.raises(ValueError, match=r"'gpt2' .* not supported yet; supported: llama, mistral, qwen2"):
+    with pytest.raises(ValueError, match=r"'gpt2' .* not supported yet; "
+                                         r"supported: llama, mistral, qwen2, qwen3, qwen3_moe, gemma3_text$"):
         TrainingEngine(EngineConfig(), tiny_gpt2)
 
 

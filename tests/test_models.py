@@ -14,7 +14,8 @@ from hybridflow.models import (
 )
 from hybridflow.parallel.tensor_parallel import validate_tp_size
 
-UNSUPPORTED_GPT2 = "model family 'gpt2' .* is not supported yet; supported: llama, mistral, qwen2"
+UNSUPPORTED_GPT2 = ("model family 'gpt2' .* is not supported yet; "
+                    "supported: llama, mistral, qwen2, qwen3, qwen3_moe, gemma3_text$")
 
 
 def _same_weights(first: torch.nn.Module, second: torch.nn.Module, *, prefix: str = "") -> bool:

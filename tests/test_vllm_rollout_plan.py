@@ -45,7 +45,7 @@ def test_vllm_plan_stacks_qkv_and_gate_up_rows_in_order_and_ties_the_head_to_the
         ("model.layers.0.mlp.gate_proj.weight", 0), ("model.layers.0.mlp.up_proj.weight", 128)]
     assert [s.hf_name for s in plan["lm_head.weight"]] == ["model.embed_tokens.weight"]
     assert [s.hf_name for s in plan["model.layers.0.self_attn.o_proj.weight"]] == ["model.layers.0.self_attn.o_proj.weight"]
-    with pytest.raises(ValueError, match="supports the llama, mistral and qwen2 families"):
+    with pytest.raises(ValueError, match="loads dense models whose weights vLLM names as Hugging Face does"):
         vllm_parameter_plan(shapes, ["model.layers.0.block_sparse_moe.gate.weight"], tie_word_embeddings=True)
 
 

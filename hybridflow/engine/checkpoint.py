@@ -25,6 +25,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.tensor import DTensor
 
+from hybridflow.models.families import causal_lm_class_name
+
 if TYPE_CHECKING:
     from hybridflow.engine.training import TrainingEngine
 
@@ -276,8 +278,8 @@ def export_hf(engine: "TrainingEngine", directory: str) -> None:
     if _is_rank0():
         hf_config = copy.deepcopy(engine.hf_config)
         family = type(engine.hf_config).__name__.removesuffix("Config")
-        suffix = "ForCausalLM" if engine.head == "lm" else "ForTokenClassification"
-        hf_config.architectures = [family + suffix]
+        hf_config.architectures = [causal_lm_class_name(engine.hf_config) if engine.head == "lm"
+                                   else family + "ForTokenClassification"]
         hf_config.save_pretrained(tmp)
     _commit_atomic(tmp, directory)
 

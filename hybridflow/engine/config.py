@@ -132,8 +132,15 @@ class EngineConfig:
     colocated in one process share it: the last role built sets it."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizer and learning-rate schedule (ignored by inference-only roles: reference, reward, cost)."""
+    router_aux_loss_coef: float = 0.0
+    """Mixture-of-experts models (Qwen3-MoE): weight of the routers' load-balancing loss added to the training loss
+    (``hybridflow.models.moe.load_balancing_loss`` per micro-batch, over all its tokens and MoE layers, weighted by
+    the micro-batch's share of the loss's tokens; logged as ``router_aux_loss``). 0 disables it; pp_size 1 only."""
 
     def __post_init__(self) -> None:
+        if not _is_finite_number(self.router_aux_loss_coef) or self.router_aux_loss_coef < 0:
+            raise ValueError(f"engine.router_aux_loss_coef must be a finite number >= 0, got "
+                             f"{self.router_aux_loss_coef!r}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"engine.layout must be one of {LAYOUTS}, got {self.layout!r}")
         _check_positive_int("engine.pp_size", self.pp_size)

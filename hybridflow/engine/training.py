@@ -100,6 +100,7 @@ class TrainingEngine:
             self.model.requires_grad_(False)
         if lora is not None:
             self._init_adapters(seed)
+        self._routers = self._build_router_recorder()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self._tied_group, self._tied_param = self._build_tied_embedding_sync()
         self.total_steps = total_steps
@@ -143,6 +144,19 @@ class TrainingEngine:
             apply_activation_checkpointing(stage)
         return self.training_layout.shard_stage(stage, self.mesh, cpu_offload=self.config.fsdp_cpu_offload,
                                                 compute_dtype=self.compute_dtype)
+
+    def _build_router_recorder(self):
+        """The recorder of router logits the load-balancing loss needs (``router_aux_loss_coef`` > 0), else None."""
+        if not self.config.router_aux_loss_coef:
+            return None
+        from hybridflow.models.moe import RouterLogitsRecorder
+
+        recorder = RouterLogitsRecorder(self.model)
+        if not recorder.routers or self.layout.pp_size > 1:
+            raise ValueError(f"engine.router_aux_loss_coef={self.config.router_aux_loss_coef} needs a mixture-of-"
+                             f"experts model under pp_size 1; this model has {len(recorder.routers)} routers and "
+                             f"pp_size is {self.layout.pp_size}; allowed: 0")
+        return recorder
 
     def _materialize(self, weights_path: str, head_seed: int) -> None:
         from hybridflow.engine.weights import materialize_and_load
@@ -409,6 +423,11 @@ class TrainingEngine:
         micro_batch.update(normalisers)
         loss, metrics = loss_fn(self._outputs_of(head_out, packed, outputs, num_columns, positions_K, temperature),
                                 micro_batch)
+        if self._routers is not None:  # this micro-batch's share of the mini-batch's tokens
+            tokens = micro_batch.get("response_mask", micro_batch["attention_mask"]).sum()
+            metrics = {**metrics, "router_aux_loss": self._routers.balancing_loss(packed.num_real_tokens)}
+            loss = loss + self.config.router_aux_loss_coef * metrics["router_aux_loss"] * tokens / \
+                micro_batch["num_tokens_global"]
         scalars = {k: float(v.detach() if isinstance(v, Tensor) else v) for k, v in metrics.items()}
         records.append((float(loss.detach()), scalars))
         return loss

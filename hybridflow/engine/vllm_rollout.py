@@ -82,7 +82,9 @@ def vllm_parameter_plan(hf_shapes: dict[str, torch.Size], vllm_names: list[str],
         missing = [s for s in sources if s not in hf_shapes]
         if missing:
             raise ValueError(f"vLLM parameter {name!r} needs {missing}, which the model does not have; the vLLM "
-                             f"backend supports the llama, mistral and qwen2 families")
+                             f"backend loads dense models whose weights vLLM names as Hugging Face does (tested: "
+                             f"llama, mistral, qwen2, qwen3); use generation.backend=native for this model "
+                             f"(qwen3_moe: vLLM fuses its experts under other names)")
         slots, offset = [], 0
         for source in sources:
             rows = hf_shapes[source][0] // (tp_size if tp_shard_dim(source) == 0 else 1)

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from hybridflow.models.heads import SCALAR_HEAD, init_scalar_head
 from hybridflow.models.lora import is_adapter_parameter
+from hybridflow.models.moe import per_expert_names, stack_experts
 
 EMBEDDING, OUTPUT_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
@@ -53,13 +54,16 @@ def read_safetensors(path: str) -> dict[str, torch.Tensor]:
     return state
 
 
-def _reset_rotary_buffers(stage: nn.Module, device: torch.device) -> None:
-    """Rotary inverse frequencies are non-persistent buffers computed at construction: recompute them."""
+def _reset_computed_buffers(stage: nn.Module, device: torch.device) -> None:
+    """Non-persistent buffers computed at construction (rotary inverse frequencies; Gemma 3's embedding scale) are
+    not in the checkpoint and hold garbage after ``to_empty``: recompute them."""
     for name, module in list(stage.named_modules()):
         if type(module).__name__.endswith("RotaryEmbedding"):
             fresh = type(module)(config=module.config).to(device)
             for buffer_name, buffer in fresh.named_buffers(recurse=False):
                 setattr(module, buffer_name, buffer)
+        if hasattr(module, "scalar_embed_scale"):  # Gemma3TextScaledWordEmbedding
+            module.embed_scale = torch.tensor(module.scalar_embed_scale, device=device)
 
 
 def _fill(param: nn.Parameter, full: torch.Tensor) -> None:
@@ -71,6 +75,16 @@ def _fill(param: nn.Parameter, full: torch.Tensor) -> None:
             param.copy_(full)
 
 
+def _read(handles: dict, files: dict[str, str], name: str) -> torch.Tensor:
+    """Tensor ``name`` of the checkpoint, opening its safetensors file once."""
+    from safetensors import safe_open
+
+    file = files[name]
+    if file not in handles:
+        handles[file] = safe_open(file, framework="pt")
+    return handles[file].get_tensor(name)
+
+
 def materialize_and_load(stage: nn.Module, *, device: torch.device, path: str, head: str, seed: int,
                          ties_embeddings: bool) -> None:
     """Allocate ``stage`` (built on meta and already sharded) on ``device`` and load its shards from ``path``.
@@ -79,17 +93,15 @@ def materialize_and_load(stage: nn.Module, *, device: torch.device, path: str, h
     value/score head missing from a causal-LM checkpoint is initialised from ``seed`` (with a
     warning), exactly as ``build_model`` does; any other missing weight is a ValueError.
     """
-    from safetensors import safe_open
-
     stage.to_empty(device=device)
-    _reset_rotary_buffers(stage, device)
+    _reset_computed_buffers(stage, device)
     files = checkpoint_files(path)
     # LoRA adapters are not in a base checkpoint: the engine initialises them (models/lora.py)
     params = {name: param for name, param in stage.named_parameters(remove_duplicate=False)
               if not is_adapter_parameter(name)}
     missing = [name for name in params if name not in files
                and not (name == OUTPUT_HEAD and ties_embeddings and EMBEDDING in files)
-               and name.split(".")[0] != SCALAR_HEAD]
+               and name.split(".")[0] != SCALAR_HEAD and per_expert_names(name, files) is None]
     if missing:
         shown = missing[:5] + (["..."] if len(missing) > 5 else [])
         raise ValueError(f"checkpoint {path!r} lacks weights that head {head!r} needs: {shown}")
@@ -97,7 +109,10 @@ def materialize_and_load(stage: nn.Module, *, device: torch.device, path: str, h
     try:
         for name, param in params.items():
             source = EMBEDDING if name == OUTPUT_HEAD and name not in files and ties_embeddings else name
-            if source not in files:  # a new scalar head
+            experts = per_expert_names(source, files) if source not in files else None
+            if experts is not None:  # stacked experts from a checkpoint that stores one Linear per expert
+                full = stack_experts([[_read(handles, files, part) for part in expert] for expert in experts])
+            elif source not in files:  # a new scalar head
                 if name.endswith(".weight"):
                     warnings.warn(f"{path!r} has no {head} head: initialising a new one from seed {seed}",
                                   stacklevel=3)
@@ -107,10 +122,7 @@ def materialize_and_load(stage: nn.Module, *, device: torch.device, path: str, h
                 else:
                     full = torch.zeros(param.shape)
             else:
-                file = files[source]
-                if file not in handles:
-                    handles[file] = safe_open(file, framework="pt")
-                full = handles[file].get_tensor(source)
+                full = _read(handles, files, source)
             if tuple(full.shape) != tuple(param.shape):
                 raise ValueError(f"checkpoint {path!r}: {source} has shape {tuple(full.shape)}, the model expects "
                                  f"{tuple(param.shape)}")

@@ -27,6 +27,12 @@ class ModelSpec:
     """Rows of the embedding and of the output head."""
     tie_word_embeddings: bool = False
     """Whether the output head shares the embedding matrix."""
+    attention_head_dim: int | None = None
+    """Width of one attention head when the config sets it apart from hidden_size / num_heads (Qwen3, Gemma 3)."""
+    num_experts: int = 0
+    """Experts of each mixture-of-experts layer (Qwen3-MoE); 0: a dense MLP of intermediate_size."""
+    moe_intermediate_size: int = 0
+    """Width of one expert's gated MLP."""
 
     def __post_init__(self) -> None:
         for field_name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
@@ -34,7 +40,7 @@ class ModelSpec:
             value = getattr(self, field_name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ModelSpec.{field_name} must be a positive integer, got {value!r}")
-        if self.hidden_size % self.num_heads:
+        if self.attention_head_dim is None and self.hidden_size % self.num_heads:
             raise ValueError(f"ModelSpec.hidden_size {self.hidden_size} must be divisible by "
                              f"num_heads {self.num_heads}")
         if self.num_heads % self.num_kv_heads:
@@ -42,7 +48,7 @@ class ModelSpec:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        return self.attention_head_dim or self.hidden_size // self.num_heads
 
     @property
     def kv_dim(self) -> int:
@@ -51,8 +57,10 @@ class ModelSpec:
 
     @property
     def params_per_layer(self) -> int:
-        attention = 2 * self.hidden_size * self.hidden_size + 2 * self.hidden_size * self.kv_dim
-        mlp = 3 * self.hidden_size * self.intermediate_size
+        attention = 2 * self.hidden_size * self.num_heads * self.head_dim + 2 * self.hidden_size * self.kv_dim
+        # every expert counts (memory; the simulators also take it as the compute, an upper bound for MoE)
+        mlp = (self.num_experts * (3 * self.hidden_size * self.moe_intermediate_size + self.hidden_size)
+               if self.num_experts else 3 * self.hidden_size * self.intermediate_size)
         return attention + mlp + 2 * self.hidden_size  # + the two RMSNorm weights
 
     def num_params(self, *, head: str = "lm") -> int:
@@ -89,7 +97,8 @@ KNOWN_MODELS: dict[str, ModelSpec] = {
 
 
 def spec_from_hf_config(config: dict, *, name: str) -> ModelSpec:
-    """A ModelSpec from the fields of a Hugging Face ``config.json`` (Llama, Qwen2, Mistral names)."""
+    """A ModelSpec from the fields of a Hugging Face ``config.json`` of a supported family (``head_dim`` where
+    set, the experts of Qwen3-MoE)."""
     required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
     missing = [key for key in required if key not in config]
     if missing:
@@ -103,6 +112,9 @@ def spec_from_hf_config(config: dict, *, name: str) -> ModelSpec:
         intermediate_size=int(config["intermediate_size"]),
         vocab_size=int(config["vocab_size"]),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        attention_head_dim=int(config["head_dim"]) if config.get("head_dim") else None,
+        num_experts=int(config.get("num_experts") or config.get("num_local_experts") or 0),
+        moe_intermediate_size=int(config.get("moe_intermediate_size") or 0),
     )
 
 

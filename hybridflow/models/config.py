@@ -39,7 +39,8 @@ class ModelConfig:
     """Tokenizer directory when it differs from ``path`` (default: ``path``, or the built-in's tokenizer)."""
 
     family: str | None = None
-    """Decoder family: llama, mistral or qwen2. Detected from config.json for ``path`` (a mismatch is an
+    """Decoder family: llama, mistral, qwen2, qwen3, qwen3_moe or gemma3_text (docs/models.md). Detected from
+    config.json for ``path`` (a mismatch is an
     error); for ``tiny`` it picks the architecture (default llama)."""
 
     dtype: str = "auto"

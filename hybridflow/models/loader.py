@@ -11,7 +11,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 from transformers.utils import logging as transformers_logging
 
 from hybridflow.models.config import HEADS, ModelConfig
-from hybridflow.models.families import family_of
+from hybridflow.models.families import LM_ONLY_FAMILIES, family_of
+from hybridflow.models.moe import GROUPED_EXPERTS
 from hybridflow.models.heads import SCALAR_HEAD, init_scalar_head
 from hybridflow.models.tiny import seeded_init, tiny_config
 
@@ -39,6 +40,10 @@ def hf_config_of(config: ModelConfig, *, head: str = "lm") -> PretrainedConfig:
     family = family_of(hf_config, source=source)
     if config.family is not None and config.family != family:
         raise ValueError(f"ModelConfig.family is {config.family!r} but {source} holds a {family!r} model")
+    if head != "lm" and family in LM_ONLY_FAMILIES:
+        raise ValueError(f"head {head!r} (a critic, reward or cost model) needs a token-classification model, which "
+                         f"transformers does not have for {family!r} ({source}); allowed: head 'lm' (actor, "
+                         f"reference), or a backbone of another family for the scalar head")
     if head != "lm":
         hf_config.num_labels = 1
         hf_config.classifier_dropout = 0.0  # transformers defaults to 0.1; a critic/reward must be deterministic
@@ -73,6 +78,8 @@ def build_model(config: ModelConfig, *, head: str = "lm", seed: int = 0,
     model_cls = AutoModelForCausalLM if head == "lm" else AutoModelForTokenClassification
     kwargs = {"dtype": dtype, "attn_implementation": config.attn_implementation,
               "trust_remote_code": config.trust_remote_code}
+    if getattr(hf_config, "num_experts", 0):  # mixture of experts: one grouped computation (models/moe.py)
+        kwargs["experts_implementation"] = GROUPED_EXPERTS
     if torch.device(device).type == "meta":
         with torch.device("meta"):
             return model_cls.from_config(hf_config, **kwargs).eval()

@@ -69,14 +69,23 @@ def packed_segments(position_ids_1N: Tensor) -> PackedSegments:
                           scatter_index_N=segment_N * max_length + within_N)
 
 
-def dense_packed_bias(position_ids_1N: Tensor, dtype: torch.dtype) -> Tensor:
-    """Additive block-diagonal causal mask [1, 1, N, N]: 0 where attending is allowed, dtype-min elsewhere."""
+def dense_packed_bias(position_ids_1N: Tensor, dtype: torch.dtype, sliding_window: int | None = None) -> Tensor:
+    """Additive block-diagonal causal mask [1, 1, N, N]: 0 where attending is allowed, dtype-min elsewhere
+    (with ``sliding_window`` only the keys fewer than that many tokens back)."""
     segment_N = torch.cumsum(sequence_starts(position_ids_1N).long(), 0)
     index_N = torch.arange(segment_N.numel(), device=segment_N.device)
-    allowed_NN = (segment_N[:, None] == segment_N[None, :]) & (index_N[None, :] <= index_N[:, None])
+    allowed_NN = (segment_N[:, None] == segment_N[None, :]) & local_causal(index_N, sliding_window)
     bias_NN = torch.zeros(allowed_NN.shape, dtype=dtype, device=segment_N.device)
     bias_NN.masked_fill_(~allowed_NN, torch.finfo(dtype).min)
     return bias_NN[None, None]
+
+
+def local_causal(index_N: Tensor, sliding_window: int | None) -> Tensor:
+    """[N, N] True where query i may see key j: j <= i, and i - j < ``sliding_window`` when one is given (the
+    window counts the query itself, as transformers' sliding masks do)."""
+    distance_NN = index_N[:, None] - index_N[None, :]
+    allowed_NN = distance_NN >= 0
+    return allowed_NN if sliding_window is None else allowed_NN & (distance_NN < sliding_window)
 
 
 SHORT_SEQUENCE_MAX = 128
@@ -98,7 +107,7 @@ def cpu_half_attention(query: Tensor) -> bool:
 
 
 def causal_matmul_attention(query_sHLD: Tensor, key_sHLD: Tensor, value_sHLD: Tensor,
-                            scaling: float | None) -> Tensor:
+                            scaling: float | None, sliding_window: int | None = None) -> Tensor:
     """Causal attention as (Q K^T) and (P V) batched matmuls in the inputs' dtype, the softmax in fp32.
 
     Holds the [s, H, L, L] probabilities for backward, so it is for short sequences only (on the
@@ -106,7 +115,7 @@ def causal_matmul_attention(query_sHLD: Tensor, key_sHLD: Tensor, value_sHLD: Te
     """
     length, head_dim = query_sHLD.shape[-2], query_sHLD.shape[-1]
     scale = head_dim ** -0.5 if scaling is None else scaling
-    future_LL = torch.ones(length, length, dtype=torch.bool, device=query_sHLD.device).triu(1)
+    future_LL = ~local_causal(torch.arange(length, device=query_sHLD.device), sliding_window)
     scores_sHLL = (query_sHLD @ key_sHLD.transpose(-1, -2)).float() * scale
     probs_sHLL = scores_sHLL.masked_fill(future_LL, float("-inf")).softmax(-1).to(query_sHLD.dtype)
     return probs_sHLL @ value_sHLD
@@ -114,14 +123,16 @@ def causal_matmul_attention(query_sHLD: Tensor, key_sHLD: Tensor, value_sHLD: Te
 
 def packed_sdpa_attention(module, query_1HND: Tensor, key_1KND: Tensor, value_1KND: Tensor,
                           attention_mask: Tensor | None, *, dropout: float = 0.0, scaling: float | None = None,
-                          packed_segments: PackedSegments | None = None, **kwargs):
-    """transformers attention function: SDPA per sequence of a packed row (plain SDPA without ``packed_segments``).
+                          packed_segments: PackedSegments | None = None, sliding_window: int | None = None,
+                          **kwargs):
+    """transformers attention function: SDPA per sequence of a packed row (plain SDPA without ``packed_segments``);
+    a sliding-window layer (``sliding_window``, Gemma 3's local layers) sees only the keys inside its window.
 
     Returns the output as transformers expects it, ``[1, N, H, D]``, and no weights.
     """
     if packed_segments is None:
         return sdpa_attention_forward(module, query_1HND, key_1KND, value_1KND, attention_mask,
-                                      dropout=dropout, scaling=scaling, **kwargs)
+                                      dropout=dropout, scaling=scaling, sliding_window=sliding_window, **kwargs)
     gather_sL = packed_segments.gather_index_sL
     num_seqs, max_length = gather_sL.shape
     flat_gather = gather_sL.reshape(-1)
@@ -137,19 +148,23 @@ def packed_sdpa_attention(module, query_1HND: Tensor, key_1KND: Tensor, value_1K
         repeats = num_heads // num_kv_heads
         key_sKLD = key_sKLD.repeat_interleave(repeats, dim=1)
         value_sKLD = value_sKLD.repeat_interleave(repeats, dim=1)
+    # right padding needs no mask under plain causal attention; a window adds its band (a bool mask: allowed)
+    window_LL = (None if sliding_window is None or sliding_window >= max_length
+                 else local_causal(torch.arange(max_length, device=query_sHLD.device), sliding_window))
+    causal = {"is_causal": True} if window_LL is None else {"attn_mask": window_LL}
     if cpu_half_attention(query_sHLD):
         half = query_sHLD.dtype if query_sHLD.dtype != torch.float32 else torch.get_autocast_dtype("cpu")
         with torch.autocast("cpu", enabled=False):
             if max_length <= SHORT_SEQUENCE_MAX and dropout == 0.0:
                 out_sHLD = causal_matmul_attention(query_sHLD.to(half), key_sKLD.to(half), value_sKLD.to(half),
-                                                   scaling)
+                                                   scaling, sliding_window)
             else:
                 out_sHLD = F.scaled_dot_product_attention(query_sHLD.float(), key_sKLD.float(), value_sKLD.float(),
-                                                          is_causal=True, dropout_p=dropout, scale=scaling)
+                                                          dropout_p=dropout, scale=scaling, **causal)
         out_sHLD = out_sHLD.to(query_sHLD.dtype)
     else:
-        out_sHLD = F.scaled_dot_product_attention(query_sHLD, key_sKLD, value_sKLD, is_causal=True,
-                                                  dropout_p=dropout, scale=scaling)
+        out_sHLD = F.scaled_dot_product_attention(query_sHLD, key_sKLD, value_sKLD, dropout_p=dropout,
+                                                  scale=scaling, **causal)
     out_NHD = out_sHLD.transpose(1, 2).reshape(num_seqs * max_length, num_heads, -1)
     return out_NHD.index_select(0, packed_segments.scatter_index_N)[None], None
 
@@ -169,11 +184,12 @@ def packed_attention_config(hf_config):
     return packed
 
 
-def packed_attention_inputs(position_ids_1N: Tensor, attn_implementation: str,
-                            dtype: torch.dtype) -> tuple[Tensor | None, dict]:
-    """(attention_mask, extra layer kwargs) that make ``attn_implementation`` attend within packed sequences."""
+def packed_attention_inputs(position_ids_1N: Tensor, attn_implementation: str, dtype: torch.dtype,
+                            sliding_window: int | None = None) -> tuple[Tensor | None, dict]:
+    """(attention_mask, extra layer kwargs) that make ``attn_implementation`` attend within packed sequences
+    (for the layers of ``sliding_window``: eager needs its own mask; the others get the window from the layer)."""
     if attn_implementation == "eager":
-        return dense_packed_bias(position_ids_1N, dtype), {}
+        return dense_packed_bias(position_ids_1N, dtype, sliding_window), {}
     segments = packed_segments(position_ids_1N)
     if attn_implementation == PACKED_SDPA:
         return None, {"packed_segments": segments}

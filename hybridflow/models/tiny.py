@@ -30,6 +30,17 @@ TINY_DEFAULTS: dict[str, Any] = {
     "eos_token_id": 2,
 }
 
+FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    # Qwen3's config defaults head_dim to 128 whatever the hidden size: keep hidden / heads like the others
+    "qwen3": {"head_dim": 16},
+    # eight experts of a quarter of the dense width, two per token (Qwen3-30B-A3B: 128 experts, 8 per token)
+    "qwen3_moe": {"head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "norm_topk_prob": True},
+    # Gemma 3: hidden / heads wide heads, the score scale of that width, a window shorter than the test sequences
+    "gemma3_text": {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 4},
+}
+"""Per-family additions to ``TINY_DEFAULTS`` (fields whose family default does not fit a 64-wide model)."""
+
 
 def tiny_config(family: str = "llama", **overrides: Any) -> PretrainedConfig:
     """A Hugging Face config of a tiny ``family`` decoder: ``TINY_DEFAULTS`` updated by ``overrides``.
@@ -43,9 +54,13 @@ def tiny_config(family: str = "llama", **overrides: Any) -> PretrainedConfig:
     if unknown:
         raise ValueError(f"tiny_config got unknown {family} config fields {unknown}; "
                          f"known fields include {sorted(TINY_DEFAULTS)}")
-    values = {**TINY_DEFAULTS, **overrides}
+    values = {**TINY_DEFAULTS, **FAMILY_DEFAULTS.get(family, {}), **overrides}
     if family == "mistral":
         values.setdefault("sliding_window", None)  # full attention, like the other families
+    if family == "gemma3_text" and "layer_types" not in overrides:
+        # sliding and full layers alternate (the real models have five sliding layers per full one)
+        values["layer_types"] = ["full_attention" if i % 2 else "sliding_attention"
+                                 for i in range(values["num_hidden_layers"])]
     try:
         return config_cls(**values)
     except StrictDataclassError as error:  # transformers' own shape checks, e.g. heads not dividing hidden

@@ -12,11 +12,13 @@ packed micro-batch from the position ids and attends within them without an N x 
 
 from __future__ import annotations
 
+import copy
 from typing import Callable
 
 import torch
 from torch import Tensor, nn
 
+from hybridflow.models.moe import GROUPED_EXPERTS
 from hybridflow.models.packed_attention import dense_packed_bias, packed_attention_config, packed_attention_inputs
 from hybridflow.parallel.layout import stage_layer_range
 
@@ -59,8 +61,16 @@ class DecoderStage(nn.Module):
         # the stage's attention modules read a config whose sdpa attends within packed sequences
         attention_config = packed_attention_config(model.config)
         self.attn_implementation = attention_config._attn_implementation
+        experts_config = copy.copy(model.config)
+        experts_config._experts_implementation = GROUPED_EXPERTS  # one batched matmul, not a loop over experts
         for layer in self.model.layers.values():
             layer.self_attn.config = attention_config
+            experts = getattr(getattr(layer, "mlp", None), "experts", None)
+            if experts is not None:
+                experts.config = experts_config
+        layer_types = getattr(model.config, "layer_types", None)
+        self.layer_types = {str(i): layer_types[i] if layer_types else None for i in layer_range}
+        """Layer (its global index as a string) -> its layer type, None for models without them."""
         if is_last:
             setattr(self, "lm_head" if head == "lm" else "score", head_module(model, head))
 
@@ -78,10 +88,10 @@ class DecoderStage(nn.Module):
         largest matmul of a small model, and the prompt's positions are never read.
         """
         hidden_1NH = self.model.embed_tokens(tokens) if self.is_first else tokens
-        mask, attention_kwargs = packed_attention_inputs(position_ids_1N, self.attn_implementation,
-                                                         hidden_1NH.dtype)
-        rotary = self.model.rotary_emb(hidden_1NH, position_ids_1N)
-        for layer in self.model.layers.values():
+        inputs = {kind: self._layer_inputs(kind, hidden_1NH, position_ids_1N)
+                  for kind in set(self.layer_types.values())}
+        for index, layer in self.model.layers.items():
+            mask, rotary, attention_kwargs = inputs[self.layer_types[index]]
             hidden_1NH = layer(hidden_1NH, attention_mask=mask, position_ids=position_ids_1N,
                                position_embeddings=rotary, **attention_kwargs)
         if not self.is_last:
@@ -89,8 +99,22 @@ class DecoderStage(nn.Module):
         if head_positions_K is not None:
             hidden_1NH = hidden_1NH[:, head_positions_K]
         out_1NO = self.head(self.model.norm(hidden_1NH))
+        if self.head_name == "lm":
+            cap = getattr(self.config, "final_logit_softcapping", None)  # Gemma 3, applied outside its lm_head
+            return out_1NO if cap is None else torch.tanh(out_1NO / cap) * cap
         # a scalar head's last dim is 1; copy out of it so FSDP2 never hands autograd a view
-        return out_1NO if self.head_name == "lm" else out_1NO[..., 0].clone()
+        return out_1NO[..., 0].clone()
+
+    def _layer_inputs(self, layer_type: str | None, hidden_1NH: Tensor, position_ids_1N: Tensor):
+        """(mask, rotary (cos, sin), attention kwargs) of the layers of ``layer_type``: Gemma 3 has one rotary
+        embedding per layer type, and its sliding layers attend within a window."""
+        window = self.config.sliding_window if layer_type == "sliding_attention" else None
+        mask, attention_kwargs = packed_attention_inputs(position_ids_1N, self.attn_implementation,
+                                                         hidden_1NH.dtype, window)
+        rotary_emb = self.model.rotary_emb
+        rotary = (rotary_emb(hidden_1NH, position_ids_1N, layer_type) if hasattr(rotary_emb, "rope_type")
+                  and isinstance(rotary_emb.rope_type, dict) else rotary_emb(hidden_1NH, position_ids_1N))
+        return mask, rotary, attention_kwargs
 
 
 def build_stage(model: nn.Module, *, head: str, pp_size: int, pp_rank: int) -> DecoderStage:

@@ -1,4 +1,4 @@
-"""The tensor-parallel shard contract for the supported decoder families (Llama, Qwen2, Mistral).
+"""The tensor-parallel shard contract for the supported decoder families (``hybridflow.models.families``).
 
 One table says along which dimension each Hugging Face parameter is split over tensor-parallel
 ranks, so the training layout (DTensor plans), the generation engine and the 3D-HybridEngine agree
@@ -7,7 +7,7 @@ on what a rank's local shard is: shard ``i`` of ``tp_size`` is the i-th equal ch
 - column-parallel (output features split, dim 0): q/k/v projections, MLP gate/up, their biases;
 - row-parallel (input features split, dim 1): attention output and MLP down projections;
 - vocabulary-parallel (dim 0): input embedding and the output head (tied or not);
-- everything else (norms, row-parallel biases, value/score heads) is replicated;
+- everything else (norms, q/k head norms, row-parallel biases, value/score heads) is replicated;
 - a LoRA adapter on a layer (``<layer>.lora_A.weight`` [r, in], ``<layer>.lora_B.weight`` [out, r]) is split so
   that B A is split as the layer's weight: B along dim 0 of a column-parallel layer, A along dim 1 of a
   row-parallel one, the other factor replicated (``models/lora.py``).
@@ -20,6 +20,8 @@ ROW_PARALLEL = ("o_proj", "down_proj")
 VOCAB_PARALLEL = ("embed_tokens", "lm_head")
 LORA_SPLIT = {("column", "lora_B"): 0, ("row", "lora_A"): 1}
 """(kind of the adapted layer, adapter factor) -> the factor's split dim; the other factors are replicated."""
+HEAD_NORMS = ("q_norm", "k_norm")
+"""Norms over one attention head's features (Qwen3): replicated, applied to each rank's own heads."""
 
 
 def tp_shard_dim(param_name: str) -> int | None:

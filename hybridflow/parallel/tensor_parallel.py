@@ -1,12 +1,14 @@
 """Tensor parallelism (DTensor) for the supported decoder families, following the shard table in sharding.py.
 
-``apply_tensor_parallel(model, tp_mesh)`` turns every parameter of a Hugging Face Llama/Mistral/Qwen2
-model (causal LM or scalar-head model, whole or one pipeline stage) into a DTensor on ``tp_mesh``:
+``apply_tensor_parallel(model, tp_mesh)`` turns every parameter of a Hugging Face decoder of a supported family
+(``hybridflow.models.families``; causal LM or scalar-head model, whole or one pipeline stage) into a DTensor on
+``tp_mesh``:
 
 - q/k/v, gate/up (and Qwen2's q/k/v biases): ColwiseParallel, local shard = i-th chunk of dim 0;
 - o_proj, down_proj: RowwiseParallel, i-th chunk of dim 1, output all-reduced;
 - embed_tokens: vocabulary-parallel (RowwiseParallel on the embedding: rows = vocab), output all-reduced;
 - lm_head: vocabulary-parallel (ColwiseParallel), logits all-gathered so callers see the full vocab;
+- q_norm / k_norm (Qwen3): Replicate weights applied to the rank's heads, their gradient all-reduced;
 - everything else (norms, the value/score head): Replicate DTensors, so the optimizer, gradient
   clipping and checkpointing see one kind of parameter.
 
@@ -25,7 +27,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 from transformers import PretrainedConfig
 
-from hybridflow.parallel.sharding import COLUMN_PARALLEL, ROW_PARALLEL, tp_shard_dim
+from hybridflow.parallel.sharding import COLUMN_PARALLEL, HEAD_NORMS, ROW_PARALLEL, tp_shard_dim
 
 ADAPTERS = ("lora_A", "lora_B")
 """Children of a LoRA-adapted layer (``models/lora.py``): laid out by their layer's style, never on their own."""
@@ -112,6 +114,26 @@ class AdaptedRowwiseParallel(RowwiseParallel):
         _partition_by_shard_table(self.path, name, module, device_mesh)
 
 
+class HeadShardedNormParallel(ParallelStyle):
+    """A per-head norm (Qwen3's q_norm / k_norm) applied to this rank's heads: its weight is Replicate, its input
+    ``[..., heads, D]`` Shard(heads).
+
+    Each rank normalises only its own heads, so the weight's gradient is a partial sum over heads; declaring the
+    input sharded over heads lets DTensor all-reduce that gradient (marking the input Replicate would keep each
+    rank's partial sum as if it were the whole gradient).
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, partition_fn=None,
+                                 input_fn=self._to_dtensor, output_fn=ReplicateParallel._to_local)
+
+    @staticmethod
+    def _to_dtensor(module: nn.Module, inputs: tuple, device_mesh: DeviceMesh) -> tuple:
+        return tuple(DTensor.from_local(value, device_mesh, [Shard(value.ndim - 2)], run_check=False)
+                     if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) else value
+                     for value in inputs)
+
+
 def tensor_parallel_plan(model: nn.Module) -> dict[str, ParallelStyle]:
     """The per-module plan for ``model``: module name -> parallel style (every module that owns parameters)."""
     plan: dict[str, ParallelStyle] = {}
@@ -130,6 +152,8 @@ def tensor_parallel_plan(model: nn.Module) -> dict[str, ParallelStyle]:
             plan[name] = RowwiseParallel(input_layouts=Replicate())  # vocab-parallel lookup, all-reduced
         elif leaf == "lm_head":
             plan[name] = ColwiseParallel(output_layouts=Replicate())  # full-vocabulary logits on every rank
+        elif leaf in HEAD_NORMS:
+            plan[name] = HeadShardedNormParallel()
         else:
             plan[name] = ReplicateParallel()
     return plan
