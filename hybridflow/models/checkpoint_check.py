@@ -81,6 +81,7 @@ def weights_vs_config(directory: str | Path) -> str | None:
     # the stored names may carry the backbone's prefix or not (a ForTokenClassification export stores model.*)
     body = {name: shape for name, shape in found.items() if not name.startswith(HEAD_PREFIXES)}
     wanted = {name: shape for name, shape in expected.items() if not name.startswith(HEAD_PREFIXES)}
+    body = _stack_expert_shapes(body, wanted)
     unexpected = sorted(set(body) - set(wanted))
     missing = sorted(set(wanted) - set(body))
     if unexpected:
@@ -92,6 +93,22 @@ def weights_vs_config(directory: str | Path) -> str | None:
     if wrong:
         return f"tensor shapes differ from config.json: {_listed(wrong)}"
     return None
+
+
+def _stack_expert_shapes(body: dict[str, tuple[int, ...]], wanted) -> dict[str, tuple[int, ...]]:
+    """``body`` with per-expert tensors (``mlp.experts.<e>.gate_proj.weight``, as hub MoE checkpoints store them)
+    read as the stacked parameters the model holds (``mlp.experts.gate_up_proj`` [E, ...]), as the loader stacks
+    them (``models/moe.py``)."""
+    from hybridflow.models.moe import per_expert_names
+
+    body = dict(body)
+    for name in sorted(set(wanted) - set(body)):
+        experts = per_expert_names(name, body)
+        if experts is None:
+            continue
+        parts = [[body.pop(part) for part in expert] for expert in experts]
+        body[name] = (len(parts), sum(shape[0] for shape in parts[0]), *parts[0][0][1:])
+    return body
 
 
 def tokenizer_size(directory: str | Path) -> int | None:

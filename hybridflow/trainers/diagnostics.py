@@ -55,17 +55,27 @@ class LearningSignalMonitor:
     def __init__(self, patience: int) -> None:
         self.patience = patience
         self.steps_without_signal = 0
+        self.warning: str | None = None
+        """The last observed step's warning, or None."""
+
+    def state_dict(self) -> dict[str, int]:
+        """The count, for the driver's checkpoint (a resumed run warns at the same step as an uninterrupted one)."""
+        return {"steps_without_signal": self.steps_without_signal}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.steps_without_signal = int(state["steps_without_signal"])
 
     def observe(self, step: int, metrics: dict[str, float]) -> str | None:
         """Update the count from a step's metrics (adds ``signal/steps_without_signal``); the warning or None."""
+        self.warning = None
         tied = metrics.get("signal/tied_groups")
         if tied is None:
             return None
         self.steps_without_signal = self.steps_without_signal + 1 if tied >= 1.0 else 0
         metrics["signal/steps_without_signal"] = float(self.steps_without_signal)
-        if self.patience <= 0 or self.steps_without_signal < self.patience:
-            return None
-        return self.message(step, metrics)
+        if self.patience > 0 and self.steps_without_signal >= self.patience:
+            self.warning = self.message(step, metrics)
+        return self.warning
 
     def message(self, step: int, metrics: dict[str, float]) -> str:
         correct, wrong = metrics.get("signal/all_correct_groups"), metrics.get("signal/all_wrong_groups")

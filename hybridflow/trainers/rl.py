@@ -87,6 +87,7 @@ class RLTrainer:
         self.kl_controller = (AdaptiveKLController(init_kl_coef=algorithm.kl_coef, target_kl=algorithm.kl_target,
                                                    horizon=algorithm.kl_horizon)
                               if algorithm.kl_controller == "adaptive" else FixedKLController(kl_coef=algorithm.kl_coef))
+        self.signal = LearningSignalMonitor(config.trainer.warn_no_signal_steps)
         self.output_dir = Path(config.trainer.output_dir)
         self.checkpointer = RunCheckpointer(self.output_dir / "checkpoints", keep_last=config.trainer.keep_last,
                                             first_estimate_bytes=checkpoint_estimate(config))
@@ -185,7 +186,6 @@ class RLTrainer:
         validates = bool(trainer.val_every) and self.val_data is not None
         reporter = StepReporter("rl", total=trainer.total_steps, initial=self.step, progress_bar=trainer.progress_bar,
                                 every=trainer.log_every, keys=SUMMARY_KEYS)
-        signal = LearningSignalMonitor(trainer.warn_no_signal_steps)
         try:
             if validates and trainer.val_before_train and self.step == 0:  # the starting score, as step 0
                 metrics = self._timed_validation()
@@ -196,7 +196,7 @@ class RLTrainer:
                 started = time.perf_counter()
                 self.step += 1
                 metrics = self.train_step(self.loader.next_batch())
-                reporter.warn(signal.observe(self.step, metrics))
+                reporter.warn(self.signal.warning)
                 last = self.step == trainer.total_steps
                 if validates and (self.step % trainer.val_every == 0 or last):
                     metrics.update(self._timed_validation())
@@ -296,11 +296,13 @@ class RLTrainer:
             component.after_step(batch)
         self.episodes = episode_rows(self.tokenizer, batch, scores_B, step=self.step,
                                      limit=self.config.trainer.episodes_per_log)
-        return step_metrics(StepResults(  # 5. the metrics, built in one place
+        metrics = step_metrics(StepResults(  # 5. the metrics, built in one place
             experience=experience, response_mask_BT=response_mask_BT, batch=batch, reward_metrics=reward_metrics,
             advantages=advantages, sequence_kl=kl, kl_coef=self.kl_controller.value, transition=transition,
             updates=updates, timing=timer.seconds,
             scores_B=scores_B if dense_rewards_BT is None else scores_B + dense_rewards_BT.sum(-1)), self.components)
+        self.signal.observe(self.step, metrics)  # driver state like the KL controller's: counted once per step
+        return metrics
 
     def rewards(self, batch: DataProto) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
         """The reward split by where it is credited (``RewardScorer.token_rewards``: sequence_B on the last token,
@@ -380,7 +382,7 @@ class RLTrainer:
                 self.pipeline.save(directory)
 
         state = {"config": to_plain(self.user_config), "best": self.best, "loader": self.loader.state_dict(),
-                 "kl_controller": self.kl_controller.state_dict(),
+                 "kl_controller": self.kl_controller.state_dict(), "signal": self.signal.state_dict(),
                  **{component.state_key: component.state_dict() for component in self.components
                     if component.state_key is not None}}
         return self.checkpointer.save(self.step, state, save_roles)
@@ -416,6 +418,8 @@ class RLTrainer:
             self.pipeline.load(path)
         self.loader.load_state_dict(state["loader"])
         self.kl_controller.load_state_dict(state["kl_controller"])
+        if "signal" in state:  # checkpoints written before the learning-signal monitor have no count
+            self.signal.load_state_dict(state["signal"])
         for component in self.components:  # the keys are those of the checkpoints written before the components
             if component.state_key is not None and state.get(component.state_key) is not None:
                 component.load_state_dict(state[component.state_key])
