@@ -210,3 +210,12 @@ def test_full_gather_transition_needs_generation_pp_and_tp_of_one():
     assert HybridEngineConfig(strategy="full_gather").strategy == "full_gather"
     with pytest.raises(ValueError, match="full_gather.*pp_size and tp_size must be 1"):
         HybridEngineConfig(strategy="full_gather", tp_size=2)
+
+
+def test_a_section_set_in_part_keeps_its_roles_own_defaults():
+    # the actor's engine defaults to lr 1e-6 (the critic's to 1e-5): setting another engine key must not reset it
+    config = _load("actor.engine.micro_batch_tokens=512", "critic.engine.optim.weight_decay=0.1")
+    assert config.actor.engine.optim.lr == 1e-6 and config.actor.engine.micro_batch_tokens == 512
+    assert _load().actor.engine.optim.lr == 1e-6
+    assert _load("actor.engine.optim.betas=[0.8, 0.9]").actor.engine.optim.lr == 1e-6
+    assert _load("actor.engine.optim.lr=3e-5").actor.engine.optim.lr == 3e-5

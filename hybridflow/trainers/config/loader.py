@@ -148,8 +148,13 @@ def config_key(field: dataclasses.Field) -> str:
     return field.metadata.get("key", field.name)
 
 
-def build_dataclass(cls: type[ConfigT], data: dict[str, Any] | None, *, path: str = "") -> ConfigT:
-    """Instantiate ``cls`` from a nested mapping, checking keys and types field by field."""
+def build_dataclass(cls: type[ConfigT], data: dict[str, Any] | None, *, path: str = "",
+                    base: Any = None) -> ConfigT:
+    """Instantiate ``cls`` from a nested mapping, checking keys and types field by field.
+
+    Keys not given take ``base``'s values when given, else the class defaults; a section given in part starts
+    from its field's own default (the actor's ``engine`` keeps the actor's learning rate when only
+    ``actor.engine.micro_batch_tokens`` is set)."""
     data = {} if data is None else data
     if not isinstance(data, dict):
         raise ValueError(f"{path or 'config'} must be a mapping of keys to values, got {data!r}")
@@ -162,7 +167,16 @@ def build_dataclass(cls: type[ConfigT], data: dict[str, Any] | None, *, path: st
             raise ValueError(f"config key {where}{unknown[0]} is not allowed here: {refused[unknown[0]]}")
         raise ValueError(f"unknown config key {where}{unknown[0]}; allowed keys here: {', '.join(sorted(fields))}")
     hints = typing.get_type_hints(cls)
-    kwargs = {fields[key].name: _coerce(hints[fields[key].name], value, _join(path, key)) for key, value in data.items()}
+    kwargs = {}
+    for key, value in data.items():
+        name = fields[key].name
+        default = getattr(base, name) if base is not None else _section_default(fields[key])
+        if dataclasses.is_dataclass(default) and isinstance(value, dict):
+            kwargs[name] = build_dataclass(type(default), value, path=_join(path, key), base=default)
+        else:
+            kwargs[name] = _coerce(hints[name], value, _join(path, key))
+    if base is not None:
+        kwargs = {**{field.name: getattr(base, field.name) for field in fields.values()}, **kwargs}
     missing = sorted(key for key, field in fields.items() if field.name not in kwargs
                      and field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING)
     for key in list(missing):
@@ -276,6 +290,14 @@ def _default_of(field: dataclasses.Field, instance: Any) -> Any:
 
 def _join(path: str, name: str) -> str:
     return f"{path}.{name}" if path else name
+
+
+def _section_default(field: dataclasses.Field) -> Any:
+    """A section field's default instance when its factory makes one (None otherwise)."""
+    if field.default_factory is not dataclasses.MISSING:
+        default = field.default_factory()
+        return default if dataclasses.is_dataclass(default) else None
+    return field.default if dataclasses.is_dataclass(field.default) else None
 
 
 def _deep_copy(data: Any) -> Any:
