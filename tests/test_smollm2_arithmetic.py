@@ -3,13 +3,10 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
-
-from hybridflow.models import smollm2_path
+from smollm2_example import load_example
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "smollm2_arithmetic"
 
@@ -17,15 +14,7 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "smollm2_arithmetic
 @pytest.mark.slow
 @pytest.mark.needs_smollm2
 def test_two_steps_of_the_arithmetic_example_learn_from_prefixed_answers(tmp_path):
-    if smollm2_path() is None:
-        pytest.skip("SmolLM2-135M-Instruct not converted (run scripts/get_smollm2.py)")
-    if importlib.util.find_spec("reasoning_gym") is None:
-        pytest.skip("reasoning-gym not installed (pip install 'hybridflow[math]')")
-    sys.path.insert(0, str(EXAMPLE))
-    try:
-        import run as example
-    finally:
-        sys.path.remove(str(EXAMPLE))
+    example = load_example(EXAMPLE)
     history = example.run([f"trainer.output_dir={tmp_path}", "trainer.total_steps=2", "trainer.val_every=2",
                            "trainer.progress_bar=false", "batch.prompts_per_step=2", "batch.samples_per_prompt=4",
                            "batch.mini_batch_size=4", "actor.generation.max_new_tokens=4"],

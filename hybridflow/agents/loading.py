@@ -11,15 +11,11 @@ EnvironmentDefinitionError naming the class, the method, what was returned and w
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import inspect
 import math
 import numbers
-import sys
 import traceback
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from hybridflow.agents.env import (
@@ -48,32 +44,9 @@ def _import_spec(spec: str) -> Any:
     if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
         raise ValueError(f"env.class must look like 'path/to/file.py:Class' or 'package.module:Class', "
                          f"got {spec!r}")
-    module_name, attribute_path = spec.split(":")
-    try:
-        module = _import_file(Path(module_name), spec) if module_name.endswith(".py") \
-            else importlib.import_module(module_name)
-    except ImportError as error:
-        raise ValueError(f"env.class {spec!r}: cannot import module {module_name!r}: {error}") from error
-    target = module
-    for attribute in attribute_path.split("."):
-        if not hasattr(target, attribute):
-            raise ValueError(f"env.class {spec!r}: module {module_name!r} has no attribute {attribute_path!r}")
-        target = getattr(target, attribute)
-    return target
+    from hybridflow.rewards.plugin import import_named  # the reward functions' loader (it imports torch)
 
-
-def _import_file(path: Path, spec: str):
-    if not path.is_file():
-        raise ValueError(f"env.class {spec!r}: file {str(path)!r} does not exist")
-    directory = str(path.resolve().parent)
-    if directory not in sys.path:  # modules beside the file import as in `python file.py` (installed ones win)
-        sys.path.append(directory)
-    name = f"hybridflow_user_env_{path.stem}"
-    module_spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[name] = module  # dataclasses and pickling look the module up by name
-    module_spec.loader.exec_module(module)
-    return module
+    return import_named(spec, f"env.class {spec!r}", module_prefix="hybridflow_user_env_")
 
 
 def load_environment(spec: str | type, kwargs: dict | None = None) -> type[Environment]:

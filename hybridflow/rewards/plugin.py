@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -51,34 +52,43 @@ def load_reward_function(spec: str) -> Callable[..., float]:
         raise ValueError(
             f"reward function spec must look like 'module:function' (or one of {sorted(BUILTIN_REWARDS)}), got {spec!r}"
         )
-    module_name, attribute_path = spec.split(":")
-    try:
-        if module_name.endswith(".py"):
-            module = _import_file(Path(module_name), spec)
-        else:
-            module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ValueError(f"reward function {spec!r}: cannot import module {module_name!r}: {error}") from error
-    target = module
-    for attribute in attribute_path.split("."):
-        if not hasattr(target, attribute):
-            raise ValueError(f"reward function {spec!r}: module {module_name!r} has no attribute {attribute_path!r}")
-        target = getattr(target, attribute)
+    target = import_named(spec, f"reward function {spec!r}", module_prefix="hybridflow_user_reward_")
     if not callable(target):
         raise ValueError(f"reward function {spec!r} names a {type(target).__name__}, not a function")
     _check_signature(target, spec)
     return target
 
 
-def _import_file(path: Path, spec: str):
+def import_named(spec: str, what: str, *, module_prefix: str) -> Any:
+    """The object ``spec`` names, ``package.module:Name`` or ``path/to/file.py:Name`` (``Name`` may be dotted;
+    the caller has checked the form). ``what`` begins every error (``"reward function 'f.py:score'"``); a file is
+    imported as module ``<module_prefix><stem>``, registered in ``sys.modules`` (dataclasses and pickling look
+    modules up by name), with its directory on ``sys.path`` (appended: installed packages win), so modules beside
+    it import as they would in ``python file.py``."""
+    module_name, attribute_path = spec.split(":")
+    try:
+        module = (_import_file(Path(module_name), what, module_prefix) if module_name.endswith(".py")
+                  else importlib.import_module(module_name))
+    except ImportError as error:
+        raise ValueError(f"{what}: cannot import module {module_name!r}: {error}") from error
+    target = module
+    for attribute in attribute_path.split("."):
+        if not hasattr(target, attribute):
+            raise ValueError(f"{what}: module {module_name!r} has no attribute {attribute_path!r}")
+        target = getattr(target, attribute)
+    return target
+
+
+def _import_file(path: Path, what: str, module_prefix: str):
     if not path.is_file():
-        raise ValueError(f"reward function {spec!r}: file {str(path)!r} does not exist")
-    # modules next to the file import as they would in `python file.py` (appended: installed packages win)
+        raise ValueError(f"{what}: file {str(path)!r} does not exist")
     directory = str(path.resolve().parent)
     if directory not in sys.path:
         sys.path.append(directory)
-    module_spec = importlib.util.spec_from_file_location(f"hybridflow_user_reward_{path.stem}", path)
+    name = f"{module_prefix}{path.stem}"
+    module_spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module
     module_spec.loader.exec_module(module)
     return module
 
