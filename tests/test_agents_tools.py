@@ -321,3 +321,17 @@ def test_the_python_tool_refuses_to_be_built_where_the_sandbox_cannot_run(monkey
     monkeypatch.delenv("HYBRIDFLOW_SANDBOX", raising=False)  # the opt-out would skip the check
     with pytest.raises(SandboxUnavailableError, match="cannot sandbox"):
         python_tool(SandboxConfig(python_executable="/usr/bin/no-such-python3"))
+
+
+def test_the_search_tool_leaves_numba_unloaded_so_a_vllm_engine_can_start_in_the_same_process():
+    # numba's llvmlite wrappers break vLLM 0.32's kernel-registration scan of sys.modules (the tool runs in the actor)
+    import subprocess
+    import sys
+
+    program = ("import sys; from hybridflow.agents.builtin_tools import DocumentSearch; "
+               "tool = DocumentSearch(['the cat sat on the mat', 'python is a programming language']); "
+               "assert 'python' in tool.search('python programming'); "
+               "print(sorted(name for name in sys.modules if name.split('.')[0] in ('numba', 'llvmlite')))")
+    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

@@ -99,12 +99,30 @@ def python_tool(sandbox=None, *, max_output_chars: int = 4000) -> Tool:
     return tool(python, timeout_s=config.timeout_s + 30.0)
 
 
+def _import_bm25s():
+    """bm25s on its numpy backend. Its optional numba backend loads llvmlite, whose ffi wrappers break vLLM's
+    kernel-registration scan of ``sys.modules`` when a vLLM engine starts later in the same process (vllm 0.32:
+    ``'_lib_fn_wrapper' object has no attribute 'get'``), and the search tool runs inside the actor's process."""
+    import sys
+
+    if "bm25s" in sys.modules or "numba" in sys.modules:
+        import bm25s
+
+        return bm25s
+    sys.modules["numba"] = None  # bm25s's `from numba import njit` then raises ImportError: its numpy path
+    try:
+        import bm25s
+    finally:
+        del sys.modules["numba"]
+    return bm25s
+
+
 class DocumentSearch(Tool):
     """A ``search`` tool: BM25 (bm25s) over a fixed list of documents, returning the best ``top_k`` passages."""
 
     def __init__(self, documents: Sequence[str] | str | Path, *, top_k: int = 3, text_key: str = "text",
                  title_key: str = "title", max_chars_per_document: int = 1000, name: str = "search") -> None:
-        import bm25s
+        bm25s = _import_bm25s()
 
         self.texts, self.titles = _documents(documents, text_key, title_key)
         if top_k < 1:
