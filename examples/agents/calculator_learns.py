@@ -44,6 +44,8 @@ class LearnsConfig:
     """Held-out questions, disjoint from the training ones."""
     tool_share: float = 0.5
     """Share of the SFT demonstrations that call the calculator (the others answer at once)."""
+    hidden_size: int = 64
+    """Width of the random 4-layer Llama (64: the tutorial's tiny chat model)."""
     sft_steps: int = 150
     sft_lr: float = 3e-3
     sft_batch_size: int = 16
@@ -72,12 +74,19 @@ def _examples():
     return calculator_env, make_chat_model
 
 
-def build_base(directory: Path, seed: int) -> Path:
-    """The random tiny chat model; its tokenizer's EOS is ``<|im_end|>``, the end of an assistant turn."""
+def build_base(directory: Path, seed: int, hidden_size: int = 64) -> Path:
+    """The random tiny chat model (``hidden_size`` wide); its tokenizer's EOS is ``<|im_end|>``, the end of an
+    assistant turn."""
+    import torch
+    from transformers import LlamaForCausalLM
+
     _, chat = _examples()
     tokenizer = chat.chat_tokenizer()
     tokenizer.eos_token = "<|im_end|>"
-    model = chat.build_model(tokenizer, seed=seed)
+    config = chat.build_model(tokenizer, seed=seed).config
+    config.update({"hidden_size": hidden_size, "intermediate_size": 2 * hidden_size})
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
     model.save_pretrained(str(directory))
     tokenizer.save_pretrained(str(directory))
     return directory
@@ -146,6 +155,7 @@ def evaluate(model_dir: str | Path, rows: list[dict], *, max_new_tokens: int, ma
             parsed = parser.parse(text, id_prefix=f"turn{turn}")
             used_tool = used_tool or bool(parsed.calls)
             result = checked_step(environment, AssistantTurn(text, parsed.calls, parsed.errors, turn))
+            # an EnvironmentFailure (no done, no reward) ends the episode with reward 0, as on_env_error: zero_reward
             if getattr(result, "done", True) or turn + 1 == max_turns:
                 reward = float(getattr(result, "reward", None) or 0.0)
                 break
@@ -181,7 +191,8 @@ def train_grpo(config: LearnsConfig, files: dict[str, Path], policy_dir: Path, o
         f"actor.model.path={policy_dir}", f"actor.engine.optim.lr={config.grpo_lr}",
         "actor.engine.dtype=float32", "reference.engine.dtype=float32",
         f"actor.generation.max_new_tokens={config.max_new_tokens}", f"env.class={ENV_SPEC}", "env.max_turns=3",
-        "env.max_episode_tokens=768", "env.tool_timeout_s=5", "env.record_every=10", "env.decode_chunk_tokens=32",
+        "env.max_episode_tokens=768", "env.tool_timeout_s=5", f"env.record_every={config.val_every}",
+        "env.decode_chunk_tokens=32",
         "algorithm.advantage_estimator=grpo", f"batch.prompts_per_step={config.prompts_per_step}",
         f"batch.samples_per_prompt={config.samples_per_prompt}",
         f"batch.mini_batch_size={config.prompts_per_step * config.samples_per_prompt}",
@@ -198,14 +209,14 @@ def train_grpo(config: LearnsConfig, files: dict[str, Path], policy_dir: Path, o
 
 def run(config: LearnsConfig) -> dict:
     """All stages; returns (and writes to ``output_dir/summary.json``) the before/after numbers and times."""
+    from transformers import AutoTokenizer
+
     from hybridflow.data import write_jsonl
 
     root = Path(config.output_dir)
     root.mkdir(parents=True, exist_ok=True)
     started, times = time.perf_counter(), {}
-    base_dir = build_base(root / "base", config.seed)
-    from transformers import AutoTokenizer
-
+    base_dir = build_base(root / "base", config.seed, config.hidden_size)
     train, val = split_rows(config)
     files = {"train": write_jsonl(root / "train.jsonl", train), "val": write_jsonl(root / "val.jsonl", val)}
     demos = sft_rows(train, AutoTokenizer.from_pretrained(str(base_dir)), tool_share=config.tool_share,
