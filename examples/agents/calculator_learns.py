@@ -1,0 +1,255 @@
+"""The calculator example that learns: a short SFT on tool-call demonstrations, then GRPO with the calculator
+environment, and the held-out tool-call rate and accuracy (greedy episodes) before and after RL.
+
+    python examples/agents/calculator_learns.py runs/calclearn            # the defaults, measured in docs/agents.md
+    python examples/agents/calculator_learns.py runs/calclearn --grpo-steps 2 --sft-steps 20   # a smoke run
+
+Stages (all on CPU, nothing downloaded):
+0. the tiny chat model of ``examples/episodes/make_chat_model.py`` (character tokenizer, ChatML with tools,
+   random 4-layer Llama), its end of turn ``<|im_end|>`` made the tokenizer's EOS so that SFT responses end
+   the way the episode runner's turns do;
+1. ``hybridflow sft`` on the demonstrations of an *inconsistent demonstrator*: on ``tool_share`` of the
+   questions it calls the calculator and copies the result (``demonstration(row)``), on the others it writes the
+   right answer straight away, which a model this small cannot compute, so the policy learns both habits;
+2. GRPO with ``env.class: examples/agents/calculator_env.py:CalculatorEnvironment`` from the SFT model: an
+   episode that calls the tool and copies its result is rewarded, a guessed answer rarely is;
+3. greedy episodes on held-out questions, run here with ``transformers`` through the same prompt and observation
+   ids as the episode runner (``ChatTokens``), before and after GRPO: the share of episodes that called the
+   calculator and the share answered right. ``summary.json`` holds them with the run's times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ENV_SPEC = f"{HERE / 'calculator_env.py'}:CalculatorEnvironment"
+
+
+@dataclass(frozen=True, kw_only=True)
+class LearnsConfig:
+    """Sizes of the run (defaults: the first run measured in docs/agents.md, "An example that learns")."""
+
+    output_dir: str = "runs/calclearn"
+    seed: int = 0
+    num_train: int = 256
+    """Calculator questions for SFT and GRPO (the same questions; the held-out ones are never trained on)."""
+    num_val: int = 64
+    """Held-out questions, disjoint from the training ones."""
+    tool_share: float = 0.5
+    """Share of the SFT demonstrations that call the calculator (the others answer at once)."""
+    hidden_size: int = 64
+    """Width of the random 4-layer Llama (64: the tutorial's tiny chat model)."""
+    sft_steps: int = 300
+    sft_lr: float = 3e-3
+    sft_batch_size: int = 16
+    grpo_steps: int = 30
+    grpo_lr: float = 3e-4
+    prompts_per_step: int = 8
+    samples_per_prompt: int = 4
+    val_every: int = 10
+    max_new_tokens: int = 96
+    """Per turn: a calculator call of the longest questions is about 90 characters."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.tool_share <= 1.0:
+            raise ValueError(f"tool_share got {self.tool_share!r}; allowed: a number in [0, 1]")
+        for name in ("num_train", "num_val", "sft_steps", "grpo_steps", "prompts_per_step", "samples_per_prompt"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} got {getattr(self, name)!r}; allowed: an integer >= 1")
+
+
+def _examples():
+    """The calculator environment module and the tiny chat model module (both example files, not a package)."""
+    sys.path[:0] = [str(HERE), str(HERE.parent / "episodes")]
+    import calculator_env
+    import make_chat_model
+
+    return calculator_env, make_chat_model
+
+
+def build_base(directory: Path, seed: int, hidden_size: int = 64) -> Path:
+    """The random tiny chat model (``hidden_size`` wide); its tokenizer's EOS is ``<|im_end|>``, the end of an
+    assistant turn."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    _, chat = _examples()
+    tokenizer = chat.chat_tokenizer()
+    tokenizer.eos_token = "<|im_end|>"
+    config = chat.build_model(tokenizer, seed=seed).config
+    config.update({"hidden_size": hidden_size, "intermediate_size": 2 * hidden_size})
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(str(directory))
+    tokenizer.save_pretrained(str(directory))
+    return directory
+
+
+def split_rows(config: LearnsConfig) -> tuple[list[dict], list[dict]]:
+    """(training questions, held-out questions), disjoint by expression."""
+    calculator_env, _ = _examples()
+    train = calculator_env.make_rows(config.num_train, seed=config.seed)
+    seen = {row["expression"] for row in train}
+    candidates = calculator_env.make_rows(4 * config.num_val, seed=config.seed + 1)
+    val = [row for row in candidates if row["expression"] not in seen][:config.num_val]
+    return train, val
+
+
+def sft_rows(rows: list[dict], tokenizer, *, tool_share: float, seed: int) -> list[dict]:
+    """Prompt/response rows of the demonstrations, prompts rendered as the episode runner renders them.
+
+    A tool-using demonstration gives two rows (the call after the opening; the answer after the call and its
+    result), so only the assistant's turns carry loss; a direct one gives one row (the answer after the opening).
+    """
+    from hybridflow.agents import calculator
+    from hybridflow.agents.episode import ChatTokens
+
+    calculator_env, _ = _examples()
+    chat, tools = ChatTokens(tokenizer), [calculator.schema]
+    generator = random.Random(seed)
+    out = []
+    for row in rows:
+        system, user, call, result, answer = calculator_env.demonstration(row)
+        opening = tokenizer.apply_chat_template([system, user], tools=tools, tokenize=False, add_generation_prompt=True)
+        if generator.random() < tool_share:
+            after_call = opening + call["content"] + chat.observation_text([result], tools)
+            out += [{"prompt": opening, "response": call["content"]},
+                    {"prompt": after_call, "response": answer["content"]}]
+        else:
+            out.append({"prompt": opening, "response": answer["content"]})
+    return out
+
+
+def evaluate(model_dir: str | Path, rows: list[dict], *, max_new_tokens: int, max_turns: int = 3) -> dict:
+    """Greedy episodes of ``rows`` with the calculator environment: ``tool_call_rate`` (episodes that called the
+    calculator at least once), ``accuracy`` (mean reward) and ``turns_mean``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hybridflow.agents import AssistantTurn, HermesParser, checked_start, checked_step, make_environment
+    from hybridflow.agents.episode import ChatTokens
+
+    calculator_env, _ = _examples()
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    chat, parser, end = ChatTokens(tokenizer), HermesParser(), tokenizer.convert_tokens_to_ids("<|im_end|>")
+    called, rewards, turns = [], [], []
+    for row in rows:
+        environment = make_environment(calculator_env.CalculatorEnvironment)
+        opening = checked_start(environment, row)
+        tools = [tool.schema for tool in opening.tools]
+        ids, reward, used_tool, turn = chat.prompt_ids(opening.messages, tools), 0.0, False, 0
+        for turn in range(max_turns):
+            with torch.no_grad():
+                output = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                                        eos_token_id=end, pad_token_id=tokenizer.pad_token_id)
+            sampled = output[0, len(ids):].tolist()
+            text = tokenizer.decode(sampled, skip_special_tokens=True)
+            parsed = parser.parse(text, id_prefix=f"turn{turn}")
+            used_tool = used_tool or bool(parsed.calls)
+            result = checked_step(environment, AssistantTurn(text, parsed.calls, parsed.errors, turn))
+            # an EnvironmentFailure (no done, no reward) ends the episode with reward 0, as on_env_error: zero_reward
+            if getattr(result, "done", True) or turn + 1 == max_turns:
+                reward = float(getattr(result, "reward", None) or 0.0)
+                break
+            closed = "<|im_end|>" if sampled and sampled[-1] == end else None
+            ids = ids + sampled + chat.observation_ids(result.messages, tools, closed_by=closed)
+        called.append(used_tool)
+        rewards.append(reward)
+        turns.append(turn + 1)
+    count = len(rows)
+    return {"tool_call_rate": sum(called) / count, "accuracy": sum(rewards) / count, "turns_mean": sum(turns) / count}
+
+
+def train_sft(config: LearnsConfig, data_file: Path, base_dir: Path, output_dir: Path) -> Path:
+    from hybridflow.trainers.supervised import SFTConfig, load_supervised_config, run_supervised
+
+    run_supervised(load_supervised_config(SFTConfig, None, [
+        f"model.path={base_dir}", f"data.train_path={data_file}", "data.chat_template=never",
+        "data.max_prompt_tokens=512", "data.max_response_tokens=128", f"output_dir={output_dir}", "overwrite=true",
+        f"batch_size={config.sft_batch_size}", "epochs=1000", f"max_steps={config.sft_steps}",
+        f"engine.optim.lr={config.sft_lr}", f"engine.optim.warmup_steps={max(1, config.sft_steps // 10)}",
+        "engine.optim.lr_schedule=cosine", "engine.dtype=float32", f"seed={config.seed}", "progress_bar=false",
+        "eval_before_train=false"]), mode="local", tensorboard=False)
+    return output_dir / "model"
+
+
+def train_grpo(config: LearnsConfig, files: dict[str, Path], policy_dir: Path, output_dir: Path) -> list[dict]:
+    from hybridflow.controller import local_mode
+    from hybridflow.trainers.config.rl import load_rl_config
+    from hybridflow.trainers.rl import RLTrainer
+
+    rl_config = load_rl_config(None, [
+        f"data.train_path={files['train']}", f"data.val_path={files['val']}", "data.max_prompt_tokens=512",
+        f"actor.model.path={policy_dir}", f"actor.engine.optim.lr={config.grpo_lr}",
+        "actor.engine.dtype=float32", "reference.engine.dtype=float32",
+        f"actor.generation.max_new_tokens={config.max_new_tokens}", f"env.class={ENV_SPEC}", "env.max_turns=3",
+        "env.max_episode_tokens=768", "env.tool_timeout_s=5", f"env.record_every={config.val_every}",
+        "env.decode_chunk_tokens=32",
+        "algorithm.advantage_estimator=grpo", f"batch.prompts_per_step={config.prompts_per_step}",
+        f"batch.samples_per_prompt={config.samples_per_prompt}",
+        f"batch.mini_batch_size={config.prompts_per_step * config.samples_per_prompt}",
+        f"trainer.total_steps={config.grpo_steps}", f"trainer.val_every={config.val_every}",
+        f"trainer.output_dir={output_dir}", f"trainer.seed={config.seed}", "trainer.resume=false",
+        "trainer.overwrite=true", "trainer.progress_bar=false"])
+    with local_mode():
+        trainer = RLTrainer(rl_config, tensorboard=False)
+        try:
+            return trainer.fit()
+        finally:
+            trainer.shutdown()
+
+
+def run(config: LearnsConfig) -> dict:
+    """All stages; returns (and writes to ``output_dir/summary.json``) the before/after numbers and times."""
+    from transformers import AutoTokenizer
+
+    from hybridflow.data import write_jsonl
+
+    root = Path(config.output_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    started, times = time.perf_counter(), {}
+    base_dir = build_base(root / "base", config.seed, config.hidden_size)
+    train, val = split_rows(config)
+    files = {"train": write_jsonl(root / "train.jsonl", train), "val": write_jsonl(root / "val.jsonl", val)}
+    demos = sft_rows(train, AutoTokenizer.from_pretrained(str(base_dir)), tool_share=config.tool_share,
+                     seed=config.seed)
+    files["sft"] = write_jsonl(root / "sft.jsonl", demos)
+    policy_dir = train_sft(config, files["sft"], base_dir, root / "sft")
+    times["sft_s"] = time.perf_counter() - started
+    before = evaluate(policy_dir, val, max_new_tokens=config.max_new_tokens)
+    print(f"after SFT ({len(demos)} demonstration rows, {config.sft_steps} steps): {before}", flush=True)
+    mark = time.perf_counter()
+    history = train_grpo(config, files, policy_dir, root / "grpo")
+    times["grpo_s"] = time.perf_counter() - mark
+    after = evaluate(root / "grpo" / "final" / "actor", val, max_new_tokens=config.max_new_tokens)
+    print(f"after GRPO ({config.grpo_steps} steps): {after}", flush=True)
+    times["total_s"] = time.perf_counter() - started
+    curve = [{key: record[key] for key in ("step", "reward/score_mean", "agent/tool_calls_per_episode",
+                                             "val/score_mean") if key in record} for record in history]
+    summary = {"before": before, "after": after, "times": times, "curve": curve, "config": asdict(config)}
+    (root / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("output_dir")
+    for name, default in asdict(LearnsConfig()).items():
+        if name != "output_dir":
+            parser.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default)
+    arguments = vars(parser.parse_args(argv))
+    summary = run(LearnsConfig(**arguments))
+    print(json.dumps({key: summary[key] for key in ("before", "after", "times")}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
