@@ -85,6 +85,7 @@ def test_a_grpo_step_with_prompts_padded_over_two_replicas_trains_on_each_prompt
     try:
         assert trainer.groups["actor"].mesh.generation.num_replicas == 2
         recorder = trainer.actor = _Recorder(trainer.actor)
+        trainer.generate = recorder.generate_sequences  # the step calls the generation bound when it was built
         history = trainer.fit()
     finally:
         trainer.shutdown()
