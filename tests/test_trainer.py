@@ -231,7 +231,7 @@ def test_resume_from_checkpoint_continues_identically(data_dir, tmp_path):
     # when off: such a checkpoint resumes as well
     driver = tmp_path / "resumed" / "checkpoints" / "step_000002" / "driver.json"
     state = json.loads(driver.read_text())
-    assert set(state) == {"step", "config", "best", "loader", "kl_controller"}
+    assert set(state) == {"step", "config", "best", "loader", "kl_controller", "signal"}
     driver.write_text(json.dumps({**state, "ptx_loader": None, "lagrange": None}))
     resumed = _run(_config(data_dir, tmp_path / "resumed", "trainer.total_steps=3"))
     assert [record["step"] for record in resumed] == [1, 2, 3]
