@@ -103,7 +103,10 @@ def test_export_reloads_with_from_pretrained_and_gives_the_same_logprobs(family,
     for name, tensor in model.state_dict().items():
         assert torch.equal(reloaded.state_dict()[name], tensor), name
     batch = make_batch()
-    torch.testing.assert_close(reference_logprobs(reloaded, batch), reference_logprobs(model, batch), rtol=0, atol=0)
+    # equal weights; the log-probs to fp32 rounding (in a long session Qwen3-MoE's reloaded model may sum its
+    # experts in another order than the grouped implementation)
+    torch.testing.assert_close(reference_logprobs(reloaded, batch), reference_logprobs(model, batch), rtol=1e-6,
+                               atol=1e-6)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
