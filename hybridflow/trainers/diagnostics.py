@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from hybridflow.algorithms.advantages import group_indices, group_is_tied
+from hybridflow.algorithms.advantages import group_indices
 
 SUMMARY_KEYS = ("reward/score_mean", "signal/tied_groups", "actor/clip_fraction", "signal/entropy",
                 "actor/pg_grad_share")
@@ -20,7 +20,7 @@ SUMMARY_KEYS = ("reward/score_mean", "signal/tied_groups", "actor/clip_fraction"
 
 
 def group_signal_metrics(scores_B: Tensor, group_ids_B) -> dict[str, float]:
-    """The fraction of groups (samples sharing a group id) whose samples all got exactly the same reward
+    """The fraction of groups (samples sharing a group id) whose samples all got the same reward (within 1e-6 relative: rounding is no signal)
     (``signal/tied_groups``, the ties DAPO's dynamic sampling drops); for 0/1 rewards also the fractions all correct
     and all wrong. Empty when no group holds two samples (nothing to compare)."""
     index_B = group_indices(group_ids_B)
@@ -32,12 +32,21 @@ def group_signal_metrics(scores_B: Tensor, group_ids_B) -> dict[str, float]:
     def fraction_of_groups(flag_B: Tensor) -> float:  # flag_B is the same for every sample of a group
         return float(torch.zeros(num_groups, dtype=torch.float64).scatter_(0, index_B, flag_B.double()).mean())
 
-    tied_B = group_is_tied(scores_B, index_B)
+    tied_B = _nearly_tied(scores_B, index_B, num_groups)
     metrics = {"signal/tied_groups": fraction_of_groups(tied_B)}
     if bool(((scores_B == 0) | (scores_B == 1)).all()):
         metrics["signal/all_correct_groups"] = fraction_of_groups(tied_B & (scores_B == 1))
         metrics["signal/all_wrong_groups"] = fraction_of_groups(tied_B & (scores_B == 0))
     return metrics
+
+
+def _nearly_tied(scores_B: Tensor, index_B: Tensor, num_groups: int, tolerance: float = 1e-6) -> Tensor:
+    """Per sample: its group's rewards agree within ``tolerance`` (relative to their size, at least 1). Rewards of
+    equal responses scored by a model differ by rounding across batch layouts; they carry no learning signal."""
+    high_G = torch.full((num_groups,), -torch.inf, dtype=scores_B.dtype).scatter_reduce(0, index_B, scores_B, "amax")
+    low_G = torch.full((num_groups,), torch.inf, dtype=scores_B.dtype).scatter_reduce(0, index_B, scores_B, "amin")
+    scale_G = torch.maximum(high_G.abs(), low_G.abs()).clamp(min=1.0)
+    return ((high_G - low_G) <= tolerance * scale_G)[index_B]
 
 
 def sampled_entropy(logprobs_BT: Tensor, mask_BT: Tensor) -> float:
