@@ -183,6 +183,51 @@ def test_generation_is_right_whatever_the_regrown_kv_cache_and_weight_storage_he
                                    rtol=1e-4, atol=1e-4)
 
 
+def _request_outputs(actor: ActorWorker, prompts, options) -> dict:
+    """Greedy requests for the prompts' rows on the actor's rollout (prompt 0 aborted after two engine steps and
+    continued), run inside one rollout lifecycle."""
+    from hybridflow.engine.rollout import RolloutRequest, continue_request
+
+    rows = [ids[mask.bool()].tolist() for ids, mask in zip(prompts.batch["input_ids"], prompts.batch["attention_mask"])]
+
+    def produce(rollout):
+        handles = [rollout.submit(RolloutRequest(f"r{index}", tuple(row), options)) for index, row in enumerate(rows)]
+        rollout.step(max_tokens=2)
+        rollout.abort("r0")
+        aborted = handles[0].result()
+        resumed = rollout.submit(continue_request(aborted, request_id="r0-resumed"))
+        while rollout.pending():
+            rollout.step(max_tokens=3)
+        return {"aborted": aborted, "resumed": resumed.result(), **{h.request_id: h.result() for h in handles[1:]}}
+
+    config = actor._call_config(prompts.meta_info)
+    output, _, _, _ = actor._rollout(prompts, config, produce)
+    return output
+
+
+def test_requests_on_vllm_batch_continuously_abort_continue_and_equal_the_native_requests(actors):
+    from hybridflow.engine.rollout import SamplingOptions
+
+    native, vllm = actors
+    prompts = _prompts(3, seed=3)
+    options = SamplingOptions(max_new_tokens=6, greedy=True, eos_token_ids=(TOKENIZER.eos_token_id,),
+                              pad_token_id=TOKENIZER.pad_token_id)
+    expected, got = _request_outputs(native, prompts, options), _request_outputs(vllm, prompts, options)
+    assert got["aborted"].finish_reason == "abort" and 1 <= len(got["aborted"].token_ids) < 6
+    assert got["resumed"].token_ids[:len(got["aborted"].token_ids)] == got["aborted"].token_ids
+    for name in ("resumed", "r1", "r2"):
+        assert got[name].token_ids == expected[name].token_ids, name
+        assert got[name].finish_reason == expected[name].finish_reason
+        torch.testing.assert_close(torch.tensor(got[name].logprobs), torch.tensor(expected[name].logprobs),
+                                   rtol=1e-4, atol=1e-4)
+        assert set(got[name].versions) == {vllm.engine.step}
+    assert vllm.rollout.pending() == 0 and vllm.rollout.resident_bytes() == 0
+
+
+# The tests below build a second vLLM engine in this process. vLLM's parallel groups are process-wide and the
+# engine's teardown destroys them, so every test that uses the `actors` engine has to come before these.
+
+
 @pytest.mark.slow
 @pytest.mark.needs_smollm2
 def test_greedy_tokens_from_vllm_equal_the_native_engines_on_smollm2_in_fp32():
@@ -236,44 +281,3 @@ def test_rl_training_with_backend_vllm_logs_the_rollout_transition_and_a_small_l
         # fp32 on both sides: the rollout's sampled log-probs are the training engine's to rounding
         assert step["rollout/logprob_abs_diff_max"] < 1e-4 and step["rollout/sequence_kl"] < 1e-6
         assert 0 <= step["actor/tis_cap_fraction"] <= 1
-
-
-def _request_outputs(actor: ActorWorker, prompts, options) -> dict:
-    """Greedy requests for the prompts' rows on the actor's rollout (prompt 0 aborted after two engine steps and
-    continued), run inside one rollout lifecycle."""
-    from hybridflow.engine.rollout import RolloutRequest, continue_request
-
-    rows = [ids[mask.bool()].tolist() for ids, mask in zip(prompts.batch["input_ids"], prompts.batch["attention_mask"])]
-
-    def produce(rollout):
-        handles = [rollout.submit(RolloutRequest(f"r{index}", tuple(row), options)) for index, row in enumerate(rows)]
-        rollout.step(max_tokens=2)
-        rollout.abort("r0")
-        aborted = handles[0].result()
-        resumed = rollout.submit(continue_request(aborted, request_id="r0-resumed"))
-        while rollout.pending():
-            rollout.step(max_tokens=3)
-        return {"aborted": aborted, "resumed": resumed.result(), **{h.request_id: h.result() for h in handles[1:]}}
-
-    config = actor._call_config(prompts.meta_info)
-    output, _, _, _ = actor._rollout(prompts, config, produce)
-    return output
-
-
-def test_requests_on_vllm_batch_continuously_abort_continue_and_equal_the_native_requests(actors):
-    from hybridflow.engine.rollout import SamplingOptions
-
-    native, vllm = actors
-    prompts = _prompts(3, seed=3)
-    options = SamplingOptions(max_new_tokens=6, greedy=True, eos_token_ids=(TOKENIZER.eos_token_id,),
-                              pad_token_id=TOKENIZER.pad_token_id)
-    expected, got = _request_outputs(native, prompts, options), _request_outputs(vllm, prompts, options)
-    assert got["aborted"].finish_reason == "abort" and 1 <= len(got["aborted"].token_ids) < 6
-    assert got["resumed"].token_ids[:len(got["aborted"].token_ids)] == got["aborted"].token_ids
-    for name in ("resumed", "r1", "r2"):
-        assert got[name].token_ids == expected[name].token_ids, name
-        assert got[name].finish_reason == expected[name].finish_reason
-        torch.testing.assert_close(torch.tensor(got[name].logprobs), torch.tensor(expected[name].logprobs),
-                                   rtol=1e-4, atol=1e-4)
-        assert set(got[name].versions) == {vllm.engine.step}
-    assert vllm.rollout.pending() == 0 and vllm.rollout.resident_bytes() == 0
