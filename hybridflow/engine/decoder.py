@@ -339,6 +339,13 @@ class DecoderStage:
         self.activation = HIDDEN_ACTIVATIONS[spec.hidden_act]
         self.sandwich_norms = any(name.endswith("pre_feedforward_layernorm.weight") for name in weights)
         """Gemma 3: the attention and MLP outputs are normalised again before the residual add."""
+        self.moe_layers = [layer for layer in layers if f"model.layers.{layer}.mlp.gate.weight" in weights]
+        """This stage's mixture-of-experts layers (Qwen3-MoE; dense layers such as ``mlp_only_layers`` excluded)."""
+        self.num_experts = (weights[f"model.layers.{self.moe_layers[0]}.mlp.gate.weight"][0].shape[0]
+                            if self.moe_layers else 0)
+        self.routing: list[torch.Tensor] | None = None
+        """While a list (routing replay, ``generation.RoutingRecorder``): every MoE layer appends the experts its
+        router chose for each token of the forward, [B, S, K], in layer order."""
 
     @classmethod
     def from_state_dict(cls, hf_config, state_dict: dict[str, torch.Tensor]) -> "DecoderStage":
@@ -547,6 +554,8 @@ class DecoderStage:
         x_TH = x_BSH.reshape(-1, x_BSH.shape[-1])
         _, weights_TK, experts_TK = route(x_TH, self.weights[f"{prefix}.gate.weight"][0], self.spec.experts_per_token,
                                           self.spec.normalize_top_k)
+        if self.routing is not None:
+            self.routing.append(experts_TK.view(*x_BSH.shape[:2], -1))
         out_TH = grouped_experts(x_TH, experts_TK, weights_TK, self.weights[f"{prefix}.experts.gate_up_proj"][0],
                                  self.weights[f"{prefix}.experts.down_proj"][0], self.activation)
         return out_TH.view(x_BSH.shape)

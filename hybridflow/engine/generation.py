@@ -21,6 +21,7 @@ import torch.distributed as dist
 from hybridflow.engine.decoder import DecoderStage
 from hybridflow.engine.generation_config import GenerationConfig, SamplingConfig  # noqa: F401 (re-exported)
 from hybridflow.engine.rollout import RolloutStats, batch_output
+from hybridflow.models.moe import ROUTED_EXPERTS, ROUTING_PAD, routing_dtype
 
 
 def process_logits(logits_BV: torch.Tensor, config: GenerationConfig, *, history_BL: torch.Tensor | None,
@@ -146,15 +147,22 @@ class GenerationEngine:
 
         Returns ``prompts``, ``responses`` [B, T], ``response_mask``, ``input_ids`` [B, P+T],
         ``attention_mask``, ``position_ids``, ``logprobs`` [B, T] (0 after the end), with
-        B = prompts x samples_per_prompt and T = max_new_tokens.
+        B = prompts x samples_per_prompt and T = max_new_tokens; with ``config.record_routing`` also
+        ``routed_experts`` [B, P+T, L, K] (``RoutingRecorder``).
 
         Decodes under ``torch.inference_mode`` (no view or version tracking: a decode step is hundreds of
         small operations, each cheaper that way) and returns ordinary tensors (copies of the few outputs), which
         training may use like any other.
         """
         config = config.resolved()
-        with torch.inference_mode():
-            outputs = self._generate(prompts_BP, prompt_mask_BP, config)
+        if config.record_routing and self.pipeline.num_stages > 1:
+            raise ValueError("record_routing (routing replay) needs a single generation pipeline stage (pg = 1): each "
+                             "stage would hold only its own layers' routing")
+        try:
+            with torch.inference_mode():
+                outputs = self._generate(prompts_BP, prompt_mask_BP, config)
+        finally:
+            self.stage.routing = None  # a failed call leaves no recording behind
         return {key: value.clone() for key, value in outputs.items()}
 
     def _generate(self, prompts_BP: torch.Tensor, prompt_mask_BP: torch.Tensor,
@@ -201,6 +209,7 @@ class GenerationEngine:
         B, P = prompts_BP.shape
         T = config.max_new_tokens
         responses_BT, logprobs_BT, response_mask_BT, stops = _wave_buffers(prompts_BP, prompt_mask_BP, config)
+        routing = RoutingRecorder(self.stage, B, P + T) if config.record_routing else None
 
         rows_B = torch.arange(B, device=device)  # output row of each row in the batch
         alive_B = torch.ones(B, dtype=torch.bool, device=device)  # rows of the batch still generating
@@ -210,6 +219,8 @@ class GenerationEngine:
         positions_BP = (prompt_mask_BP.cumsum(dim=1) - 1).clamp(min=0)
         next_position_B = prompt_mask_BP.sum(dim=1)
         logits_BV = self._forward(prompts_BP, positions_BP, cache, key_valid_BS)
+        if routing is not None:
+            routing.take(slice(None), slice(0, P))
         stats.kv_cache_bytes = max(stats.kv_cache_bytes, cache.nbytes())
         needs_history = config.repetition_penalty != 1.0
         alive = B  # rows of the batch still generating, counted on the host
@@ -243,11 +254,14 @@ class GenerationEngine:
                 cache.keep_rows(alive_B)
                 alive_B = alive_B[alive_B]
             logits_BV = self._forward(tokens_B[:, None], next_position_B[:, None], cache, key_valid_BS)
+            if routing is not None:  # the forward read the token sampled at this step, column P + step
+                routing.take(rows_B, slice(P + step, P + step + 1))
             next_position_B = next_position_B + 1
             stats.decode_steps += 1
             stats.rows_decoded += len(rows_B)
         del cache  # the KV cache lives only inside this call
-        return batch_output(prompts_BP, prompt_mask_BP, responses_BT, response_mask_BT, logprobs_BT)
+        return _with_routing(batch_output(prompts_BP, prompt_mask_BP, responses_BT, response_mask_BT, logprobs_BT),
+                             routing)
 
     def _generate_wave_static(self, prompts_BP: torch.Tensor, prompt_mask_BP: torch.Tensor,
                               config: GenerationConfig, generator: torch.Generator,
@@ -258,16 +272,20 @@ class GenerationEngine:
         B, P = prompts_BP.shape
         T = config.max_new_tokens
         responses_BT, logprobs_BT, response_mask_BT, stops = _wave_buffers(prompts_BP, prompt_mask_BP, config)
+        routing = RoutingRecorder(self.stage, B, P + T) if config.record_routing else None
         cache = self.stage.new_cache(batch=B, max_len=P + T)
         key_valid_BL = torch.zeros((B, P + T), dtype=torch.bool, device=device)
         key_valid_BL[:, :P] = prompt_mask_BP.bool()
         positions_BP = (prompt_mask_BP.cumsum(dim=1) - 1).clamp(min=0)
         position_B = prompt_mask_BP.sum(dim=1)
         logits_BV = self._forward(prompts_BP, positions_BP, cache, key_valid_BL)
+        if routing is not None:
+            routing.take(slice(None), slice(0, P))
         stats.kv_cache_bytes = max(stats.kv_cache_bytes, cache.nbytes())
         finished_B = torch.zeros(B, dtype=torch.bool, device=device)
         pad_B = torch.full((B,), config.pad_token_id, dtype=prompts_BP.dtype, device=device)
-        step_fn = _DecodeGraph(self, cache, key_valid_BL, B) if self.cuda_graphs else None
+        # a graph replay runs no Python: the recording needs the eager steps
+        step_fn = _DecodeGraph(self, cache, key_valid_BL, B) if self.cuda_graphs and routing is None else None
         needs_history = config.repetition_penalty != 1.0
         for step in range(T):
             history_BL = torch.cat([prompts_BP, responses_BT[:, :step]], dim=1) if needs_history else None
@@ -290,11 +308,14 @@ class GenerationEngine:
                 logits_BV = step_fn(tokens_B, position_B, index_1)
             else:
                 logits_BV = self._decode_at(tokens_B[:, None], position_B[:, None], cache, key_valid_BL, index_1)
+            if routing is not None:
+                routing.take(slice(None), slice(P + step, P + step + 1))
             position_B = position_B + 1
             stats.decode_steps += 1
             stats.rows_decoded += B
         del cache, step_fn
-        return batch_output(prompts_BP, prompt_mask_BP, responses_BT, response_mask_BT, logprobs_BT)
+        return _with_routing(batch_output(prompts_BP, prompt_mask_BP, responses_BT, response_mask_BT, logprobs_BT),
+                             routing)
 
     def _decode_at(self, ids_B1: torch.Tensor, positions_B1: torch.Tensor, cache, key_valid_BL: torch.Tensor,
                    index_1: torch.Tensor) -> torch.Tensor:
@@ -340,6 +361,43 @@ class GenerationEngine:
             dist.broadcast(packed, src=p.ranks[self.head_stage], group=p.group)
             tokens_B, logprobs_B = packed[0].long(), packed[1].float()
         return tokens_B, logprobs_B
+
+
+class RoutingRecorder:
+    """The experts a wave's MoE layers chose for its tokens, as ``routed_experts`` [B, S, L, K] (S = P + T columns of
+    ``input_ids``, L the stage's MoE layers in layer order, K experts per token; ``ROUTING_PAD`` where no forward
+    read a token: padding, and each response's last token, sampled after the last forward).
+
+    The decoder appends each MoE layer's choice to ``stage.routing`` during a forward (``DecoderStage._experts``);
+    ``take`` moves one forward's routing to the rows and columns that forward read."""
+
+    def __init__(self, stage: DecoderStage, rows: int, columns: int) -> None:
+        if not stage.moe_layers:
+            raise ValueError("record_routing (routing replay) needs a mixture-of-experts model (Qwen3-MoE); this "
+                             "decoder has no MoE layers")
+        self.stage = stage
+        self.experts_BSLK = torch.full((rows, columns, len(stage.moe_layers), stage.spec.experts_per_token),
+                                       ROUTING_PAD, dtype=routing_dtype(stage.num_experts), device=stage.device)
+        stage.routing = []
+
+    def take(self, rows, columns: slice) -> None:
+        """Store the routing of the forward just run: it read rows ``rows`` (indices or a slice) at ``columns``."""
+        layers = self.stage.routing
+        assert len(layers) == len(self.stage.moe_layers), (len(layers), self.stage.moe_layers)
+        self.experts_BSLK[rows, columns] = torch.stack(layers, dim=2).to(self.experts_BSLK.dtype)
+        layers.clear()
+
+    def finish(self, attention_mask_BS: torch.Tensor) -> torch.Tensor:
+        """The recording, padding marked (``attention_mask`` 0: left padding, tokens after a response's end)."""
+        self.stage.routing = None
+        return self.experts_BSLK.masked_fill_(~attention_mask_BS.bool()[:, :, None, None], ROUTING_PAD)
+
+
+def _with_routing(output: dict[str, torch.Tensor], routing: RoutingRecorder | None) -> dict[str, torch.Tensor]:
+    """A wave's output, with its ``routed_experts`` when it recorded them."""
+    if routing is not None:
+        output[ROUTED_EXPERTS] = routing.finish(output["attention_mask"])
+    return output
 
 
 def _wave_buffers(prompts_BP: torch.Tensor, prompt_mask_BP: torch.Tensor, config: GenerationConfig):

@@ -179,6 +179,10 @@ class SamplingConfig(GenerationConfig):
     """Seed of the sampling generator: same prompts, weights and config give the same responses."""
     samples_per_prompt: int = 1
     """Responses generated per prompt; output rows are prompt-major (prompt 0's samples first)."""
+    record_routing: bool = False
+    """Also return ``routed_experts`` [B, P+T, MoE layers, K]: the experts every MoE layer's router chose for every
+    token the call processed (routing replay, ``actor.routing_replay``; backends whose ``BackendEntry`` says
+    ``records_routing``)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

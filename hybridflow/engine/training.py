@@ -101,6 +101,7 @@ class TrainingEngine:
         if lora is not None:
             self._init_adapters(seed)
         self._routers = self._build_router_recorder()
+        self._routing_replay = None  # enable_routing_replay
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self._tied_group, self._tied_param = self._build_tied_embedding_sync()
         self.total_steps = total_steps
@@ -157,6 +158,45 @@ class TrainingEngine:
                              f"experts model under pp_size 1; this model has {len(recorder.routers)} routers and "
                              f"pp_size is {self.layout.pp_size}; allowed: 0")
         return recorder
+
+    def enable_routing_replay(self) -> None:
+        """From now on a batch holding ``routed_experts`` (``hybridflow.models.moe.ROUTED_EXPERTS``: the rollout's
+        routing) is computed with those experts instead of each router's own top-k (``RoutingReplay``), in
+        ``forward`` and ``train_step``. ValueError for a model without MoE layers and under pipeline parallelism
+        (its schedule interleaves micro-batches, so the hooks could not tell whose routing a forward needs)."""
+        from hybridflow.models.moe import RoutingReplay, moe_routers
+
+        if not moe_routers(self.model):
+            raise ValueError(f"actor.routing_replay=True needs a mixture-of-experts model (Qwen3-MoE); model_type "
+                             f"{self.hf_config.model_type!r} has no routers; allowed: false")
+        if self.layout.pp_size > 1:
+            raise ValueError(f"actor.routing_replay=True needs actor.engine.pp_size 1, got {self.layout.pp_size}; "
+                             f"allowed: routing_replay false, or pp_size 1")
+        self._routing_replay = RoutingReplay(self.model)
+
+    def _replayed_routing(self, batch: dict[str, Tensor], micro: PackedMicroBatch):
+        """The block in which one micro-batch's forward (and backward) routes as the batch's ``routed_experts`` say
+        (a no-op block without them): the rows' real tokens packed like ``input_ids_1N``, filler unrecorded."""
+        from hybridflow.models.moe import ROUTED_EXPERTS, ROUTING_PAD
+
+        if ROUTED_EXPERTS not in batch or micro.is_filler:
+            return contextlib.nullcontext()
+        experts_NLK = batch[ROUTED_EXPERTS][micro.rows_b][micro.mask_bS]
+        filler = micro.packed_length - experts_NLK.shape[0]
+        if filler:
+            experts_NLK = torch.cat([experts_NLK, experts_NLK.new_full((filler, *experts_NLK.shape[1:]), ROUTING_PAD)])
+        return self._routing_replay.replaying(experts_NLK)
+
+    def _check_routing(self, batch: dict[str, Tensor]) -> None:
+        """ValueError for a batch with ``routed_experts`` this engine cannot replay (not enabled, wrong shape)."""
+        from hybridflow.models.moe import ROUTED_EXPERTS
+
+        if ROUTED_EXPERTS not in batch:
+            return
+        if self._routing_replay is None:
+            raise ValueError(f"the batch holds {ROUTED_EXPERTS!r} but routing replay is off on this engine "
+                             f"(actor.routing_replay; TrainingEngine.enable_routing_replay)")
+        self._routing_replay.check(batch[ROUTED_EXPERTS], batch["input_ids"])
 
     def _materialize(self, weights_path: str, head_seed: int) -> None:
         from hybridflow.engine.weights import materialize_and_load
@@ -309,6 +349,7 @@ class TrainingEngine:
         if input_ids_BS.dim() != 2 or mask_BS.shape != input_ids_BS.shape:
             raise ValueError(f"input_ids and attention_mask must both be [B, S]; got {tuple(input_ids_BS.shape)} "
                              f"and {tuple(mask_BS.shape)}")
+        self._check_routing(batch)
         position_ids_BS = batch.get("position_ids")
         if position_ids_BS is None:
             position_ids_BS = default_position_ids(mask_BS)
@@ -428,6 +469,8 @@ class TrainingEngine:
             metrics = {**metrics, "router_aux_loss": self._routers.balancing_loss(packed.num_real_tokens)}
             loss = loss + self.config.router_aux_loss_coef * metrics["router_aux_loss"] * tokens / \
                 micro_batch["num_tokens_global"]
+        if self._routing_replay is not None and self._routing_replay.active:
+            metrics = {**metrics, "routing_replay_overridden": self._routing_replay.overridden_fraction()}
         scalars = {k: float(v.detach() if isinstance(v, Tensor) else v) for k, v in metrics.items()}
         records.append((float(loss.detach()), scalars))
         return loss
@@ -472,9 +515,10 @@ class TrainingEngine:
         else:
             for index, micro in enumerate(packed):
                 positions_K = self._head_positions(micro, num_columns)
-                with self._autocast():
-                    head_out = self.model(micro.input_ids_1N, micro.position_ids_1N, positions_K)
-                (micro_loss(head_out, index, positions_K) * self.training_layout.loss_scale).backward()
+                with self._replayed_routing(batch, micro):  # backward too: checkpointed layers rerun their routers
+                    with self._autocast():
+                        head_out = self.model(micro.input_ids_1N, micro.position_ids_1N, positions_K)
+                    (micro_loss(head_out, index, positions_K) * self.training_layout.loss_scale).backward()
         self._sync_tied_embedding_gradients()
         self.training_layout.reduce_gradients(self.params, self.dp_group)
         shard_group = self.training_layout.shard_group(dp_group=self.dp_group, tp_group=self.tp_group)
@@ -583,7 +627,7 @@ class TrainingEngine:
             else:
                 for index, micro in enumerate(packed):
                     positions_K = self._head_positions(micro, num_columns)
-                    with self._autocast():
+                    with self._replayed_routing(batch, micro), self._autocast():
                         collect(self.model(micro.input_ids_1N, micro.position_ids_1N, positions_K), index, positions_K)
         finally:
             self.model.train(was_training)

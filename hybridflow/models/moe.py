@@ -14,6 +14,9 @@ strides and its backward fails on some group layouts.)
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -67,6 +70,17 @@ def route(hidden_TH: Tensor, router_EH: Tensor, top_k: int, normalize: bool) -> 
     return logits_TE, weights_TK.to(logits_TE.dtype), experts_TK
 
 
+def replayed_weights(router_logits_TE: Tensor, experts_TK: Tensor, normalize: bool) -> Tensor:
+    """The top-k weights [T, K] ``route`` gives experts ``experts_TK`` (any K experts per token, not necessarily the
+    largest): their softmax probabilities in fp32, renormalised when ``normalize``, in the logits' dtype. Gradients
+    reach the router through the probabilities, as in an ordinary forward."""
+    probs_TE = torch.softmax(router_logits_TE, dim=-1, dtype=torch.float)
+    weights_TK = probs_TE.gather(-1, experts_TK)
+    if normalize:
+        weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
+    return weights_TK.to(router_logits_TE.dtype)
+
+
 def load_balancing_loss(router_logits_TE: Tensor, top_k: int) -> Tensor:
     """Switch-Transformer auxiliary loss E * sum_e f_e * P_e (f_e: fraction of assignments routed to expert e,
     P_e: mean router probability of e), 1 when the load is uniform; as transformers' ``load_balancing_loss_func``
@@ -110,14 +124,20 @@ def stack_experts(parts: list[list[Tensor]]) -> Tensor:
     return torch.stack([torch.cat(expert, dim=0) for expert in parts])
 
 
+def moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The routers (``mlp.gate`` with ``top_k`` and ``num_experts``) of ``model``'s mixture-of-experts layers, in
+    layer order (dense layers, e.g. Qwen3-MoE's ``mlp_only_layers``, have none)."""
+    return [module for name, module in model.named_modules()
+            if name.endswith("mlp.gate") and hasattr(module, "top_k") and hasattr(module, "num_experts")]
+
+
 class RouterLogitsRecorder:
     """Keeps the router logits of every MoE layer of ``model`` from its last training forward (forward hooks on
     the routers; inference and activation-checkpointing recomputation are not recorded twice: the list restarts
     at each forward of ``model`` itself)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.routers = [module for name, module in model.named_modules()
-                        if name.endswith("mlp.gate") and hasattr(module, "top_k") and hasattr(module, "num_experts")]
+        self.routers = moe_routers(model)
         self.top_k = self.routers[0].top_k if self.routers else 0
         self.logits: list[Tensor] = []
         for router in self.routers:
@@ -132,3 +152,90 @@ class RouterLogitsRecorder:
         """``load_balancing_loss`` over the first ``num_tokens`` tokens (the real ones) of every recorded layer,
         concatenated as transformers does."""
         return load_balancing_loss(torch.cat([logits_NE[:num_tokens] for logits_NE in self.logits]), self.top_k)
+
+
+# ----- routing replay (R3) ------------------------------------------------------------------------------------------
+ROUTED_EXPERTS = "routed_experts"
+"""Batch key of a rollout's routing: [B, S, L, K] (S the ``input_ids`` columns, L the MoE layers in layer order, K
+experts per token), the experts each MoE layer's router chose for each token, ``ROUTING_PAD`` where none was
+recorded."""
+ROUTING_PAD = -1
+"""``routed_experts`` of a token with no recorded routing (padding; a response's last token, which no decode step
+reads): a replaying forward routes it by its own top-k."""
+
+
+def routing_dtype(num_experts: int) -> torch.dtype:
+    """The smallest signed integer dtype holding expert ids 0..num_experts-1 and ``ROUTING_PAD``."""
+    return torch.int8 if num_experts <= torch.iinfo(torch.int8).max + 1 else torch.int16
+
+
+class RoutingReplay:
+    """Makes the routers of ``model`` send each token to given experts instead of their own top-k (routing replay,
+    R3: train with the experts the rollout chose, so a near-tie that another precision or kernel breaks the other
+    way cannot move a token to other experts between generation and training).
+
+    Forward hooks on the routers replace their (logits, weights, experts) outputs inside ``replaying``: the experts
+    are the recorded ones (the router's own where a token's are ``ROUTING_PAD``), the weights their probabilities
+    under this forward's router logits (``replayed_weights``), so the router still learns through them. Hooks run
+    again, with the same experts, when activation checkpointing recomputes a layer in backward."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.routers = moe_routers(model)
+        self.top_k = self.routers[0].top_k if self.routers else 0
+        self.experts_NLK: Tensor | None = None
+        self._overridden: list[tuple[Tensor, Tensor]] = []  # per routed layer: (tokens rerouted, tokens recorded)
+        for layer, router in enumerate(self.routers):
+            router.register_forward_hook(functools.partial(self._replay, layer))
+
+    def check(self, experts_BSLK: Tensor, input_ids_BS: Tensor) -> None:
+        """ValueError unless ``experts_BSLK`` is a routing of these routers for the tokens of ``input_ids_BS``."""
+        expected = (*input_ids_BS.shape, len(self.routers), self.top_k)
+        if tuple(experts_BSLK.shape) != expected or experts_BSLK.is_floating_point():
+            raise ValueError(f"{ROUTED_EXPERTS} must be integer expert ids of shape [B, S, MoE layers, top_k] = "
+                             f"{list(expected)}; got {experts_BSLK.dtype} {list(experts_BSLK.shape)}")
+
+    @contextlib.contextmanager
+    def replaying(self, experts_NLK: Tensor):
+        """Inside the block the routers route token n of every forward to ``experts_NLK[n, layer]``."""
+        self.experts_NLK = experts_NLK
+        self._overridden.clear()
+        try:
+            yield
+        finally:
+            self.experts_NLK = None
+
+    @property
+    def active(self) -> bool:
+        """Inside ``replaying``."""
+        return self.experts_NLK is not None
+
+    def overridden_fraction(self) -> Tensor:
+        """Of the recorded (token, MoE layer) routings of the forwards inside this ``replaying`` block, the fraction
+        whose recorded expert set differs from the router's own top-k: how much the replay changed."""
+        if not self._overridden:
+            return torch.zeros(())
+        rerouted, recorded = (torch.stack(counts).sum() for counts in zip(*self._overridden))
+        return rerouted / recorded.clamp(min=1)
+
+    def _replay(self, layer: int, module, inputs, outputs):
+        if self.experts_NLK is None:
+            return None
+        logits_TE, own_weights_TK, own_experts_TK = outputs  # DTensors under tensor parallelism
+        own_TK = _local(own_experts_TK)
+        recorded_TK = self.experts_NLK[:, layer].to(device=own_TK.device, dtype=torch.long)
+        assert recorded_TK.shape == own_TK.shape, (recorded_TK.shape, own_TK.shape)
+        recorded_T = recorded_TK[:, 0] >= 0
+        experts_TK = torch.where(recorded_T[:, None], recorded_TK, own_TK)
+        rerouted_T = (recorded_TK.sort(-1).values != own_TK.sort(-1).values).any(-1) & recorded_T
+        self._overridden.append((rerouted_T.sum(), recorded_T.sum()))
+        weights_TK = replayed_weights(_local(logits_TE), experts_TK, module.norm_topk_prob)
+        return logits_TE, _like(weights_TK, own_weights_TK), _like(experts_TK, own_experts_TK)
+
+
+def _like(local: Tensor, reference: Tensor) -> Tensor:
+    """``local`` as a DTensor laid out like ``reference`` when that is one (tensor parallelism), else itself."""
+    if not hasattr(reference, "to_local"):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, reference.device_mesh, reference.placements, run_check=False)

@@ -106,7 +106,8 @@ def role_specs(config: RLConfig) -> RoleSpecs:
                            total_steps=steps * config.actor.loss.ppo_epochs, lora=config.actor.lora),
         hybrid_engine=config.actor.hybrid_engine,
         generation=generation, tokens=tokens, loss=config.actor.loss, sizes=update_sizes(config),
-        kl_loss_coef=config.algorithm.kl_coef if config.algorithm.kl_in_loss else 0.0)
+        kl_loss_coef=config.algorithm.kl_coef if config.algorithm.kl_in_loss else 0.0,
+        routing_replay=config.actor.routing_replay)
     reference = critic = reward = None
     if "reference" in roles and config.actor.lora is None:  # with LoRA: the actor's model, adapters off
         source = config.reference.model or config.actor.model

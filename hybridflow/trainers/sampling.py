@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from hybridflow.algorithms import dynamic_sampling_keep_mask, first_kept_groups
+from hybridflow.models.moe import ROUTED_EXPERTS, ROUTING_PAD
 from hybridflow.protocol import DataProto
 from hybridflow.trainers.config.rl import RLConfig
 from hybridflow.trainers.step import Experience, StepComponent
@@ -146,9 +147,11 @@ def concat_rounds(rounds: list[DataProto], *, pad_token_id: int) -> DataProto:
         extra = max(widths) - width
         if extra:
             batch = batch[np.arange(len(batch))]  # a copy: the round's own tensors stay as they were
-            fills = {"input_ids": pad_token_id, "prompts": pad_token_id, "attention_mask": 0, "position_ids": 0}
+            fills = {"input_ids": pad_token_id, "prompts": pad_token_id, "attention_mask": 0, "position_ids": 0,
+                     ROUTED_EXPERTS: ROUTING_PAD}
             for key, fill in fills.items():
-                if key in batch:
-                    batch[key] = torch.nn.functional.pad(batch[key], (extra, 0), value=fill)
+                if key in batch:  # columns are dim 1 ([B, S], routing replay's [B, S, L, K])
+                    trailing = (0, 0) * (batch[key].dim() - 2)
+                    batch[key] = torch.nn.functional.pad(batch[key], (*trailing, extra, 0), value=fill)
         padded.append(batch)
     return DataProto.concat(padded)

@@ -18,8 +18,10 @@ from hybridflow.engine.hybrid_engine import HybridEngine
 from hybridflow.engine.optim import OptimizerOffload
 from hybridflow.engine.rollout import Rollout, rollout_class
 from hybridflow.engine.weight_sync import WeightPayload, pack_weights
+from hybridflow.models.moe import ROUTED_EXPERTS
 from hybridflow.protocol import DataProto
-from hybridflow.workers.base import ROLLOUT_TEMPERATURE, SEQUENCE_KEYS, ModelWorker, step_context, tensors_of
+from hybridflow.workers.base import (ROLLOUT_TEMPERATURE, SEQUENCE_KEYS, ModelWorker, rollout_temperature,
+                                     step_context, tensors_of)
 from hybridflow.workers.spec import ActorSpec
 
 UPDATE_KEYS = SEQUENCE_KEYS + ("old_logprobs", "advantages", "ref_logprobs")
@@ -120,6 +122,8 @@ class ActorWorker(ModelWorker):
         self.optimizer_offload = OptimizerOffload(self.engine.optimizer) if offload else None
         self.rollout: Rollout | None = None
         """The generation backend (``actor.generation.backend``), built on the first rollout and kept."""
+        if spec.routing_replay:  # refused here for a dense model
+            self.engine.enable_routing_replay()
 
     def _rollout_for(self, shard) -> Rollout:
         """This rank's rollout backend, built once (every rank at once) for shards laid out like ``shard``."""
@@ -166,7 +170,7 @@ class ActorWorker(ModelWorker):
         config = self.actor_spec.generation.for_call(
             self.actor_spec.tokens, seed=int(meta.get("seed", 0)) * 1_000_003 + self.hybrid.replica,
             samples_per_prompt=int(meta.get("samples_per_prompt", 1)))
-        return dataclasses.replace(config, **overrides)
+        return dataclasses.replace(config, **overrides, record_routing=self.actor_spec.routing_replay)
 
     def _generated(self, prompts: DataProto, config, tensors: dict, non_tensors: dict) -> DataProto:
         """A rollout's output with what it was generated under (temperature, weight version) in its meta_info."""
@@ -259,9 +263,20 @@ class ActorWorker(ModelWorker):
 
     @register("3D_PROTO")
     def compute_log_prob(self, data: DataProto) -> DataProto:
-        """``old_logprobs`` [B, T] of the responses under the current weights (no grad)."""
-        logprobs_BT = self._forward(data, ("logprobs",))["logprobs"]
-        return DataProto.from_dict(tensors={"old_logprobs": logprobs_BT})
+        """``old_logprobs`` [B, T] of the responses under the current weights (no grad; with routing replay, under
+        the rollout's routing)."""
+        batch = tensors_of(data, self._replay_keys(data, SEQUENCE_KEYS))
+        outputs = self.engine.forward(batch, outputs=("logprobs",), temperature=rollout_temperature(data))
+        return DataProto.from_dict(tensors={"old_logprobs": outputs["logprobs"]})
+
+    def _replay_keys(self, data: DataProto, keys: tuple[str, ...]) -> tuple[str, ...]:
+        """``keys``, and the rollout's ``routed_experts`` under ``actor.routing_replay`` (which must be in ``data``)."""
+        if not self.actor_spec.routing_replay:
+            return keys
+        if ROUTED_EXPERTS not in data:
+            raise ValueError(f"actor.routing_replay=True needs the rollout's {ROUTED_EXPERTS!r} in the batch (the "
+                             f"batched generate_sequences of the native backend records them); got keys {data.keys()}")
+        return keys + (ROUTED_EXPERTS,)
 
     @register("DP_METRICS")
     def update_actor(self, data: DataProto) -> dict[str, float]:
@@ -272,7 +287,8 @@ class ActorWorker(ModelWorker):
         if loss.tis_cap is not None and BEHAVIOUR_KEY not in data:
             raise ValueError("actor.loss.tis_cap needs the rollout's sampled log-probs ('logprobs') in the batch; "
                              f"got keys {data.keys()}")
-        metrics = self._train_epochs(data, keys=keys, loss_fn=policy_loss_fn(self.actor_spec), outputs=outputs,
+        metrics = self._train_epochs(data, keys=self._replay_keys(data, keys), loss_fn=policy_loss_fn(self.actor_spec),
+                                     outputs=outputs,
                                      ppo_epochs=loss.ppo_epochs, mini_batch_size=self.actor_spec.sizes.mini_batch_size,
                                      seed=int(data.meta_info.get("seed", 0)), on_non_finite=loss.on_non_finite,
                                      context=step_context("actor", data))

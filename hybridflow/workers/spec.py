@@ -231,6 +231,9 @@ class ActorSpec:
     kl_loss_coef: float = 0.0
     """Weight of the KL to the reference added to the policy loss: ``algorithm.kl_coef`` when the KL goes in the
     loss (``algorithm.kl_mode`` loss, or auto for GRPO), else 0."""
+    routing_replay: bool = False
+    """Record the experts the rollout's routers chose and compute the old log-probs and the update with them (the
+    user's ``actor.routing_replay``)."""
 
     def __post_init__(self) -> None:
         if not self.kl_loss_coef >= 0:

@@ -74,6 +74,12 @@ class ActorSection:
     """Train LoRA adapters instead of every weight (docs/lora.md); null: full fine-tuning. The reference is then
     the actor's own model with the adapters off (no second copy), generation gets the merged weights, checkpoints
     hold the adapters and the export is PEFT's adapter format."""
+    routing_replay: bool = False
+    """Mixture-of-experts models (Qwen3-MoE): routing replay (R3). The rollout records the experts every MoE layer
+    chose for every token (``routed_experts``) and the actor's old log-probs and update route each token to those
+    experts instead of recomputing the top-k, the router's weights recomputed for them (so the router still learns);
+    the reference routes by itself. Native backend, pp_size 1 (training and generation), no env or rollout pool
+    (docs/models.md, "Routing replay")."""
 
     def __post_init__(self) -> None:
         for name in ("pp_size", "tp_size"):
@@ -85,6 +91,19 @@ class ActorSection:
         require(rollout_backend(backend).pipeline_parallel or self.hybrid_engine.pp_size == 1, "hybrid_engine.pp_size",
                 self.hybrid_engine.pp_size,
                 f"1 with actor.generation.backend={backend} (use backend=native for pg > 1)")
+        if self.routing_replay:
+            self._check_routing_replay()
+
+    def _check_routing_replay(self) -> None:
+        """Routing replay needs a backend that reports its routing, and one pipeline stage on both sides."""
+        backend = self.generation.backend
+        recording = [name for name, entry in ROLLOUT_BACKENDS.items() if entry.records_routing]
+        require(rollout_backend(backend).records_routing, "routing_replay", True,
+                f"false with actor.generation.backend={backend}, which does not report the experts its routers chose; "
+                f"backends that do: {', '.join(recording)}")
+        require(self.hybrid_engine.pp_size == 1 and self.engine.pp_size == 1, "routing_replay", True,
+                f"false unless actor.engine.pp_size and actor.hybrid_engine.pp_size are 1 (got "
+                f"{self.engine.pp_size} and {self.hybrid_engine.pp_size})")
 
 
 FROZEN_ROLE_LORA = ("the {role} is frozen (never trained), so it has no adapter to train; LoRA applies to the "
@@ -508,6 +527,10 @@ class RLConfig:
             require(self.placement.rollout_pool is not None, "async.max_staleness", self.asynchrony.max_staleness,
                     "0 unless placement.roles.rollout names a pool of its own (stale batches are generated there "
                     "while the actor trains)")
+        if self.actor.routing_replay:
+            require(self.env is None and self.placement.rollout_pool is None, "actor.routing_replay", True,
+                    "false with env.class or placement.roles.rollout (episodes run on rollout requests, which do not "
+                    "record routing, and a rollout pool's replicas do not record it either)")
         if self.placement.rollout_pool is not None:
             require(not self.algorithm.dynamic_sampling, "algorithm.dynamic_sampling", True,
                     "false with placement.roles.rollout (the pipelined schedule draws one batch per step)")
