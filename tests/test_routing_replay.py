@@ -106,7 +106,8 @@ def _experts_inputs(model: torch.nn.Module) -> list:
 def test_a_replaying_forward_routes_every_token_to_the_given_experts_and_only_then():
     model = tiny_moe()
     batch = with_positions(make_batch())
-    engine = TrainingEngine(EngineConfig(micro_batch_tokens=24, optim=OptimConfig(lr=1e-2)), lambda: copy.deepcopy(model))
+    engine = TrainingEngine(EngineConfig(micro_batch_tokens=24, optim=OptimConfig(lr=1e-2)),
+                            lambda: copy.deepcopy(model))
     plain_BT = engine.forward(batch)["logprobs"]
     engine.enable_routing_replay()
     assert torch.equal(engine.forward(batch)["logprobs"], plain_BT)  # no routed_experts: the routers decide
@@ -179,8 +180,8 @@ def test_the_config_refuses_replay_where_no_routing_is_recorded(monkeypatch):
     with pytest.raises(ValueError, match=r"actor\.routing_replay got True; allowed: false with "
                                          r"actor\.generation\.backend=plain, which does not report .*: native"):
         load_rl_config(None, [*base, "actor.generation.backend=plain"])
-    with pytest.raises(ValueError, match=r"actor\.routing_replay got True; allowed: false unless actor\.engine\.pp_size "
-                                         r"and actor\.hybrid_engine\.pp_size are 1 \(got 2 and 1\)"):
+    with pytest.raises(ValueError, match=r"actor\.routing_replay got True; allowed: false unless actor\.engine\."
+                                         r"pp_size and actor\.hybrid_engine\.pp_size are 1 \(got 2 and 1\)"):
         load_rl_config(None, [*base, "actor.engine.layout=3d", "actor.engine.pp_size=2"])
     with pytest.raises(ValueError, match=r"actor\.routing_replay got True; allowed: false with env\.class or "
                                          r"placement\.roles\.rollout"):
