@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_engine_layouts import make_batch, token_nll_loss
+from test_engine_layouts import make_batch, rank_slice, token_nll_loss
 from test_families import family_model_dir
 
 from hybridflow.engine import EngineConfig, OptimConfig, TrainingEngine
@@ -134,16 +134,38 @@ def test_a_replaying_forward_routes_every_token_to_the_given_experts_and_only_th
     assert not torch.equal(moe_routers(engine.model)[0].weight.detach(), router_before)
 
 
-def _replayed_logprobs(rank: int, world_size: int, layout: dict):
-    engine = TrainingEngine(EngineConfig(micro_batch_tokens=24, **layout), lambda: tiny_moe())
-    engine.enable_routing_replay()
+def _replayed_logprobs(rank: int, world_size: int, layouts: dict) -> dict:
+    """Per layout, this rank's rows' log-probs under the forced routing (rank 0 holds the first rows)."""
+    results = {}
+    for name, layout in layouts.items():
+        engine = TrainingEngine(EngineConfig(micro_batch_tokens=24, **layout), lambda: tiny_moe())
+        engine.enable_routing_replay()
+        batch = with_positions(make_batch())
+        batch[ROUTED_EXPERTS] = forced_routing(batch, engine.hf_config)
+        results[name] = engine.forward(rank_slice(engine, batch))["logprobs"]
+    return results
+
+
+def test_replay_under_fsdp_and_tensor_parallelism_on_two_ranks_equals_one_process():
+    layouts = {"fsdp2": dict(layout="fsdp"), "tp2": dict(layout="3d", tp_size=2)}
+    single_BT = _replayed_logprobs(0, 1, {"one": {}})["one"]
+    for name, logprobs_BT in run_distributed(_replayed_logprobs, 2, layouts, timeout_s=300)[0].items():
+        torch.testing.assert_close(logprobs_BT, single_BT[:len(logprobs_BT)], rtol=1e-6, atol=2e-6, msg=name)
+
+
+def test_activation_checkpointing_recomputes_the_replayed_routing():
     batch = with_positions(make_batch())
-    return engine.forward({**batch, ROUTED_EXPERTS: forced_routing(batch, engine.hf_config)})["logprobs"]
-
-
-def test_replay_under_tensor_parallelism_equals_one_process():
-    (tp_BT, _) = run_distributed(_replayed_logprobs, 2, dict(layout="3d", tp_size=2), timeout_s=300)
-    torch.testing.assert_close(tp_BT, _replayed_logprobs(0, 1, {}), rtol=1e-6, atol=2e-6)  # fp32 rounding
+    results = []
+    for checkpointing in (False, True):
+        engine = TrainingEngine(EngineConfig(micro_batch_tokens=24, activation_checkpointing=checkpointing,
+                                             optim=OptimConfig(lr=1e-2)), lambda: tiny_moe())
+        engine.enable_routing_replay()
+        metrics = engine.train_step({**batch, ROUTED_EXPERTS: forced_routing(batch, engine.hf_config)}, token_nll_loss)
+        results.append((metrics["loss"], metrics["grad_norm"], engine.full_state_dict()))
+    (loss, norm, weights), (loss_ckpt, norm_ckpt, weights_ckpt) = results
+    assert loss_ckpt == pytest.approx(loss, rel=1e-6) and norm_ckpt == pytest.approx(norm, rel=1e-5)
+    for name, tensor in weights.items():
+        torch.testing.assert_close(weights_ckpt[name], tensor, rtol=0, atol=1e-6, msg=name)
 
 
 def test_replay_leaves_no_larger_log_prob_gap_between_a_bf16_rollout_and_fp32_training():
