@@ -69,13 +69,15 @@ def test_vllm_plan_under_tensor_parallelism_stacks_each_parts_shard_and_keeps_ro
 def test_vllm_plan_fills_the_fused_moe_weights_with_the_stacked_experts_and_the_router_and_dense_layer_by_name():
     config = tiny_config("qwen3_moe", num_hidden_layers=2, mlp_only_layers=[1])
     shapes = parameter_shapes(config)
-    names = ["model.layers.0.mlp.gate.weight", "model.layers.0.mlp.experts.w13_weight",
-             "model.layers.0.mlp.experts.w2_weight", "model.layers.1.mlp.gate_up_proj.weight"]
+    # vLLM 0.32 names them under its MoE runner's routed experts
+    names = ["model.layers.0.mlp.gate.weight", "model.layers.0.mlp.experts.routed_experts.w13_weight",
+             "model.layers.0.mlp.experts.routed_experts.w2_weight", "model.layers.1.mlp.gate_up_proj.weight"]
     plan = vllm_parameter_plan(shapes, names, tie_word_embeddings=False)
     experts = 8  # the whole stack [E, ...]: vLLM's w13 is [E, 2I, H] gate rows then up rows, as transformers'
-    assert [(s.hf_name, s.offset, s.rows) for s in plan["model.layers.0.mlp.experts.w13_weight"]] == [
+    assert [(s.hf_name, s.offset, s.rows) for s in plan["model.layers.0.mlp.experts.routed_experts.w13_weight"]] == [
         ("model.layers.0.mlp.experts.gate_up_proj", 0, experts)]
-    assert [s.hf_name for s in plan["model.layers.0.mlp.experts.w2_weight"]] == ["model.layers.0.mlp.experts.down_proj"]
+    assert [s.hf_name for s in plan["model.layers.0.mlp.experts.routed_experts.w2_weight"]] == [
+        "model.layers.0.mlp.experts.down_proj"]
     assert [s.hf_name for s in plan["model.layers.0.mlp.gate.weight"]] == ["model.layers.0.mlp.gate.weight"]
     assert [s.hf_name for s in plan["model.layers.1.mlp.gate_up_proj.weight"]] == [
         "model.layers.1.mlp.gate_proj.weight", "model.layers.1.mlp.up_proj.weight"]

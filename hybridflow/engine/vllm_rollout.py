@@ -241,6 +241,8 @@ class VllmRollout(VllmRequests, Rollout):
         # vLLM's CPU worker replaces torch.set_num_threads process-wide with a no-op and drops torch to one
         # thread "for serving": both are restored below, so training keeps its threads (and so does vLLM)
         set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
+        if self.tp_size == 1:
+            ensure_expert_parallel_group(hf_config)
         try:
             with (vllm_tp_groups(tp_groups, shm_ident=shm_ident),
                   vocab_padding(self.tp_size if self.tp_size > 1 else None)):
@@ -448,6 +450,24 @@ def check_tp_groups(tp_groups: list[list[int]], hf_config) -> int:
         raise ValueError(f"vLLM tp_groups must cover every rank of the torch.distributed world "
                          f"(0..{world - 1}) exactly once, got {tp_groups}")
     return tp_size
+
+
+def ensure_expert_parallel_group(hf_config) -> bool:
+    """Before a mixture-of-experts engine is built with tg = 1: end vLLM's parallel groups if an engine built
+    earlier in this process made them without an expert-parallel group; True if it did.
+
+    vLLM makes its parallel groups once per process (a later engine reuses them) and makes the expert-parallel
+    one only for a mixture-of-experts model, so a Qwen3-MoE engine after a dense one failed with "expert parallel
+    group is not initialized". Ended, they are made again, with it, by this engine; groups of one rank each, which
+    the earlier engine then uses as well."""
+    if not getattr(hf_config, "num_experts", 0):
+        return False
+    import vllm.distributed.parallel_state as parallel_state
+
+    if not parallel_state.model_parallel_is_initialized() or parallel_state._EP is not None:
+        return False
+    parallel_state.destroy_model_parallel()
+    return True
 
 
 @contextlib.contextmanager
