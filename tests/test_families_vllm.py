@@ -68,3 +68,29 @@ def test_vllm_generates_a_model_of_the_family_like_the_native_decoder_before_and
         actor.engine.train_step(batch, next_token_loss_fn(1.0), outputs=("logprobs",))
     after_BT = _assert_same_generations(native, vllm, prompts)
     assert (before_BT[:, 0] != after_BT[:, 0]).all()  # vLLM generated with the new weights
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3_moe", "gemma3_text"])
+def test_grpo_with_backend_vllm_on_a_model_of_the_family_rolls_out_with_the_training_engines_logprobs(family,
+                                                                                                      tmp_path):
+    """The driver and workers unchanged: the hybrid engine syncs every step's weights into vLLM (a new engine)."""
+    from hybridflow.data import write_jsonl
+    from hybridflow.trainers.config.rl import load_rl_config
+    from hybridflow.trainers.rl import run_rl
+
+    model_dir = family_model_dir(family, tmp_path / family, **VLLM_FAMILIES[family])
+    write_jsonl(tmp_path / "train.jsonl", prompt_rows(8, split="train", seed=0,
+                                                      config=ArithmeticTaskConfig(max_digits=1)))
+    config = load_rl_config(None, [
+        f"data.train_path={tmp_path / 'train.jsonl'}", f"actor.model.path={model_dir}",
+        "reward.function=arithmetic", "algorithm.advantage_estimator=grpo", "actor.generation.max_new_tokens=4",
+        "actor.generation.backend=vllm", "actor.generation.vllm_kv_cache_gib=0.0625",
+        "batch.prompts_per_step=2", "batch.samples_per_prompt=2", "batch.mini_batch_size=4",
+        "trainer.total_steps=2", "trainer.progress_bar=false", f"trainer.output_dir={tmp_path / 'run'}"])
+    history = run_rl(config, mode="local", tensorboard=False)
+    assert len(history) == 2
+    for step in history:
+        assert step["rollout/vllm_bytes_loaded"] > 0
+        # fp32 on both sides: the rollout's sampled log-probs are the training engine's to rounding
+        assert step["rollout/logprob_abs_diff_max"] < 1e-4

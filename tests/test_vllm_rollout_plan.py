@@ -141,6 +141,10 @@ def test_the_tiny_default_model_is_refused_by_vllms_cpu_attention_with_its_head_
     with pytest.raises(ValueError, match=r"head_dim is 16 \(hidden_size 64 / 4 heads\)"):
         check_supported(tiny_config("llama"))
     check_supported(tiny_config("llama", hidden_size=128))  # head_dim 32: supported
+    with pytest.raises(ValueError, match=r"CPU mixture-of-experts kernel needs a hidden_size that is a multiple of "
+                                         r"32; this qwen3_moe model's is 112"):
+        check_supported(tiny_config("qwen3_moe", hidden_size=112, head_dim=32))
+    check_supported(tiny_config("qwen3_moe", hidden_size=128, head_dim=32))
 
 
 def test_logprob_mismatch_reports_mean_and_max_abs_difference_and_sequence_kl_on_real_tokens():

@@ -412,7 +412,9 @@ class VllmRollout(VllmRequests, Rollout):
 
 
 def check_supported(hf_config) -> None:
-    """ValueError when vLLM's CPU attention cannot run this model (it supports a fixed set of head sizes)."""
+    """ValueError when vLLM's CPU build cannot run this model: its attention supports a fixed set of head sizes,
+    its mixture-of-experts kernel hidden sizes that are multiples of 32 (else vLLM fails with "No Unquantized MoE
+    backend supports the deployment configuration")."""
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     if torch.cuda.is_available():
         return
@@ -421,6 +423,10 @@ def check_supported(hf_config) -> None:
         raise ValueError(f"actor.generation.backend='vllm': vLLM's CPU attention supports head sizes {supported}; "
                          f"this model's head_dim is {head_dim} (hidden_size {hf_config.hidden_size} / "
                          f"{hf_config.num_attention_heads} heads). Use backend='native' for it")
+    if getattr(hf_config, "num_experts", 0) and hf_config.hidden_size % 32:
+        raise ValueError(f"actor.generation.backend='vllm': vLLM's CPU mixture-of-experts kernel needs a hidden_size "
+                         f"that is a multiple of 32; this {hf_config.model_type} model's is {hf_config.hidden_size}. "
+                         f"Use backend='native' for it")
 
 
 def check_tp_groups(tp_groups: list[list[int]], hf_config) -> int:
