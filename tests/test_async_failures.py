@@ -33,9 +33,10 @@ class SleepyWorker(Worker):
         return self.rank
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def groups(ray_session):
-    """A busy group (what the driver waits on: the trainer) and a watched one of two ranks (the rollout replicas)."""
+    """A busy group (what the driver waits on: the trainer) and a watched one of two ranks (the rollout replicas),
+    shared by the tests below in their order: the last one kills a watched rank."""
     pools = [ResourcePool([1], name="busy"), ResourcePool([2], name="watched")]
     busy = WorkerGroup(pools[0], SleepyWorker, name="trainer", timeout_s=300)
     watched = WorkerGroup(pools[1], SleepyWorker, name="rollout", timeout_s=300)
@@ -44,6 +45,40 @@ def groups(ray_session):
         group.shutdown()
     for pool in pools:
         pool.release()
+
+
+def test_a_healthy_group_is_not_reported_while_its_calls_take_longer_than_the_poll(groups):
+    busy, watched = groups
+    with pytest.raises(ValueError, match="timeout_s must be a finite number of seconds > 0, got 0"):
+        LivenessMonitor(watched, timeout_s=0)
+    monitor = LivenessMonitor(watched, timeout_s=20.0, interval_s=0.2).start()
+    try:
+        generating = watched.sleep.future(2.0)
+        assert busy.sleep(3.0).get() == [0]  # the monitor looked at every poll of the wait meanwhile
+        assert generating.get() == [0, 1]
+    finally:
+        monitor.close()
+
+
+def test_a_frozen_idle_replica_is_reported_once_its_ping_is_older_than_the_timeout(groups):
+    busy, watched = groups
+    pids = watched.pid()
+    monitor = LivenessMonitor(watched, timeout_s=3.0, interval_s=0.5).start()
+    os.kill(pids[0], signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(WorkerLostError) as info:
+            busy.sleep(20).get()
+        waited = time.monotonic() - started
+    finally:
+        os.kill(pids[0], signal.SIGCONT)
+        monitor.close()
+    assert 3.0 <= waited < 40.0
+    error = info.value
+    assert (error.role, error.rank, error.pid) == ("rollout", 0, pids[0])
+    assert "stopped answering: no call finished for" in str(error) and "past the timeout of 3 s" in str(error)
+    assert str(error).splitlines()[0].endswith("while idle")
+    assert watched.pid() == pids  # resumed, it answers: nothing was killed
 
 
 def test_a_replica_killed_mid_call_is_reported_within_seconds_while_the_driver_waits_on_another_group(groups):
@@ -68,40 +103,6 @@ def test_a_replica_killed_mid_call_is_reported_within_seconds_while_the_driver_w
     assert str(error).splitlines()[0] == (f"rollout rank 1 (pid {pids[1]} on host {error.host}) died (its process is "
                                           f"gone: killed, out of memory or crashed) during rollout.sleep")
     assert monitor.check not in DRIVER_CHECKS  # reported once: the monitor closed itself
-
-
-def test_a_frozen_idle_replica_is_reported_once_its_ping_is_older_than_the_timeout(groups):
-    busy, watched = groups
-    pids = watched.pid()
-    monitor = LivenessMonitor(watched, timeout_s=3.0, interval_s=0.5).start()
-    os.kill(pids[0], signal.SIGSTOP)
-    try:
-        started = time.monotonic()
-        with pytest.raises(WorkerLostError) as info:
-            busy.sleep(60).get()
-        waited = time.monotonic() - started
-    finally:
-        os.kill(pids[0], signal.SIGCONT)
-        monitor.close()
-    assert 3.0 <= waited < 40.0
-    error = info.value
-    assert (error.role, error.rank, error.pid) == ("rollout", 0, pids[0])
-    assert "stopped answering: no call finished for" in str(error) and "past the timeout of 3 s" in str(error)
-    assert str(error).splitlines()[0].endswith("while idle")
-    assert watched.pid() == pids  # resumed, it answers: nothing was killed
-
-
-def test_a_healthy_group_is_not_reported_while_its_calls_take_longer_than_the_poll(groups):
-    busy, watched = groups
-    with pytest.raises(ValueError, match="timeout_s must be a finite number of seconds > 0, got 0"):
-        LivenessMonitor(watched, timeout_s=0)
-    monitor = LivenessMonitor(watched, timeout_s=20.0, interval_s=0.2).start()
-    try:
-        generating = watched.sleep.future(2.0)
-        assert busy.sleep(3.0).get() == [0]  # the monitor looked at every poll of the wait meanwhile
-        assert generating.get() == [0, 1]
-    finally:
-        monitor.close()
 
 
 def _record_learns(trainer: RLTrainer, before_learn=lambda: None) -> list[str]:
@@ -168,8 +169,11 @@ def test_a_rollout_replica_killed_as_the_trainer_trains_stops_the_run_and_the_re
     assert len(after) == 2 * 4 and len(before) >= 3 * 4
     kept = before[:2 * 4]  # what the checkpoint holds as trained
     assert kept + after == uninterrupted  # every prompt trained exactly once, by the step of the uninterrupted run
-    for expected, got in zip(_learning_metrics(history)[2:], _learning_metrics(resumed), strict=True):
-        assert got == pytest.approx(expected, rel=1e-6, abs=1e-7)  # pipelined: the resumed steps are the same steps
+    # metrics.jsonl after the resume: steps 1-2 of the killed run, 3-4 of the resumed one; pipelined, they are
+    # the uninterrupted run's steps
+    assert [metrics["step"] for metrics in resumed] == [1, 2, 3, 4]
+    for expected, got in zip(_learning_metrics(history), _learning_metrics(resumed), strict=True):
+        assert got == pytest.approx(expected, rel=1e-6, abs=1e-7), got["step"]
 
 
 @pytest.mark.slow
