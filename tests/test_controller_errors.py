@@ -15,8 +15,8 @@ import ray.cloudpickle
 import torch
 import torch.distributed as dist
 
-from hybridflow.controller import (DRIVER_ACTIVITY, ResourcePool, Worker, WorkerError, WorkerGroup, WorkerTimeoutError,
-                                   register)
+from hybridflow.controller import (DRIVER_ACTIVITY, ResourcePool, Worker, WorkerError, WorkerGroup, WorkerLostError,
+                                   WorkerTimeoutError, register)
 from hybridflow.controller.errors import user_message
 from hybridflow.controller.worker_group import DEFAULT_CALL_TIMEOUT_S
 
@@ -117,6 +117,8 @@ def test_a_killed_worker_is_an_error_naming_its_rank_not_a_hang(faulty):
         faulty.fail_on(-1)
     assert time.monotonic() - start < 30.0
     assert info.value.rank == 1 and "died" in info.value.remote_traceback
+    assert isinstance(info.value, WorkerLostError) and info.value.pid == pids[1]
+    assert str(info.value).startswith(f"faulty rank 1 (pid {pids[1]} on host ")
 
 
 def test_a_worker_error_reports_one_line_and_writes_the_full_traceback_to_a_file(tmp_path):

@@ -12,7 +12,7 @@ from hybridflow.algorithms import rollout_logprob_mismatch
 from hybridflow.engine.generation_config import GenerationConfig
 from hybridflow.engine.hybrid_engine import parameter_shapes
 from hybridflow.engine.vllm_rollout import (check_supported, check_tp_groups, copy_pieces, cut_at_stop_sequence,
-                                           max_model_len, vllm_parameter_plan)
+                                           max_model_len, pad_intermediate, vllm_parameter_plan)
 from hybridflow.models.tiny import tiny_config
 
 
@@ -45,7 +45,8 @@ def test_vllm_plan_stacks_qkv_and_gate_up_rows_in_order_and_ties_the_head_to_the
         ("model.layers.0.mlp.gate_proj.weight", 0), ("model.layers.0.mlp.up_proj.weight", 128)]
     assert [s.hf_name for s in plan["lm_head.weight"]] == ["model.embed_tokens.weight"]
     assert [s.hf_name for s in plan["model.layers.0.self_attn.o_proj.weight"]] == ["model.layers.0.self_attn.o_proj.weight"]
-    with pytest.raises(ValueError, match="loads dense models whose weights vLLM names as Hugging Face does"):
+    with pytest.raises(ValueError, match=r"block_sparse_moe.gate.weight.* the vLLM backend loads the families whose "
+                                         r"weights it maps to vLLM's \(tested: .*qwen3_moe, gemma3_text\)"):
         vllm_parameter_plan(shapes, ["model.layers.0.block_sparse_moe.gate.weight"], tie_word_embeddings=True)
 
 
@@ -63,6 +64,42 @@ def test_vllm_plan_under_tensor_parallelism_stacks_each_parts_shard_and_keeps_ro
     assert [s.rows for s in plan["model.embed_tokens.weight"]] == [256 // 2]
     assert [s.rows for s in plan["model.layers.0.self_attn.o_proj.weight"]] == [64]  # split along dim 1
     assert [s.rows for s in plan["model.layers.0.input_layernorm.weight"]] == [64]
+
+
+def test_vllm_plan_fills_the_fused_moe_weights_with_the_stacked_experts_and_the_router_and_dense_layer_by_name():
+    config = tiny_config("qwen3_moe", num_hidden_layers=2, mlp_only_layers=[1])
+    shapes = parameter_shapes(config)
+    # vLLM 0.32 names them under its MoE runner's routed experts
+    names = ["model.layers.0.mlp.gate.weight", "model.layers.0.mlp.experts.routed_experts.w13_weight",
+             "model.layers.0.mlp.experts.routed_experts.w2_weight", "model.layers.1.mlp.gate_up_proj.weight"]
+    plan = vllm_parameter_plan(shapes, names, tie_word_embeddings=False)
+    experts = 8  # the whole stack [E, ...]: vLLM's w13 is [E, 2I, H] gate rows then up rows, as transformers'
+    assert [(s.hf_name, s.offset, s.rows) for s in plan["model.layers.0.mlp.experts.routed_experts.w13_weight"]] == [
+        ("model.layers.0.mlp.experts.gate_up_proj", 0, experts)]
+    assert [s.hf_name for s in plan["model.layers.0.mlp.experts.routed_experts.w2_weight"]] == [
+        "model.layers.0.mlp.experts.down_proj"]
+    assert [s.hf_name for s in plan["model.layers.0.mlp.gate.weight"]] == ["model.layers.0.mlp.gate.weight"]
+    assert [s.hf_name for s in plan["model.layers.1.mlp.gate_up_proj.weight"]] == [
+        "model.layers.1.mlp.gate_proj.weight", "model.layers.1.mlp.up_proj.weight"]
+    assert shapes["model.layers.0.mlp.experts.gate_up_proj"] == (experts, 2 * 32, 64)
+
+
+def test_expert_weights_are_padded_to_the_kernels_intermediate_size_with_gate_and_up_halves_padded_apart():
+    gate_up = torch.arange(1.0, 1 + 2 * 4 * 3).view(2, 4, 3)  # 2 experts, I = 2, H = 3
+    padded = pad_intermediate(gate_up, torch.Size((2, 8, 3)), "w13_weight")  # P = 4
+    assert torch.equal(padded[:, :2], gate_up[:, :2]) and torch.equal(padded[:, 4:6], gate_up[:, 2:])
+    assert not padded[:, 2:4].any() and not padded[:, 6:].any()
+    down = torch.arange(1.0, 1 + 2 * 3 * 2).view(2, 3, 2)
+    padded = pad_intermediate(down, torch.Size((2, 3, 4)), "w2_weight")
+    assert torch.equal(padded[..., :2], down) and not padded[..., 2:].any()
+    assert pad_intermediate(down, down.shape, "w2_weight") is down
+
+
+def test_vllm_tensor_parallel_generation_of_a_mixture_of_experts_model_is_refused_naming_the_field():
+    with pytest.raises(ValueError, match=r"actor.hybrid_engine.tp_size=2: backend='vllm' generates a "
+                                         r"mixture-of-experts model \(qwen3_moe\) with tp_size 1 only"):
+        check_tp_groups([[0, 1]], tiny_config("qwen3_moe"))
+    assert check_tp_groups([[0]], tiny_config("qwen3_moe")) == 1
 
 
 def test_vllm_tp_groups_must_be_equal_and_divide_the_heads_and_vocabulary():
@@ -104,6 +141,10 @@ def test_the_tiny_default_model_is_refused_by_vllms_cpu_attention_with_its_head_
     with pytest.raises(ValueError, match=r"head_dim is 16 \(hidden_size 64 / 4 heads\)"):
         check_supported(tiny_config("llama"))
     check_supported(tiny_config("llama", hidden_size=128))  # head_dim 32: supported
+    with pytest.raises(ValueError, match=r"CPU mixture-of-experts kernel needs a hidden_size that is a multiple of "
+                                         r"32; this qwen3_moe model's is 112"):
+        check_supported(tiny_config("qwen3_moe", hidden_size=112, head_dim=32))
+    check_supported(tiny_config("qwen3_moe", hidden_size=128, head_dim=32))
 
 
 def test_logprob_mismatch_reports_mean_and_max_abs_difference_and_sequence_kl_on_real_tokens():

@@ -1,4 +1,4 @@
-"""Errors a worker group raises on the driver: a failing rank, a dead process, a call past its timeout."""
+"""Errors a worker group raises on the driver: a failing rank, a lost process, a call past its timeout."""
 
 from __future__ import annotations
 
@@ -42,6 +42,54 @@ class WorkerError(RuntimeError):
         return (_rebuild_worker_error, (self.role, self.rank, self.method, self.remote_traceback))
 
 
+class WorkerLostError(WorkerError):
+    """A worker process died, or stopped answering for longer than its timeout: its calls will never finish.
+
+    Its first line names the role, the rank, the process (pid and host, where known) and the call it was in:
+    ``rollout rank 0 (pid 4242 on host node-1) died during rollout.generate_sequences (...)``. ``with_note``
+    adds what the caller knows (where the run can resume from)."""
+
+    def __init__(self, *, role: str, rank: int, method: str | None, remote_traceback: str, reason: str,
+                 pid: int | None = None, host: str | None = None, note: str = "") -> None:
+        self.reason = reason
+        """What happened, as a phrase: "died (...)", "stopped answering: ..."."""
+        self.pid = pid
+        self.host = host
+        self.note = note
+        super().__init__(role=role, rank=rank, method=method or "", remote_traceback=remote_traceback)
+
+    @property
+    def process(self) -> str:
+        """``pid N on host H`` (what is known of it)."""
+        parts = [f"pid {self.pid}" if self.pid is not None else "", f"host {self.host}" if self.host else ""]
+        return " on ".join(part for part in parts if part) or "process unknown"
+
+    @property
+    def summary(self) -> str:
+        during = f"during {self.role}.{self.method}" if self.method else "while idle"
+        return (f"{self.role} rank {self.rank} ({self.process}) {self.reason} {during}"
+                + (f"; {self.note}" if self.note else ""))
+
+    def with_note(self, note: str) -> "WorkerLostError":
+        """The same error with ``note`` at the end of its line."""
+        return WorkerLostError(role=self.role, rank=self.rank, method=self.method,
+                               remote_traceback=self.remote_traceback, reason=self.reason, pid=self.pid,
+                               host=self.host, note=note)
+
+    def __reduce__(self):
+        return (_rebuild_lost_error, (self.role, self.rank, self.method, self.remote_traceback, self.reason, self.pid,
+                                      self.host, self.note))
+
+
+def _rebuild_lost_error(role, rank, method, remote_traceback, reason, pid, host, note) -> WorkerLostError:
+    return WorkerLostError(role=role, rank=rank, method=method, remote_traceback=remote_traceback, reason=reason,
+                           pid=pid, host=host, note=note)
+
+
+DIED = "died (its process is gone: killed, out of memory or crashed)"
+"""The reason of a WorkerLostError for a process that no longer exists."""
+
+
 def write_trace(directory: str | Path, name: str, text: str) -> Path:
     """Write ``text`` to a new file ``directory/error-<name>-<time>.txt`` (directory created) and return its path."""
     directory = Path(directory)
@@ -64,23 +112,31 @@ def _rebuild_worker_error(role: str, rank: int, method: str, remote_traceback: s
 
 
 class WorkerTimeoutError(TimeoutError):
-    """A worker method did not finish on some ranks within the group's timeout."""
+    """A worker method did not finish on some ranks within the group's timeout (``note``: what the caller adds)."""
 
     def __init__(self, *, role: str, method: str, pending_ranks: list[int], timeout_s: float,
-                 pids: list[int] | None = None) -> None:
+                 pids: list[int] | None = None, note: str = "") -> None:
         self.role = role
         self.method = method
         self.pending_ranks = pending_ranks
         self.timeout_s = timeout_s
         self.pids = pids
+        self.note = note
         where = f"ranks {pending_ranks}" + (f" (pids {pids})" if pids else "")
         super().__init__(f"{role}.{method} did not finish within {timeout_s:g} s on {where} "
                          f"(hung collective, deadlock, a frozen process or a dead peer); the group should be shut "
-                         f"down. Raise the group's timeout_s if the call is just slow")
+                         f"down. Raise the group's timeout_s if the call is just slow" + (f"; {note}" if note else ""))
+
+    def with_note(self, note: str) -> "WorkerTimeoutError":
+        """The same error with ``note`` at the end of its message."""
+        return WorkerTimeoutError(role=self.role, method=self.method, pending_ranks=self.pending_ranks,
+                                  timeout_s=self.timeout_s, pids=self.pids, note=note)
 
     def __reduce__(self):
-        return (_rebuild_timeout_error, (self.role, self.method, self.pending_ranks, self.timeout_s, self.pids))
+        return (_rebuild_timeout_error, (self.role, self.method, self.pending_ranks, self.timeout_s, self.pids,
+                                         self.note))
 
 
-def _rebuild_timeout_error(role, method, pending_ranks, timeout_s, pids) -> WorkerTimeoutError:
-    return WorkerTimeoutError(role=role, method=method, pending_ranks=pending_ranks, timeout_s=timeout_s, pids=pids)
+def _rebuild_timeout_error(role, method, pending_ranks, timeout_s, pids, note="") -> WorkerTimeoutError:
+    return WorkerTimeoutError(role=role, method=method, pending_ranks=pending_ranks, timeout_s=timeout_s, pids=pids,
+                              note=note)

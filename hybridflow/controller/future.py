@@ -25,7 +25,7 @@ import ray
 import torch
 
 from hybridflow.controller.batch import concat_rows, slice_rows
-from hybridflow.controller.errors import WorkerError, WorkerTimeoutError
+from hybridflow.controller.errors import DIED, WorkerError, WorkerLostError, WorkerTimeoutError
 
 if TYPE_CHECKING:
     from hybridflow.controller.protocols import GroupMesh, Protocol
@@ -37,6 +37,9 @@ WATCHDOG_INTERVAL_S = 120.0
 logger = logging.getLogger("hybridflow.controller")
 DRIVER_ACTIVITY: contextvars.ContextVar = contextvars.ContextVar("hybridflow_driver_activity", default=None)
 """A callable returning what the driver is doing (a trainer's current phase, or None): the watchdog names it."""
+DRIVER_CHECKS: list[Callable[[], None]] = []
+"""Callables the driver runs at every poll while it waits on any worker call: a ``LivenessMonitor`` raises from its
+check when a process it watches is lost, so the driver learns it within seconds whatever call it waits on."""
 
 
 # ---------------------------------------------------------------- driver fetch accounting
@@ -97,11 +100,14 @@ def _count_fetched(values: list[Any], stats: DriverFetchStats = _stats) -> None:
 # ---------------------------------------------------------------- fetching with rank-level errors
 
 def gather(refs: dict[int, ray.ObjectRef], *, role: str, method: str, timeout_s: float | None,
-           count: bool, watchdog_s: float | None = WATCHDOG_INTERVAL_S, pids: list[int] | None = None) -> dict[int, Any]:
+           count: bool, watchdog_s: float | None = WATCHDOG_INTERVAL_S, pids: list[int] | None = None,
+           nodes: list[str] | None = None) -> dict[int, Any]:
     """``ray.get`` of per-rank refs that fails fast with the first failing rank and honours a deadline.
 
     Every ``watchdog_s`` seconds of waiting, a warning names the role, method, the ranks (and
     pids) not yet done and how long the driver has waited, so a frozen worker never goes unnoticed.
+    Every poll runs the ``DRIVER_CHECKS`` (a lost process of another group is raised from there).
+    ``pids`` and ``nodes`` (Ray node ids), per rank, name a dead rank's process.
     """
     start = time.monotonic()
     deadline = None if timeout_s is None else start + timeout_s
@@ -119,9 +125,13 @@ def gather(refs: dict[int, ray.ObjectRef], *, role: str, method: str, timeout_s:
                 poll = min(poll, moment - now)
         ready, pending = ray.wait(pending, num_returns=len(pending), timeout=max(poll, 0.0))
         for ref in ready:
-            values[rank_of[ref]] = fetch_one(ref, role=role, rank=rank_of[ref], method=method)
+            rank = rank_of[ref]
+            values[rank] = fetch_one(ref, role=role, rank=rank, method=method, pid=_item(pids, rank),
+                                     node=_item(nodes, rank))
         if not pending:
             break
+        for check in tuple(DRIVER_CHECKS):
+            check()
         now = time.monotonic()
         pending_ranks = sorted(rank_of[ref] for ref in pending)
         if deadline is not None and now >= deadline:
@@ -140,6 +150,25 @@ def gather(refs: dict[int, ray.ObjectRef], *, role: str, method: str, timeout_s:
     return values
 
 
+def wait_all(refs: list[ray.ObjectRef], timeout_s: float | None) -> list[ray.ObjectRef]:
+    """Wait until every reference is ready or ``timeout_s`` passed, running the ``DRIVER_CHECKS`` at every poll;
+    returns the references not ready (fetches nothing, so a failed call is left to whoever collects it)."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    not_ready = list(refs)
+    while not_ready:
+        poll = FAIL_FAST_POLL_S if deadline is None else min(FAIL_FAST_POLL_S, deadline - time.monotonic())
+        _, not_ready = ray.wait(not_ready, num_returns=len(not_ready), timeout=max(poll, 0.0))
+        if not not_ready or (deadline is not None and time.monotonic() >= deadline):
+            break
+        for check in tuple(DRIVER_CHECKS):
+            check()
+    return not_ready
+
+
+def _item(values: list | None, index: int) -> Any:
+    return values[index] if values is not None and index < len(values) else None
+
+
 def _pids_of(ranks: list[int], pids: list[int] | None) -> list[int] | None:
     return None if pids is None else [pids[rank] for rank in ranks if rank < len(pids)]
 
@@ -150,8 +179,10 @@ def _describe_ranks(ranks: list[int], pids: list[int] | None) -> str:
     return ", ".join(f"rank {rank} (pid {pids[rank]})" if rank < len(pids) else f"rank {rank}" for rank in ranks)
 
 
-def fetch_one(ref: ray.ObjectRef, *, role: str, rank: int, method: str) -> Any:
-    """``ray.get`` that turns Ray's task and actor failures into a ``WorkerError`` naming the rank."""
+def fetch_one(ref: ray.ObjectRef, *, role: str, rank: int, method: str, pid: int | None = None,
+              node: str | None = None) -> Any:
+    """``ray.get`` that turns Ray's task and actor failures into a ``WorkerError`` naming the rank (a
+    ``WorkerLostError`` naming its process, ``pid`` on the host of Ray node ``node``, when the process died)."""
     try:
         return ray.get(ref)
     except ray.exceptions.RayTaskError as error:
@@ -160,8 +191,19 @@ def fetch_one(ref: ray.ObjectRef, *, role: str, rank: int, method: str) -> Any:
             raise cause from None
         raise WorkerError(role=role, rank=rank, method=method, remote_traceback=str(error)) from None
     except ray.exceptions.RayActorError as error:
-        raise WorkerError(role=role, rank=rank, method=method,
-                          remote_traceback=f"the worker process died or is unreachable: {error}") from None
+        raise WorkerLostError(role=role, rank=rank, method=method, reason=DIED, pid=pid, host=host_of(node),
+                              remote_traceback=f"the worker process died or is unreachable: {error}") from None
+
+
+def host_of(node: str | None) -> str | None:
+    """The host name of Ray node ``node`` (its address when Ray does not know the name; None when unknown)."""
+    if node is None or not ray.is_initialized():
+        return None
+    try:
+        found = next((entry for entry in ray.nodes() if entry.get("NodeID") == node), None)
+    except Exception:  # the cluster's table is unreachable: the error is raised without the host
+        return None
+    return None if found is None else (found.get("NodeManagerHostname") or found.get("NodeManagerAddress"))
 
 
 # ---------------------------------------------------------------- padding bookkeeping
@@ -352,8 +394,10 @@ class Future:
 
     def __init__(self, *, value: FutureValue | None, role: str, method: str, timeout_s: float | None,
                  local_result: Any = None, on_infos: Callable[[dict[int, OutputInfo]], None] | None = None,
-                 watchdog_s: float | None = WATCHDOG_INTERVAL_S, pids: list[int] | None = None) -> None:
+                 watchdog_s: float | None = WATCHDOG_INTERVAL_S, pids: list[int] | None = None,
+                 nodes: list[str] | None = None) -> None:
         self._value = value
+        self._nodes = nodes
         self._watchdog_s = watchdog_s
         self._pids = pids
         self._on_infos = on_infos
@@ -391,12 +435,12 @@ class Future:
         # wait on the tiny info objects of every rank first: a failing rank that the protocol does
         # not collect from must still surface as an error
         infos = gather(self._value.infos, role=self._role, method=self._method, timeout_s=timeout_s, count=False,
-                       watchdog_s=watchdog_s, pids=self._pids)
+                       watchdog_s=watchdog_s, pids=self._pids, nodes=self._nodes)
         if self._on_infos is not None:
             self._on_infos(infos)
         ranks = self._value.source_ranks()
         outputs = gather({r: self._value.refs[r] for r in ranks}, role=self._role, method=self._method,
-                         timeout_s=timeout_s, count=True, watchdog_s=watchdog_s, pids=self._pids)
+                         timeout_s=timeout_s, count=True, watchdog_s=watchdog_s, pids=self._pids, nodes=self._nodes)
         return self._value.compute(outputs, infos)
 
     def __repr__(self) -> str:

@@ -10,7 +10,8 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from hybridflow.controller.errors import WorkerTimeoutError
-from hybridflow.controller.future import WATCHDOG_INTERVAL_S, Future, FutureValue, gather, output_pad, resolve_pad
+from hybridflow.controller.future import (WATCHDOG_INTERVAL_S, Future, FutureValue, gather, output_pad, resolve_pad,
+                                         wait_all)
 from hybridflow.controller.host import (RoleSpec, WorkerHost, build_roles, driver_thread_limit, run_method,
                                        threads_per_worker)
 from hybridflow.controller.local import call_deadline, init_local_process_group
@@ -219,7 +220,8 @@ class WorkerGroup:
         self._methods = registered_methods(worker_cls)
         for method, registration in self._methods.items():
             setattr(self, method, _BoundMethod(self, method, registration))
-        self._pending_infos: dict[ray.ObjectRef, int] = {}  # info reference -> rank, of calls not yet seen done
+        # info reference -> (rank, method), of calls not yet seen done
+        self._pending_infos: dict[ray.ObjectRef, tuple[int, str]] = {}
         self._mesh_stale = False
         self._mesh_versions = [0] * hosts.world_size
         self._mesh = GroupMesh(layout=ParallelLayout(dp_size=hosts.world_size))
@@ -243,6 +245,30 @@ class WorkerGroup:
     def pids(self) -> list[int]:
         """Process id of every rank (colocated roles report the same ids)."""
         return list(self._hosts.pids)
+
+    @property
+    def nodes(self) -> list[str]:
+        """The Ray node id of every rank's process (empty in single-process mode)."""
+        return list(self._hosts.nodes)
+
+    @property
+    def is_running(self) -> bool:
+        """False once the group (or a role colocated with it) was shut down."""
+        return self._hosts._claimed
+
+    @property
+    def hosts_one_role(self) -> bool:
+        """Whether this role's processes host no other role (every call they run is this group's)."""
+        return len(self._hosts.roles) == 1
+
+    def calls_in_flight(self) -> dict[ray.ObjectRef, tuple[int, str]]:
+        """The calls submitted and not yet collected: each one's small info reference -> (rank, method). A
+        reference that is ready belongs to a finished call (or one whose process died)."""
+        return dict(self._pending_infos)
+
+    def ping(self, rank: int) -> ray.ObjectRef:
+        """A no-op call to ``rank``'s process, queued behind its calls: ready once the process answers it."""
+        return self._hosts.actors[rank].node_id.remote()
 
     @property
     def mesh(self) -> GroupMesh:
@@ -284,11 +310,11 @@ class WorkerGroup:
                 continue
             call_args, call_kwargs = _use_shared(call, shared)
             refs[rank], infos[rank] = self._hosts.actors[rank].execute.remote(self.role, method, call_args, call_kwargs)
-        self._pending_infos.update({ref: rank for rank, ref in infos.items()})
+        self._pending_infos.update({ref: (rank, method) for rank, ref in infos.items()})
         value = FutureValue(refs=refs, infos=infos, mesh=mesh, protocol=protocol, in_pad=dispatch.pad)
         return Future(value=value, role=self.role, method=method, timeout_s=self._hosts.timeout_s,
                       on_infos=lambda fetched: self._note_versions(infos, fetched),
-                      watchdog_s=self._hosts.watchdog_s, pids=self._hosts.pids)
+                      watchdog_s=self._hosts.watchdog_s, pids=self._hosts.pids, nodes=self._hosts.nodes)
 
     def _run_local(self, method: str, protocol: Protocol, mesh: GroupMesh, dispatch: Dispatch) -> Future:
         call_args, call_kwargs = dispatch.calls[0]
@@ -316,17 +342,18 @@ class WorkerGroup:
         """Re-read the workers' layouts if a finished call changed one (waits for calls still running)."""
         if self._pending_infos:
             pending = list(self._pending_infos)
-            ready, not_ready = ray.wait(pending, num_returns=len(pending), timeout=self._hosts.timeout_s)
+            not_ready = wait_all(pending, self._hosts.timeout_s)
             if not_ready:
+                ranks = sorted({self._pending_infos[ref][0] for ref in not_ready})
                 raise WorkerTimeoutError(role=self.role, method="(earlier call)", timeout_s=self._hosts.timeout_s,
-                                         pending_ranks=sorted({self._pending_infos[ref] for ref in not_ready}))
+                                         pending_ranks=ranks, pids=[self._hosts.pids[rank] for rank in ranks])
             try:
                 infos = ray.get(pending)
             except ray.exceptions.RayError:
                 infos = []  # a failed call: its own future reports it; re-read the layout to be safe
                 self._mesh_stale = True
             for ref, info in zip(pending, infos):
-                self._mesh_stale |= info[2] != self._mesh_versions[self._pending_infos[ref]]
+                self._mesh_stale |= info[2] != self._mesh_versions[self._pending_infos[ref][0]]
             self._pending_infos = {}
         if self._mesh_stale:
             self._mesh = self._query_mesh()
@@ -338,7 +365,7 @@ class WorkerGroup:
         else:
             refs = {rank: actor.layout_state.remote(self.role) for rank, actor in enumerate(self._hosts.actors)}
             by_rank = gather(refs, role=self.role, method="layout_state", timeout_s=self._hosts.timeout_s, count=False,
-                             watchdog_s=self._hosts.watchdog_s, pids=self._hosts.pids)
+                             watchdog_s=self._hosts.watchdog_s, pids=self._hosts.pids, nodes=self._hosts.nodes)
             states = [by_rank[rank] for rank in range(self.world_size)]
         layout, generation, _ = states[0]
         for rank, (other_layout, other_generation, _) in enumerate(states):

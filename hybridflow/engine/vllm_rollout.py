@@ -15,7 +15,8 @@ Life of the engine on one actor rank:
 2. Every rollout: the hybrid engine gathers this rank's generation shard (its micro-DP all-gather, the
    bytes of the paper's Table 2); ``load_weights`` copies its pieces straight into vLLM's (TP-sharded) fused
    parameters (q/k/v rows into ``qkv_proj``, gate/up rows into ``gate_up_proj``, the vocabulary into the
-   padded embedding and head). The gathered pieces are then dropped and vLLM generates.
+   padded embedding and head, Qwen3-MoE's stacked experts into the fused-MoE ``w13_weight``/``w2_weight``,
+   prepacked in place for vLLM's CPU MoE kernel). The gathered pieces are then dropped and vLLM generates.
 3. After the rollout the KV cache and the weight copy are released for training: vLLM's sleep mode where
    the platform has it (CUDA), else (the CPU build has no sleep mode) by shrinking their storages to zero
    bytes and growing them back before the next load.
@@ -41,6 +42,7 @@ from hybridflow.engine.hybrid_engine import parameter_shapes, storage_bytes
 from hybridflow.engine.rollout import (GenerationShard, Rollout, RolloutStats, batch_output,
                                        cut_at_stop_sequence)
 from hybridflow.engine.vllm_requests import VllmRequests, vllm_sampling_params
+from hybridflow.models.families import causal_lm_class_name
 from hybridflow.parallel.sharding import tp_shard_dim
 
 WEIGHTS_NOTE = ("vLLM's CPU build prepacks linear weights for its GEMM kernels and frees the tensors; the rollout "
@@ -49,6 +51,9 @@ WEIGHTS_NOTE = ("vLLM's CPU build prepacks linear weights for its GEMM kernels a
 # (vLLM fused parameter suffix, the Hugging Face parameters stacked along dim 0 in that order)
 FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+EXPERTS = {"w13_weight": "gate_up_proj", "w2_weight": "down_proj"}
+"""A fused-MoE layer's parameter (vLLM) -> the stacked expert parameter of transformers it holds, in the same layout:
+``w13_weight`` [E, 2I, H] the gate rows then the up rows of each expert, ``w2_weight`` [E, H, I]."""
 
 
 @dataclass(frozen=True)
@@ -64,27 +69,20 @@ def vllm_parameter_plan(hf_shapes: dict[str, torch.Size], vllm_names: list[str],
                         tie_word_embeddings: bool, tp_size: int = 1) -> dict[str, list[_Slot]]:
     """vLLM parameter name -> the Hugging Face parameters it is made of, on one of ``tp_size`` ranks.
 
-    q/k/v stack into ``qkv_proj`` and gate/up into ``gate_up_proj`` (weights and biases alike); every other
-    parameter maps to the one of the same name (``lm_head`` to the embedding when tied). Under tensor
-    parallelism a rank's fused parameter stacks the rank's shard of each part (its q heads, then its k and
-    v heads), so a part split along dim 0 takes 1/tp_size of its rows.
+    q/k/v stack into ``qkv_proj`` and gate/up into ``gate_up_proj`` (weights and biases alike); a fused-MoE layer's
+    ``w13_weight``/``w2_weight`` hold the stacked experts (``EXPERTS``); every other parameter maps to the one of the
+    same name (``lm_head`` to the embedding when tied). Under tensor parallelism a rank's fused parameter stacks the
+    rank's shard of each part (its q heads, then its k and v heads), so a part split along dim 0 takes 1/tp_size of
+    its rows.
     """
     plan = {}
     for name in vllm_names:
-        sources = [name]
-        for fused, parts in FUSED.items():
-            marker = f".{fused}."
-            if marker in name:
-                prefix, kind = name.split(marker)
-                sources = [f"{prefix}.{part}.{kind}" for part in parts]
-        if name == "lm_head.weight" and tie_word_embeddings:
-            sources = ["model.embed_tokens.weight"]
+        sources = _hf_sources(name, tie_word_embeddings)
         missing = [s for s in sources if s not in hf_shapes]
         if missing:
             raise ValueError(f"vLLM parameter {name!r} needs {missing}, which the model does not have; the vLLM "
-                             f"backend loads dense models whose weights vLLM names as Hugging Face does (tested: "
-                             f"llama, mistral, qwen2, qwen3); use generation.backend=native for this model "
-                             f"(qwen3_moe: vLLM fuses its experts under other names)")
+                             f"backend loads the families whose weights it maps to vLLM's (tested: llama, mistral, "
+                             f"qwen2, qwen3, qwen3_moe, gemma3_text); use generation.backend=native for this model")
         slots, offset = [], 0
         for source in sources:
             rows = hf_shapes[source][0] // (tp_size if tp_shard_dim(source) == 0 else 1)
@@ -92,6 +90,22 @@ def vllm_parameter_plan(hf_shapes: dict[str, torch.Size], vllm_names: list[str],
             offset += rows
         plan[name] = slots
     return plan
+
+
+def _hf_sources(vllm_name: str, tie_word_embeddings: bool) -> list[str]:
+    """The Hugging Face parameters stacked (dim 0, in order) into vLLM parameter ``vllm_name``."""
+    for fused, parts in FUSED.items():
+        marker = f".{fused}."
+        if marker in vllm_name:
+            prefix, kind = vllm_name.split(marker)
+            return [f"{prefix}.{part}.{kind}" for part in parts]
+    prefix, _, kind = vllm_name.rpartition(".")
+    if kind in EXPERTS and ".mlp.experts" in prefix:
+        # vLLM may nest the expert weights in a submodule of the block's ``experts``
+        return [f"{prefix.split('.mlp.experts')[0]}.mlp.experts.{EXPERTS[kind]}"]
+    if vllm_name == "lm_head.weight" and tie_word_embeddings:
+        return ["model.embed_tokens.weight"]
+    return [vllm_name]
 
 
 def copy_pieces(target: torch.Tensor, hf_name: str, pieces: list[torch.Tensor]) -> int:
@@ -106,6 +120,63 @@ def copy_pieces(target: torch.Tensor, hf_name: str, pieces: list[torch.Tensor]) 
         start += piece.shape[dim]
     assert start == target.shape[dim], f"{hf_name}: pieces cover {start} of {target.shape[dim]}"
     return sum(p.numel() for p in pieces) * target.element_size()
+
+
+@dataclass(frozen=True)
+class ExpertWriter:
+    """How a fused-MoE weight (``EXPERTS``) goes into vLLM's parameter: the intermediate size zero-padded to the
+    kernel's (``pad_intermediate``) and, for vLLM's CPU grouped-GEMM kernel, prepacked for its ``isa`` straight
+    into the existing tensor (the packed layout has the plain one's shape), so every update stays in place."""
+
+    kind: str
+    isa: str | None  # None: vLLM computes on the plain layout (CUDA, or its CPU kernel through zentorch)
+
+    def write(self, target: torch.Tensor, pieces: list[torch.Tensor]) -> int:
+        """Write the stacked experts (replicated over the generation TP group: every piece is whole); bytes."""
+        experts = pieces[0]
+        padded = pad_intermediate(experts, target.shape, self.kind).to(target.dtype).contiguous()
+        if self.isa is None:
+            target.copy_(padded)
+        else:
+            torch.ops._C.prepack_moe_weight(padded, target, self.isa)
+        return experts.numel() * target.element_size()
+
+
+def pad_intermediate(experts: torch.Tensor, shape: torch.Size, kind: str) -> torch.Tensor:
+    """Stacked experts (``w13_weight`` [E, 2I, H], ``w2_weight`` [E, H, I]) zero-padded to vLLM's ``shape``
+    ([E, 2P, H], [E, H, P], P >= I) as vLLM's CPU kernel pads them: gate rows [0, I), up rows [P, P + I)."""
+    if experts.shape == shape:
+        return experts
+    if kind == "w2_weight":
+        return torch.nn.functional.pad(experts, (0, shape[2] - experts.shape[2]))
+    gate, up = experts.chunk(2, dim=1)
+    rows = shape[1] // 2 - gate.shape[1]
+    return torch.cat([torch.nn.functional.pad(part, (0, 0, 0, rows)) for part in (gate, up)], dim=1)
+
+
+def expert_writers(model: torch.nn.Module, vllm_names) -> dict[str, ExpertWriter]:
+    """vLLM's fused-MoE parameters among ``vllm_names`` -> how each is written (empty for a dense model)."""
+    writers = {}
+    for name in vllm_names:
+        module_name, _, kind = name.rpartition(".")
+        if kind in EXPERTS and ".mlp.experts" in module_name:
+            writers[name] = ExpertWriter(kind, _prepack_isa(module_name, model.get_submodule(module_name)))
+    return writers
+
+
+def _prepack_isa(name: str, layer: torch.nn.Module) -> str | None:
+    """The ISA vLLM's CPU MoE kernel prepacked ``layer``'s expert weights for; None where they stay plain."""
+    if device_type() != "cpu":
+        return None
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
+    experts = getattr(kernel, "fused_experts", None)
+    if not isinstance(experts, CPUUnquantizedExperts):
+        raise ValueError(f"actor.generation.backend='vllm': vLLM runs the experts of {name} with "
+                         f"{type(experts).__name__}, whose weight layout the rollout does not know (supported: "
+                         f"CPUUnquantizedExperts); use backend='native' for this model")
+    return None if experts._use_zentorch else experts.isa
 
 
 class VllmRollout(VllmRequests, Rollout):
@@ -170,6 +241,8 @@ class VllmRollout(VllmRequests, Rollout):
         # vLLM's CPU worker replaces torch.set_num_threads process-wide with a no-op and drops torch to one
         # thread "for serving": both are restored below, so training keeps its threads (and so does vLLM)
         set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
+        if self.tp_size == 1:
+            ensure_expert_parallel_group(hf_config)
         try:
             with (vllm_tp_groups(tp_groups, shm_ident=shm_ident),
                   vocab_padding(self.tp_size if self.tp_size > 1 else None)):
@@ -190,6 +263,7 @@ class VllmRollout(VllmRequests, Rollout):
         shapes = {name: torch.Size(shape) for name, shape in _hf_shapes(hf_config).items()}
         self.plan = vllm_parameter_plan(shapes, list(self.params), hf_config.tie_word_embeddings,
                                         tp_size=self.tp_size)
+        self.expert_writers = expert_writers(self.model, self.params)
         self.sleeps = _sleep_mode_available()
         if not self.sleeps:
             self._own_linear_weights(shapes)
@@ -236,6 +310,9 @@ class VllmRollout(VllmRequests, Rollout):
         stats = RolloutStats()
         for name, slots in self.plan.items():
             param = self.params[name]
+            if name in self.expert_writers:
+                stats.bytes_loaded += self.expert_writers[name].write(param.data, weights[slots[0].hf_name])
+                continue
             for slot in slots:
                 target = param.data.narrow(0, slot.offset, slot.rows)
                 stats.bytes_loaded += copy_pieces(target, slot.hf_name, weights[slot.hf_name])
@@ -335,7 +412,9 @@ class VllmRollout(VllmRequests, Rollout):
 
 
 def check_supported(hf_config) -> None:
-    """ValueError when vLLM's CPU attention cannot run this model (it supports a fixed set of head sizes)."""
+    """ValueError when vLLM's CPU build cannot run this model: its attention supports a fixed set of head sizes,
+    its mixture-of-experts kernel hidden sizes that are multiples of 32 (else vLLM fails with "No Unquantized MoE
+    backend supports the deployment configuration")."""
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     if torch.cuda.is_available():
         return
@@ -344,6 +423,10 @@ def check_supported(hf_config) -> None:
         raise ValueError(f"actor.generation.backend='vllm': vLLM's CPU attention supports head sizes {supported}; "
                          f"this model's head_dim is {head_dim} (hidden_size {hf_config.hidden_size} / "
                          f"{hf_config.num_attention_heads} heads). Use backend='native' for it")
+    if getattr(hf_config, "num_experts", 0) and hf_config.hidden_size % 32:
+        raise ValueError(f"actor.generation.backend='vllm': vLLM's CPU mixture-of-experts kernel needs a hidden_size "
+                         f"that is a multiple of 32; this {hf_config.model_type} model's is {hf_config.hidden_size}. "
+                         f"Use backend='native' for it")
 
 
 def check_tp_groups(tp_groups: list[list[int]], hf_config) -> int:
@@ -355,6 +438,10 @@ def check_tp_groups(tp_groups: list[list[int]], hf_config) -> int:
     tp_size = sizes.pop()
     if tp_size == 1:
         return 1
+    if getattr(hf_config, "num_experts", 0):
+        raise ValueError(f"actor.hybrid_engine.tp_size={tp_size}: backend='vllm' generates a mixture-of-experts "
+                         f"model ({hf_config.model_type}) with tp_size 1 only (vLLM splits every expert over its TP "
+                         f"ranks, the rollout loads them whole); allowed: tp_size 1, or backend='native'")
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
     for name, count in (("num_attention_heads", hf_config.num_attention_heads),
                         ("num_key_value_heads", kv_heads), ("vocab_size", hf_config.vocab_size)):
@@ -369,6 +456,24 @@ def check_tp_groups(tp_groups: list[list[int]], hf_config) -> int:
         raise ValueError(f"vLLM tp_groups must cover every rank of the torch.distributed world "
                          f"(0..{world - 1}) exactly once, got {tp_groups}")
     return tp_size
+
+
+def ensure_expert_parallel_group(hf_config) -> bool:
+    """Before a mixture-of-experts engine is built with tg = 1: end vLLM's parallel groups if an engine built
+    earlier in this process made them without an expert-parallel group; True if it did.
+
+    vLLM makes its parallel groups once per process (a later engine reuses them) and makes the expert-parallel
+    one only for a mixture-of-experts model, so a Qwen3-MoE engine after a dense one failed with "expert parallel
+    group is not initialized". Ended, they are made again, with it, by this engine; groups of one rank each, which
+    the earlier engine then uses as well."""
+    if not getattr(hf_config, "num_experts", 0):
+        return False
+    import vllm.distributed.parallel_state as parallel_state
+
+    if not parallel_state.model_parallel_is_initialized() or parallel_state._EP is not None:
+        return False
+    parallel_state.destroy_model_parallel()
+    return True
 
 
 @contextlib.contextmanager
@@ -487,7 +592,7 @@ def max_model_len(hf_config, dtype: torch.dtype, kv_cache_gib: float, *, tp_size
 def write_model_config(hf_config, directory: str) -> None:
     """The model directory vLLM builds from: ``config.json`` only (dummy weights, no tokenizer)."""
     config = hf_config.to_dict()
-    config.setdefault("architectures", [type(hf_config).__name__.replace("Config", "ForCausalLM")])
+    config.setdefault("architectures", [causal_lm_class_name(hf_config)])  # Gemma 3: Gemma3ForCausalLM
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(config, f)
 

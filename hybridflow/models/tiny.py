@@ -49,7 +49,8 @@ def tiny_config(family: str = "llama", **overrides: Any) -> PretrainedConfig:
     ``tie_word_embeddings=True``); an unknown field is a ValueError.
     """
     config_cls = family_config_class(check_family(family, source="tiny_config(family=...)"))
-    known = set(config_cls().to_dict())
+    # the fields of the family's defaults too (Qwen3-MoE's config lists head_dim only once it is set)
+    known = set(config_cls().to_dict()) | set(FAMILY_DEFAULTS.get(family, {}))
     unknown = sorted(set(overrides) - known)
     if unknown:
         raise ValueError(f"tiny_config got unknown {family} config fields {unknown}; "

@@ -16,6 +16,7 @@ import os
 import shutil
 from pathlib import Path
 
+from hybridflow.controller.errors import WorkerLostError
 from hybridflow.engine.generation_config import unset_before_it_was_optional
 
 
@@ -102,7 +103,7 @@ class RunCheckpointer:
             self._check_free_space(step)
             save_roles(partial)
             (partial / "driver.json").write_text(json.dumps({"step": step, **driver_state}))
-        except CheckpointSaveError:
+        except (CheckpointSaveError, WorkerLostError):  # a lost worker is no fault of the disk: said as itself
             shutil.rmtree(partial, ignore_errors=True)
             raise
         except BaseException as error:  # ENOSPC, EACCES, EROFS, a worker's error, torch's CheckpointException, ...

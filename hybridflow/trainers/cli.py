@@ -68,13 +68,7 @@ def _read_config_file(path: str | None) -> None:
 
 def _last_checkpoint_note(trainer) -> str:
     """Where a stopped run can resume from, for the one line a signal or a hard exit ends the run with."""
-    if trainer is None:
-        return "no run had started"
-    latest = trainer.checkpointer.latest()
-    if latest is None:
-        return (f"at step {trainer.step}; no checkpoint was saved (trainer.save_every=0 or none reached), so nothing "
-                f"can be resumed")
-    return f"at step {trainer.step}; last checkpoint: {latest}; the same command resumes from it"
+    return "no run had started" if trainer is None else trainer.resume_note()
 
 
 def _stop_at_step_end(trainer, request: dict):

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from hybridflow.algorithms import AdaptiveKLController, FixedKLController
-from hybridflow.controller import DRIVER_ACTIVITY
+from hybridflow.controller import DRIVER_ACTIVITY, LivenessMonitor, WorkerLostError, WorkerTimeoutError
 from hybridflow.data import BatchLoader, PromptDataset, SFTDataset
 from hybridflow.protocol import DataProto
 from hybridflow.rewards import RuleReward
@@ -116,6 +116,8 @@ class RLTrainer:
             self.run_dir.release()
             raise
         self.episodes: list[tuple] = []  # the last step's sampled episodes, for the loggers' tables
+        if self.replica_monitor is not None:
+            self.replica_monitor.start()
 
     def _build_step(self, ptx_loader: BatchLoader | None) -> None:
         """The step's parts over the worker groups: the roles' scoring calls (issued as futures), the critics to
@@ -141,12 +143,16 @@ class RLTrainer:
                                        pad_token_id=generation.pad_token_id, episode_job=self.episode_job,
                                        current_step=lambda: self.step)
         self.pipeline = None  # a rollout pool of its own: generation runs ahead there (docs/async.md)
+        self.replica_monitor = None
         if "rollout" in self.groups:
+            rollout = self.groups["rollout"]
             self.sampling = self.pipeline = PipelinedSampling(
-                actor=self.actor, rollout=self.groups["rollout"], loader=self.loader, score=self.score,
+                actor=self.actor, rollout=rollout, loader=self.loader, score=self.score,
                 max_staleness=self.config.asynchrony.max_staleness,
                 samples_per_prompt=self.config.batch.samples_per_prompt, run_seed=self.config.trainer.seed,
                 tis_cap=self.config.actor.loss.tis_cap)
+            if not rollout.is_local:  # a replica lost while the trainer trains stops the run within seconds
+                self.replica_monitor = LivenessMonitor(rollout, timeout_s=self.config.trainer.worker_timeout_s)
 
     def _episode_job(self):
         """What the actor needs to run the step's episodes (``env``), or None for single-turn RL."""
@@ -209,11 +215,22 @@ class RLTrainer:
                 reporter.update(self.step, metrics)
                 if on_step is not None:
                     on_step(self.step, metrics)
+        except (WorkerLostError, WorkerTimeoutError) as error:  # a lost or frozen process: say where to resume from
+            raise error.with_note(f"the run stopped {self.resume_note()}") from None
         finally:
             reporter.close()
         with self.heartbeat.phase(f"exporting the trained models to {self.output_dir / 'final'}"):
             self.export(self.output_dir / "final")
         return self.logger.history
+
+    def resume_note(self) -> str:
+        """Where the run resumes from, for the line a failure or a signal ends it with: ``at step N; last
+        checkpoint: PATH; the same command resumes from it``."""
+        latest = self.checkpointer.latest()
+        if latest is None:
+            return (f"at step {self.step}; no checkpoint was saved (trainer.save_every=0 or none reached), so nothing "
+                    f"can be resumed")
+        return f"at step {self.step}; last checkpoint: {latest}; the same command resumes from it"
 
     def _timed_validation(self) -> dict[str, float]:
         started = time.perf_counter()
@@ -427,6 +444,8 @@ class RLTrainer:
 
     def shutdown(self) -> None:
         """Stop the workers and give their devices back."""
+        if self.replica_monitor is not None:
+            self.replica_monitor.close()  # stopping them is no failure
         try:
             self.logger.close()
             for group in self.groups.values():
