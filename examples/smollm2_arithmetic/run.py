@@ -23,8 +23,10 @@ from hybridflow.trainers.rl import RLTrainer
 
 CONFIG = Path(__file__).with_name("config.yaml")
 INSTRUCTION = "Reply with the number only."
+# a + b or a - b with 0 <= a, b <= 100 and no parentheses (so no negative operands): the base model answers a
+# third of them right greedily and 15% of its samples at temperature 1 are right, so most groups are mixed
 OPTIONS = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2, "operators": ("+", "-"),
-           "allow_negation": False}
+           "allow_parentheses": False, "allow_negation": False}
 
 
 def write_prompts(directory: Path, *, num_train: int, num_eval: int, seed: int = 0) -> tuple[Path, Path]:
