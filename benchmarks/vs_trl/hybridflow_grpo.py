@@ -43,7 +43,8 @@ def main() -> None:
         f"actor.generation.min_new_tokens={args.min_new_tokens}", "actor.generation.temperature=1.0",
         f"actor.engine.optim.lr={args.lr}", f"batch.prompts_per_step={args.prompts_per_step}",
         f"batch.samples_per_prompt={args.samples_per_prompt}", f"batch.mini_batch_size={samples}",
-        f"trainer.total_steps={args.steps}", "trainer.progress_bar=false", f"trainer.output_dir={args.output_dir}", *args.set])
+        f"trainer.total_steps={args.steps}", "trainer.progress_bar=false", f"trainer.output_dir={args.output_dir}",
+        "trainer.overwrite=true", *args.set])  # the run directory is scratch: each run starts it over
     run_trainer(config, runtime=args.runtime)
 
 

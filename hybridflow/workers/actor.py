@@ -20,8 +20,8 @@ from hybridflow.engine.rollout import Rollout, rollout_class
 from hybridflow.engine.weight_sync import WeightPayload, pack_weights
 from hybridflow.models.moe import ROUTED_EXPERTS
 from hybridflow.protocol import DataProto
-from hybridflow.workers.base import (ROLLOUT_TEMPERATURE, SEQUENCE_KEYS, ModelWorker, rollout_temperature,
-                                     step_context, tensors_of)
+from hybridflow.workers.base import (ROLLOUT_TEMPERATURE, SEQUENCE_KEYS, ModelWorker, step_context,
+                                     tensors_of)
 from hybridflow.workers.spec import ActorSpec
 
 UPDATE_KEYS = SEQUENCE_KEYS + ("old_logprobs", "advantages", "ref_logprobs")
@@ -265,9 +265,8 @@ class ActorWorker(ModelWorker):
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """``old_logprobs`` [B, T] of the responses under the current weights (no grad; with routing replay, under
         the rollout's routing)."""
-        batch = tensors_of(data, self._replay_keys(data, SEQUENCE_KEYS))
-        outputs = self.engine.forward(batch, outputs=("logprobs",), temperature=rollout_temperature(data))
-        return DataProto.from_dict(tensors={"old_logprobs": outputs["logprobs"]})
+        logprobs_BT = self._forward(data, ("logprobs",), keys=self._replay_keys(data, SEQUENCE_KEYS))["logprobs"]
+        return DataProto.from_dict(tensors={"old_logprobs": logprobs_BT})
 
     def _replay_keys(self, data: DataProto, keys: tuple[str, ...]) -> tuple[str, ...]:
         """``keys``, and the rollout's ``routed_experts`` under ``actor.routing_replay`` (which must be in ``data``)."""

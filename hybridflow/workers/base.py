@@ -83,8 +83,9 @@ class ModelWorker(Worker):
         """Optimizer steps taken so far."""
         return self.engine.step
 
-    def _forward(self, data: DataProto, outputs: tuple[str, ...]) -> dict[str, torch.Tensor]:
-        return self.engine.forward(tensors_of(data, SEQUENCE_KEYS), outputs=outputs, temperature=rollout_temperature(data))
+    def _forward(self, data: DataProto, outputs: tuple[str, ...],
+                 keys: tuple[str, ...] = SEQUENCE_KEYS) -> dict[str, torch.Tensor]:
+        return self.engine.forward(tensors_of(data, keys), outputs=outputs, temperature=rollout_temperature(data))
 
     def _train_epochs(self, data: DataProto, *, keys: tuple[str, ...], loss_fn, outputs: tuple[str, ...],
                       ppo_epochs: int, mini_batch_size: int, seed: int, on_non_finite: str = "raise",
