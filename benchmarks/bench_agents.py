@@ -23,6 +23,7 @@ from hybridflow.agents import AssistantTurn, Environment, EpisodeStart, TurnResu
 from hybridflow.agents.episode import ChatTokens
 from hybridflow.agents.runner import EpisodeLimits, EpisodeRunner
 from hybridflow.agents.tool_calls import make_parser
+from hybridflow.device import current_device
 from hybridflow.engine.generation import SamplingConfig
 from hybridflow.engine.native_rollout import NativeRollout
 from hybridflow.engine.rollout import GenerationShard, RolloutRequest, SamplingOptions
@@ -50,7 +51,7 @@ def fixed_turns_env(turns: int, sleep_s: float):
 
 def build_rollout(tokenizer) -> NativeRollout:
     model = EXAMPLE["build_model"](tokenizer).eval()
-    weights = {name: [tensor.detach()] for name, tensor in model.state_dict().items()}
+    weights = {name: [tensor.detach().to(current_device())] for name, tensor in model.state_dict().items()}
     rollout = NativeRollout(model.config, dtype=torch.float32, config=SamplingConfig())
     rollout.load(GenerationShard(weights, layers=range(model.config.num_hidden_layers), has_embedding=True,
                                  has_final_norm=True, has_head=True), version=0)

@@ -239,15 +239,16 @@ def part_profile(args) -> None:
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12), flush=True)
 
 
-def write_model_dir(directory: Path, *, head_overrides: dict | None = None) -> Path:
-    """A ~1B Llama directory with the built-in task's tokenizer (random weights, bf16 safetensors)."""
+def write_model_dir(directory: Path, *, head: str = "lm") -> Path:
+    """A ~1B Llama directory with the built-in task's tokenizer (random weights); ``head`` "score": with a scalar
+    score head, as `hybridflow rm` saves a reward model (a causal LM is refused as one)."""
     from hybridflow.data.builtin import ASSETS_DIR
     from hybridflow.models import build_model
 
     src = Path(ASSETS_DIR)
     config = one_b_model_config(vocab_size=json.loads((src / "config.json").read_text())["vocab_size"],
                                 max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    model = build_model(config)
+    model = build_model(config, head=head)
     model.save_pretrained(directory)
     for name in os.listdir(src):
         if name.startswith("tokenizer"):
@@ -310,21 +311,40 @@ def part_ppo(args) -> None:
         ppo_step(args, variant, PPO_VARIANTS[variant])
 
 
-def ppo_step(args, variant: str, variant_overrides: list[str]) -> None:
+def fit_in_local_mode(config, inspect=None) -> tuple[list[dict], float, int, object]:
+    """Build and fit an RLTrainer in local mode: (metrics per step, seconds to build, bytes allocated after the
+    build, what ``inspect(trainer)`` returned before the shutdown)."""
     from hybridflow.controller import local_mode
+    from hybridflow.trainers.rl import RLTrainer
+
+    with local_mode():
+        reset_peak()
+        start = time.perf_counter()
+        trainer = RLTrainer(config, tensorboard=False)
+        build_s = time.perf_counter() - start
+        built = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+        try:
+            history = trainer.fit()
+            inspected = inspect(trainer) if inspect is not None else None
+        finally:
+            trainer.shutdown()
+    return history, build_s, built, inspected
+
+
+def ppo_step(args, variant: str, variant_overrides: list[str]) -> None:
     from hybridflow.data import write_jsonl
     from hybridflow.data.builtin import ArithmeticTaskConfig, prompt_rows
     from hybridflow.trainers.config.rl import load_rl_config
-    from hybridflow.trainers.rl import RLTrainer
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         model_dir = write_model_dir(tmp / "model")
+        reward_dir = write_model_dir(tmp / "reward", head="score")
         write_jsonl(tmp / "train.jsonl", prompt_rows(args.ppo_prompts * 2, split="train", seed=0,
                                                      config=ArithmeticTaskConfig()))
         overrides = [
             f"data.train_path={tmp / 'train.jsonl'}", f"actor.model.path={model_dir}",
-            f"critic.model.path={model_dir}", f"reward.model.path={model_dir}", "reward.function=arithmetic",
+            f"critic.model.path={model_dir}", f"reward.model.path={reward_dir}", "reward.function=arithmetic",
             "algorithm.advantage_estimator=gae", f"actor.generation.max_new_tokens={args.ppo_new_tokens}",
             f"batch.prompts_per_step={args.ppo_prompts}", "batch.samples_per_prompt=2",
             f"batch.mini_batch_size={args.ppo_prompts * 2}", "trainer.total_steps=2", "trainer.progress_bar=false",
@@ -332,18 +352,11 @@ def ppo_step(args, variant: str, variant_overrides: list[str]) -> None:
         config = load_rl_config(None, overrides)
         memory: dict = {}
         restore = record_phase_memory(memory)
-        with local_mode():
-            reset_peak()
-            start = time.perf_counter()
-            trainer = RLTrainer(config, tensorboard=False)
-            build_s = time.perf_counter() - start
-            built = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
-            try:
-                history = trainer.fit()
-                transition = trainer.actor.transition_stats()[0]
-            finally:
-                trainer.shutdown()
-                restore()
+        try:
+            history, build_s, built, transition = fit_in_local_mode(
+                config, inspect=lambda trainer: trainer.actor.transition_stats()[0])
+        finally:
+            restore()
         for record in history:
             emit("ppo", variant=variant, build_s=round(build_s, 1), after_build_gib=gib(built),
                  **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in record.items()

@@ -4,6 +4,7 @@ holds back only its episode), failed environments, and GRPO and PPO steps on the
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import runpy
 import time
@@ -402,7 +403,8 @@ def test_the_env_section_is_refused_where_episodes_cannot_run(run_inputs, tmp_pa
                "placement.pools.global=[2]")
     with pytest.raises(ValueError, match=r"algorithm.dynamic_sampling got True; allowed: false with env"):
         config("algorithm.advantage_estimator=grpo", "algorithm.dynamic_sampling=true")
-    assert config("actor.generation.backend=vllm").env.class_path.endswith(":CountingEnv")
+    if importlib.util.find_spec("vllm") is not None:  # the config names an installed backend only
+        assert config("actor.generation.backend=vllm").env.class_path.endswith(":CountingEnv")
     with pytest.raises(ValueError, match="does not define step"):  # a bad class is refused before any model
         RLTrainer(config(f"env.class={__file__}:NoStep"), tensorboard=False)
 

@@ -54,7 +54,7 @@ def reference_logprobs(model: torch.nn.Module, batch: dict) -> torch.Tensor:
 def test_packed_training_logprobs_equal_a_transformers_forward(family):
     model = tiny(family)
     batch = make_batch()
-    engine = TrainingEngine(EngineConfig(micro_batch_tokens=24), lambda: copy.deepcopy(model))
+    engine = TrainingEngine(EngineConfig(micro_batch_tokens=24, dtype="float32"), lambda: copy.deepcopy(model))
     logprobs_BT = engine.forward(batch)["logprobs"]
     mask_BT = batch["response_mask"].bool()
     assert engine.last_batch_stats["micro_batches"] > 1  # several packed sequences per micro-batch, several packs
@@ -96,7 +96,7 @@ def test_gemma3_sliding_layers_cache_only_their_window_and_generation_past_it_eq
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_export_reloads_with_from_pretrained_and_gives_the_same_logprobs(family, tmp_path):
     model = tiny(family)
-    engine = TrainingEngine(EngineConfig(micro_batch_tokens=64), lambda: copy.deepcopy(model))
+    engine = TrainingEngine(EngineConfig(micro_batch_tokens=64, dtype="float32"), lambda: copy.deepcopy(model))
     engine.export_hf(str(tmp_path / "export"))
     reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "export")).eval()
     assert type(reloaded) is type(model)
@@ -115,7 +115,7 @@ def test_a_saved_model_directory_loads_shard_by_shard_onto_the_meta_device_with_
 
     model = tiny(family)
     model.save_pretrained(str(tmp_path / "model"))  # the hub's layout (Qwen3-MoE: one Linear per expert)
-    engine = TrainingEngine.from_model_config(EngineConfig(micro_batch_tokens=64),
+    engine = TrainingEngine.from_model_config(EngineConfig(micro_batch_tokens=64, dtype="float32"),
                                               ModelConfig(path=str(tmp_path / "model")))
     batch = make_batch()
     mask_BT = batch["response_mask"].bool()
@@ -245,3 +245,32 @@ def test_the_router_balancing_loss_equals_transformers_aux_loss_and_joins_the_tr
     assert not np.allclose(steps[0.5][1][router], steps[0.0][1][router], rtol=0, atol=1e-7)
     with pytest.raises(ValueError, match=r"router_aux_loss_coef=0.5 needs a mixture-of-experts model under pp_size 1"):
         TrainingEngine(EngineConfig(router_aux_loss_coef=0.5), lambda: tiny("qwen3"))
+
+
+def test_moe_experts_with_static_shapes_equal_the_largest_group_layout():
+    from hybridflow.models.moe import grouped_experts
+
+    generator = torch.Generator().manual_seed(0)
+    T, H, I, E, K = 7, 8, 4, 5, 2
+    hidden_TH = torch.randn(T, H, generator=generator)
+    gate_up_E2IH, down_EHI = torch.randn(E, 2 * I, H, generator=generator), torch.randn(E, H, I, generator=generator)
+    experts_TK = torch.stack([torch.randperm(E, generator=generator)[:K] for _ in range(T)])
+    weights_TK = torch.rand(T, K, generator=generator)
+    grouped_TH = grouped_experts(hidden_TH, experts_TK, weights_TK, gate_up_E2IH, down_EHI, torch.nn.functional.silu)
+    static_TH = grouped_experts(hidden_TH, experts_TK, weights_TK, gate_up_E2IH, down_EHI, torch.nn.functional.silu,
+                                static_shapes=True)  # capacity T: what the CUDA-graphed decode steps run
+    torch.testing.assert_close(static_TH, grouped_TH, rtol=1e-5, atol=1e-5)  # other matmul shapes: rounding only
+
+
+def test_the_moe_fixed_shape_decode_that_cuda_graphs_replay_equals_the_compacting_decode():
+    from hybridflow.engine.decoder import DecoderStage
+    from hybridflow.engine.generation import GenerationEngine, SamplingConfig
+
+    model = tiny("qwen3_moe")
+    stage = DecoderStage.from_state_dict(model.config, model.state_dict())
+    prompts_BP = torch.randint(3, model.config.vocab_size, (4, 6), generator=torch.Generator().manual_seed(1))
+    greedy = SamplingConfig(max_new_tokens=8, greedy=True)
+    outputs = [GenerationEngine(stage, static_decode=static, cuda_graphs=False).generate(
+        prompts_BP, torch.ones_like(prompts_BP), greedy) for static in (False, True)]
+    assert torch.equal(outputs[1]["responses"], outputs[0]["responses"])
+    torch.testing.assert_close(outputs[1]["logprobs"], outputs[0]["logprobs"], rtol=0, atol=1e-5)

@@ -25,12 +25,13 @@ LORA = LoraConfig(rank=4, alpha=8.0)
 
 
 def lora_engine(lora: LoraConfig = LORA, head: str = "lm", **layout) -> TrainingEngine:
-    return TrainingEngine(EngineConfig(micro_batch_tokens=24, optim=OPTIM, **layout),
+    return TrainingEngine(EngineConfig(micro_batch_tokens=24, optim=OPTIM, dtype="float32", **layout),
                           lambda: build_tiny_model(head=head), head=head, lora=lora, total_steps=8)
 
 
 def base_engine() -> TrainingEngine:
-    return TrainingEngine(EngineConfig(micro_batch_tokens=24, optim=OPTIM), lambda: build_tiny_model(), trainable=False)
+    return TrainingEngine(EngineConfig(micro_batch_tokens=24, optim=OPTIM, dtype="float32"), lambda: build_tiny_model(),
+                          trainable=False)
 
 
 def parameters(engine: TrainingEngine) -> dict[str, torch.Tensor]:
@@ -122,7 +123,7 @@ def test_generation_shards_hold_merged_weights_and_greedy_decode_equals_peft_mer
     merged_model = peft_merged(engine, tmp_path / "adapter").merge_and_unload()
     expected_state = merged_model.state_dict()
     for name, shard in shards.items():
-        torch.testing.assert_close(shard, expected_state[name], atol=1e-6, rtol=0)
+        torch.testing.assert_close(shard.cpu(), expected_state[name], atol=1e-6, rtol=0)
     assert all(torch.equal(param, before[name]) for name, param in engine.model.named_parameters()
                if not is_adapter_parameter(name))  # merging never writes the trained base weights
     prompts_BP = make_batch()["input_ids"][:, :6]
@@ -132,7 +133,7 @@ def test_generation_shards_hold_merged_weights_and_greedy_decode_equals_peft_mer
     with torch.no_grad():
         expected = merged_model.generate(prompts_BP, attention_mask=mask_BP, max_new_tokens=5, do_sample=False,
                                          pad_token_id=0, eos_token_id=None)[:, 6:]
-    assert torch.equal(out["responses"], expected)
+    assert torch.equal(out["responses"].cpu(), expected)
 
 
 def test_checkpoint_holds_only_adapter_tensors_and_resume_is_exact(tmp_path):
@@ -291,7 +292,7 @@ def test_a_lora_run_resumes_from_its_adapter_checkpoint_identically(data_dir, tm
     resumed = _run(_grpo_config(data_dir, tmp_path / "resumed", "trainer.total_steps=3"))
     assert [record["step"] for record in resumed] == [1, 2, 3]
     for name, value in straight[2].items():
-        if not name.startswith("time/"):
+        if not name.startswith("time/") and not name.endswith("allocated_bytes"):  # the allocator's, on a GPU
             assert resumed[2][name] == pytest.approx(value, rel=1e-6, abs=1e-9), name
     # `hybridflow export RUN_DIR --merged` of that checkpoint: the adapter, and the merged model beside it
     from hybridflow.trainers.export import export_main

@@ -82,7 +82,7 @@ def test_replayed_weights_of_the_top_k_equal_the_routers_own_and_reach_the_route
 
 def chosen_experts(ids_N: torch.Tensor, layer: int, config) -> torch.Tensor:
     """A routing unlike the router's: token v of MoE layer ``layer`` goes to experts (v + layer + k) % E, k < K."""
-    return (ids_N[:, None] + layer + torch.arange(config.num_experts_per_tok)) % config.num_experts
+    return (ids_N[:, None] + layer + torch.arange(config.num_experts_per_tok, device=ids_N.device)) % config.num_experts
 
 
 def forced_routing(batch: dict, config) -> torch.Tensor:
@@ -236,7 +236,7 @@ def test_a_grpo_run_with_routing_replay_trains_a_qwen3_moe_model(tmp_path):
     # recompute: the old log-probs come from a replaying forward (auto would take the fp32 rollout's own)
     assert main(["train", f"data.train_path={tmp_path / 'prompts.jsonl'}", f"actor.model.path={model_dir}",
                  "reward.function=arithmetic", "algorithm.advantage_estimator=grpo", "actor.routing_replay=true",
-                 "actor.loss.old_log_probs=recompute",
+                 "actor.loss.old_log_probs=recompute", "actor.engine.dtype=float32",  # fp32 on a GPU too
                  "actor.generation.max_new_tokens=3", "batch.prompts_per_step=2", "batch.samples_per_prompt=2",
                  "batch.mini_batch_size=4", "trainer.total_steps=1", "trainer.progress_bar=false",
                  "trainer.tensorboard=false", f"trainer.output_dir={tmp_path / 'grpo'}", "--local"]) == 0

@@ -454,18 +454,21 @@ class DecoderStage:
         return {kind: (cos_LD[positions_BS].unsqueeze(1), sin_LD[positions_BS].unsqueeze(1))
                 for kind, (cos_LD, sin_LD) in cache.rotary.items()}
 
-    def _layer(self, hidden_BSH: torch.Tensor, layer: int, attend) -> torch.Tensor:
+    def _layer(self, hidden_BSH: torch.Tensor, layer: int, attend, *, static_shapes: bool = False) -> torch.Tensor:
         """One decoder layer around ``attend(normed_BSH) -> [B, S, H]``: pre-norm residual blocks, and with
-        sandwich norms (Gemma 3) the attention and MLP outputs normalised again before each residual add."""
+        sandwich norms (Gemma 3) the attention and MLP outputs normalised again before each residual add.
+        ``static_shapes``: no shape may depend on the data (``_experts``), for CUDA graph capture."""
         prefix = f"model.layers.{layer}"
         attended_BSH = attend(self._rms_norm(hidden_BSH, f"{prefix}.input_layernorm.weight"))
         if self.sandwich_norms:
             attended_BSH = self._rms_norm(attended_BSH, f"{prefix}.post_attention_layernorm.weight")
             hidden_BSH = hidden_BSH + attended_BSH
-            mlp_BSH = self._mlp(self._rms_norm(hidden_BSH, f"{prefix}.pre_feedforward_layernorm.weight"), layer)
+            mlp_BSH = self._mlp(self._rms_norm(hidden_BSH, f"{prefix}.pre_feedforward_layernorm.weight"), layer,
+                                static_shapes=static_shapes)
             return hidden_BSH + self._rms_norm(mlp_BSH, f"{prefix}.post_feedforward_layernorm.weight")
         hidden_BSH = hidden_BSH + attended_BSH
-        return hidden_BSH + self._mlp(self._rms_norm(hidden_BSH, f"{prefix}.post_attention_layernorm.weight"), layer)
+        return hidden_BSH + self._mlp(self._rms_norm(hidden_BSH, f"{prefix}.post_attention_layernorm.weight"), layer,
+                                      static_shapes=static_shapes)
 
     @property
     def attention_scale(self) -> float:
@@ -544,10 +547,10 @@ class DecoderStage:
             cos, sin = rotary[self.spec.layer_type(layer)]
             mask_B11L = masks[cache.windows[slot]]
             hidden_B1H = self._layer(hidden_B1H, layer, lambda normed: self._attention_at(
-                normed, layer, slot, cache, cos, sin, mask_B11L, index_1))
+                normed, layer, slot, cache, cos, sin, mask_B11L, index_1), static_shapes=True)
         return hidden_B1H
 
-    def _experts(self, x_BSH: torch.Tensor, prefix: str) -> torch.Tensor:
+    def _experts(self, x_BSH: torch.Tensor, prefix: str, *, static_shapes: bool = False) -> torch.Tensor:
         """A mixture-of-experts MLP (Qwen3-MoE): route each token to its top-k experts and run them as one grouped
         computation (``models/moe.py``). Its weights are replicated over tensor-parallel ranks, so each rank
         computes the whole block and nothing is reduced."""
@@ -557,13 +560,14 @@ class DecoderStage:
         if self.routing is not None:
             self.routing.append(experts_TK.view(*x_BSH.shape[:2], -1))
         out_TH = grouped_experts(x_TH, experts_TK, weights_TK, self.weights[f"{prefix}.experts.gate_up_proj"][0],
-                                 self.weights[f"{prefix}.experts.down_proj"][0], self.activation)
+                                 self.weights[f"{prefix}.experts.down_proj"][0], self.activation,
+                                 static_shapes=static_shapes)
         return out_TH.view(x_BSH.shape)
 
-    def _mlp(self, x_BSH: torch.Tensor, layer: int) -> torch.Tensor:
+    def _mlp(self, x_BSH: torch.Tensor, layer: int, *, static_shapes: bool = False) -> torch.Tensor:
         prefix = f"model.layers.{layer}.mlp"
         if f"{prefix}.gate.weight" in self.weights:
-            return self._experts(x_BSH, prefix)
+            return self._experts(x_BSH, prefix, static_shapes=static_shapes)
         names = [f"{prefix}.{part}_proj" for part in ("gate", "up", "down")]
         pieces = [self.weights[f"{name}.weight"] for name in names]
         if (all(len(p) == 1 for p in pieces) and not any(f"{name}.bias" in self.weights for name in names)

@@ -31,16 +31,21 @@ def _local(tensor: Tensor) -> Tensor:
 
 
 def grouped_experts(hidden_TH: Tensor, top_k_index_TK: Tensor, top_k_weights_TK: Tensor, gate_up_E2IH: Tensor,
-                    down_EHI: Tensor, activation) -> Tensor:
-    """sum_k weight[t, k] * expert_{index[t, k]}(hidden[t]) for every token, as two batched matmuls ([T, H])."""
+                    down_EHI: Tensor, activation, *, static_shapes: bool = False) -> Tensor:
+    """sum_k weight[t, k] * expert_{index[t, k]}(hidden[t]) for every token, as two batched matmuls ([T, H]).
+
+    C is the largest group, read on the host; ``static_shapes`` makes it T instead (a token's K experts are
+    distinct, so no group is larger): no host sync and shapes that depend on T alone, which a CUDA graph can
+    capture, for E * T rows of compute. The decoder's fixed-shape decode steps (one token per row) take it."""
     num_tokens, top_k = top_k_index_TK.shape
     num_experts = gate_up_E2IH.shape[0]
     expert_A = top_k_index_TK.reshape(-1)
     order_A = torch.argsort(expert_A, stable=True)  # assignments grouped by expert, tokens ascending inside
     sorted_expert_A = expert_A[order_A]
     token_A = order_A // top_k
-    counts_E = torch.bincount(sorted_expert_A, minlength=num_experts)
-    capacity = int(counts_E.max())
+    counts_E = torch.zeros(num_experts, dtype=torch.long, device=expert_A.device).index_add_(
+        0, sorted_expert_A, torch.ones_like(sorted_expert_A))  # bincount, without its host sync
+    capacity = num_tokens if static_shapes else int(counts_E.max())
     starts_E = torch.cumsum(counts_E, 0) - counts_E
     slot_A = torch.arange(order_A.numel(), device=order_A.device) - starts_E[sorted_expert_A]  # place in its group
     batch_ECH = hidden_TH.new_zeros(num_experts, capacity, hidden_TH.shape[-1])
