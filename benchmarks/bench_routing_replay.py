@@ -130,9 +130,10 @@ def main() -> None:
     args = parser.parse_args()
     head_dim = args.head_dim or (32 if args.backend == "vllm" else None)
     heads = {"head_dim": head_dim} if head_dim else {}
-    print(f"tiny qwen3_moe: 64 wide, head_dim {head_dim or 16}, {args.layers} MoE layers, E={args.experts} K={args.top_k}; {args.rows} rows x "
-          f"({args.prompt_len} prompt + {args.new_tokens} sampled) tokens; rollout bf16 ({args.backend}), training "
-          f"fp32; {torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f}")
+    print(f"tiny qwen3_moe: 64 wide, head_dim {head_dim or 16}, {args.layers} MoE layers, E={args.experts} "
+          f"K={args.top_k}; {args.rows} rows x ({args.prompt_len} prompt + {args.new_tokens} sampled) tokens; rollout "
+          f"bf16 ({args.backend}), training fp32; {torch.get_num_threads()} threads, load average "
+          f"{os.getloadavg()[0]:.1f}")
     for seed in range(args.seeds):
         model = tiny_moe(seed=seed, experts=args.experts, top_k=args.top_k, layers=args.layers, **heads)
         result = measure(model, rows=args.rows, prompt_len=args.prompt_len, new_tokens=args.new_tokens, seed=seed,

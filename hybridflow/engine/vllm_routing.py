@@ -68,7 +68,8 @@ class VllmRoutingRecorder:
         add_request = client.add_request
 
         def add_request_noting_its_id(request, *args, **kwargs):
-            self._engine_ids[request.external_req_id or request.request_id] = request.request_id
+            if self.recording:
+                self._engine_ids[request.external_req_id or request.request_id] = request.request_id
             return add_request(request, *args, **kwargs)
 
         client.add_request = add_request_noting_its_id
@@ -85,8 +86,7 @@ class VllmRoutingRecorder:
         num_tokens = int(starts[-1])
         positions = positions_N[:num_tokens].cpu().numpy().astype(np.int64)
         blocks = batch.block_table[0].block_table.np
-        rows = np.repeat(np.arange(num_reqs), np.diff(starts))
-        slots_N = torch.from_numpy(self._slots(blocks[rows], positions))
+        slots_N = torch.from_numpy(self._slots(blocks, np.repeat(np.arange(num_reqs), np.diff(starts)), positions))
         routing_NLK = self.step_NLK[:num_tokens].clone()
         # first: a request of this step may start with a block another request of this step computes
         self.slot_SLK[slots_N] = routing_NLK
@@ -97,15 +97,16 @@ class VllmRoutingRecorder:
                 if chunks is None:
                     chunks = self._records[request_id] = []
                     if first > 0:  # its prompt's first `first` tokens came from the prefix cache
-                        cached = self._slots(np.repeat(blocks[row][None], first, axis=0), np.arange(first))
+                        cached = self._slots(blocks, np.full(first, row), np.arange(first))
                         self.cached_tokens += first
                         chunks.append((0, self.slot_SLK[torch.from_numpy(cached)]))
                 chunks.append((first, routing_NLK[starts[row]:starts[row + 1]]))
 
-    def _slots(self, block_ids_NM: np.ndarray, positions_N: np.ndarray) -> np.ndarray:
-        """The KV-cache slot of each token: its row's block holding its position, and its offset in that block."""
-        block_N = np.take_along_axis(block_ids_NM, (positions_N // self.block_size)[:, None], axis=1)[:, 0]
-        return block_N.astype(np.int64) * self.block_size + positions_N % self.block_size
+    def _slots(self, block_table_RM: np.ndarray, rows_N: np.ndarray, positions_N: np.ndarray) -> np.ndarray:
+        """The KV-cache slot of each token (its batch row, its position): the block of its row's block table that
+        holds the position, and the position's offset in that block (R rows, M blocks per row at most)."""
+        block_N = block_table_RM[rows_N, positions_N // self.block_size].astype(np.int64)
+        return block_N * self.block_size + positions_N % self.block_size
 
     @contextlib.contextmanager
     def record(self):
