@@ -44,7 +44,9 @@ class VllmRoutingRecorder:
         self.runner = model_runner
         top_k, num_experts = layers[0].router.top_k, layers[0].router.global_num_experts
         self.dtype = routing_dtype(num_experts)
-        self.step_NLK = torch.full((model_runner.max_num_tokens, len(layers), top_k), ROUTING_PAD, dtype=self.dtype)
+        # on the model's device, so the routers' writes stay there (a CUDA graph can hold them); one copy a step
+        self.step_NLK = torch.full((model_runner.max_num_tokens, len(layers), top_k), ROUTING_PAD, dtype=self.dtype,
+                                   device=model_runner.device)
         table = model_runner.input_batch.block_table[0]
         self.block_size = table.block_size
         num_slots = model_runner.kv_cache_config.num_blocks * self.block_size
@@ -87,7 +89,7 @@ class VllmRoutingRecorder:
         positions = positions_N[:num_tokens].cpu().numpy().astype(np.int64)
         blocks = batch.block_table[0].block_table.np
         slots_N = torch.from_numpy(self._slots(blocks, np.repeat(np.arange(num_reqs), np.diff(starts)), positions))
-        routing_NLK = self.step_NLK[:num_tokens].clone()
+        routing_NLK = self.step_NLK[:num_tokens].to("cpu", copy=True)
         # first: a request of this step may start with a block another request of this step computes
         self.slot_SLK[slots_N] = routing_NLK
         if self.recording:
