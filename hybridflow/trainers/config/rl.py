@@ -78,8 +78,8 @@ class ActorSection:
     """Mixture-of-experts models (Qwen3-MoE): routing replay (R3). The rollout records the experts every MoE layer
     chose for every token (``routed_experts``) and the actor's old log-probs and update route each token to those
     experts instead of recomputing the top-k, the router's weights recomputed for them (so the router still learns);
-    the reference routes by itself. Native backend, pp_size 1 (training and generation), no env or rollout pool
-    (docs/models.md, "Routing replay")."""
+    the reference routes by itself. Backends native and vllm (any whose ``BackendEntry.records_routing``), pp_size 1
+    (training and generation), no env or rollout pool (docs/models.md, "Routing replay")."""
 
     def __post_init__(self) -> None:
         for name in ("pp_size", "tp_size"):
