@@ -209,7 +209,7 @@ class GenerationEngine:
         B, P = prompts_BP.shape
         T = config.max_new_tokens
         responses_BT, logprobs_BT, response_mask_BT, stops = _wave_buffers(prompts_BP, prompt_mask_BP, config)
-        routing = RoutingRecorder(self.stage, B, P + T) if config.record_routing else None
+        routing = RoutingRecorder(self.stage, B, P + T) if config.record_routing else NO_ROUTING
 
         rows_B = torch.arange(B, device=device)  # output row of each row in the batch
         alive_B = torch.ones(B, dtype=torch.bool, device=device)  # rows of the batch still generating
@@ -219,8 +219,7 @@ class GenerationEngine:
         positions_BP = (prompt_mask_BP.cumsum(dim=1) - 1).clamp(min=0)
         next_position_B = prompt_mask_BP.sum(dim=1)
         logits_BV = self._forward(prompts_BP, positions_BP, cache, key_valid_BS)
-        if routing is not None:
-            routing.take(slice(None), slice(0, P))
+        routing.take(slice(None), slice(0, P))
         stats.kv_cache_bytes = max(stats.kv_cache_bytes, cache.nbytes())
         needs_history = config.repetition_penalty != 1.0
         alive = B  # rows of the batch still generating, counted on the host
@@ -254,14 +253,12 @@ class GenerationEngine:
                 cache.keep_rows(alive_B)
                 alive_B = alive_B[alive_B]
             logits_BV = self._forward(tokens_B[:, None], next_position_B[:, None], cache, key_valid_BS)
-            if routing is not None:  # the forward read the token sampled at this step, column P + step
-                routing.take(rows_B, slice(P + step, P + step + 1))
+            routing.take(rows_B, slice(P + step, P + step + 1))  # the forward read this step's token, column P + step
             next_position_B = next_position_B + 1
             stats.decode_steps += 1
             stats.rows_decoded += len(rows_B)
         del cache  # the KV cache lives only inside this call
-        return _with_routing(batch_output(prompts_BP, prompt_mask_BP, responses_BT, response_mask_BT, logprobs_BT),
-                             routing)
+        return routing.finish(batch_output(prompts_BP, prompt_mask_BP, responses_BT, response_mask_BT, logprobs_BT))
 
     def _generate_wave_static(self, prompts_BP: torch.Tensor, prompt_mask_BP: torch.Tensor,
                               config: GenerationConfig, generator: torch.Generator,
@@ -272,20 +269,18 @@ class GenerationEngine:
         B, P = prompts_BP.shape
         T = config.max_new_tokens
         responses_BT, logprobs_BT, response_mask_BT, stops = _wave_buffers(prompts_BP, prompt_mask_BP, config)
-        routing = RoutingRecorder(self.stage, B, P + T) if config.record_routing else None
+        routing = RoutingRecorder(self.stage, B, P + T) if config.record_routing else NO_ROUTING
         cache = self.stage.new_cache(batch=B, max_len=P + T)
         key_valid_BL = torch.zeros((B, P + T), dtype=torch.bool, device=device)
         key_valid_BL[:, :P] = prompt_mask_BP.bool()
         positions_BP = (prompt_mask_BP.cumsum(dim=1) - 1).clamp(min=0)
         position_B = prompt_mask_BP.sum(dim=1)
         logits_BV = self._forward(prompts_BP, positions_BP, cache, key_valid_BL)
-        if routing is not None:
-            routing.take(slice(None), slice(0, P))
+        routing.take(slice(None), slice(0, P))
         stats.kv_cache_bytes = max(stats.kv_cache_bytes, cache.nbytes())
         finished_B = torch.zeros(B, dtype=torch.bool, device=device)
         pad_B = torch.full((B,), config.pad_token_id, dtype=prompts_BP.dtype, device=device)
-        # a graph replay runs no Python: the recording needs the eager steps
-        step_fn = _DecodeGraph(self, cache, key_valid_BL, B) if self.cuda_graphs and routing is None else None
+        step_fn = _DecodeGraph(self, cache, key_valid_BL, B) if self.cuda_graphs and routing.graphable else None
         needs_history = config.repetition_penalty != 1.0
         for step in range(T):
             history_BL = torch.cat([prompts_BP, responses_BT[:, :step]], dim=1) if needs_history else None
@@ -308,14 +303,12 @@ class GenerationEngine:
                 logits_BV = step_fn(tokens_B, position_B, index_1)
             else:
                 logits_BV = self._decode_at(tokens_B[:, None], position_B[:, None], cache, key_valid_BL, index_1)
-            if routing is not None:
-                routing.take(slice(None), slice(P + step, P + step + 1))
+            routing.take(slice(None), slice(P + step, P + step + 1))
             position_B = position_B + 1
             stats.decode_steps += 1
             stats.rows_decoded += B
         del cache, step_fn
-        return _with_routing(batch_output(prompts_BP, prompt_mask_BP, responses_BT, response_mask_BT, logprobs_BT),
-                             routing)
+        return routing.finish(batch_output(prompts_BP, prompt_mask_BP, responses_BT, response_mask_BT, logprobs_BT))
 
     def _decode_at(self, ids_B1: torch.Tensor, positions_B1: torch.Tensor, cache, key_valid_BL: torch.Tensor,
                    index_1: torch.Tensor) -> torch.Tensor:
@@ -369,7 +362,11 @@ class RoutingRecorder:
     read a token: padding, and each response's last token, sampled after the last forward).
 
     The decoder appends each MoE layer's choice to ``stage.routing`` during a forward (``DecoderStage._experts``);
-    ``take`` moves one forward's routing to the rows and columns that forward read."""
+    ``take`` moves one forward's routing to the rows and columns that forward read. ``NO_ROUTING`` stands in when
+    nothing is recorded, so the decode loop never asks which."""
+
+    graphable = False
+    """A CUDA graph replay runs no Python, so recording decodes eagerly."""
 
     def __init__(self, stage: DecoderStage, rows: int, columns: int) -> None:
         if not stage.moe_layers:
@@ -387,17 +384,28 @@ class RoutingRecorder:
         self.experts_BSLK[rows, columns] = torch.stack(layers, dim=2).to(self.experts_BSLK.dtype)
         layers.clear()
 
-    def finish(self, attention_mask_BS: torch.Tensor) -> torch.Tensor:
-        """The recording, padding marked (``attention_mask`` 0: left padding, tokens after a response's end)."""
+    def finish(self, output: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A wave's output with the recording as ``routed_experts``, padding marked (``attention_mask`` 0: left
+        padding, tokens after a response's end)."""
         self.stage.routing = None
-        return self.experts_BSLK.masked_fill_(~attention_mask_BS.bool()[:, :, None, None], ROUTING_PAD)
+        mask_BS11 = ~output["attention_mask"].bool()[:, :, None, None]
+        output[ROUTED_EXPERTS] = self.experts_BSLK.masked_fill_(mask_BS11, ROUTING_PAD)
+        return output
 
 
-def _with_routing(output: dict[str, torch.Tensor], routing: RoutingRecorder | None) -> dict[str, torch.Tensor]:
-    """A wave's output, with its ``routed_experts`` when it recorded them."""
-    if routing is not None:
-        output[ROUTED_EXPERTS] = routing.finish(output["attention_mask"])
-    return output
+class _NoRouting:
+    """``RoutingRecorder``'s stand-in when a call records nothing: every method does nothing."""
+
+    graphable = True
+
+    def take(self, rows, columns: slice) -> None:
+        pass
+
+    def finish(self, output: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return output
+
+
+NO_ROUTING = _NoRouting()
 
 
 def _wave_buffers(prompts_BP: torch.Tensor, prompt_mask_BP: torch.Tensor, config: GenerationConfig):
