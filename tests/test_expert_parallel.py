@@ -1,0 +1,155 @@
+"""Expert parallelism (``engine.ep_size``, parallel/expert_parallel.py) on a tiny random Qwen3-MoE (8 experts, top-2,
+a dense layer among the MoE ones) over gloo processes: log-probs, losses and updated weights equal one process, the
+router's balancing loss and routing replay work under it, checkpoints and generation weights hold whole experts,
+and bad sizes are refused naming the field."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_engine_layouts import as_numpy, make_batch, rank_slice, token_nll_loss
+
+from hybridflow.engine import EngineConfig, OptimConfig, TrainingEngine
+from hybridflow.models import build_tiny_model
+from hybridflow.models.moe import ROUTED_EXPERTS
+from hybridflow.parallel.launch import run_distributed
+
+OPTIM = OptimConfig(lr=1e-3, eps=1e-4)
+STEPS = 2
+EXPERT_KEY = "model.layers.0.mlp.experts.gate_up_proj"
+
+
+def tiny_moe(**overrides) -> torch.nn.Module:
+    """Three layers, the middle one dense."""
+    return build_tiny_model("qwen3_moe", seed=3, initializer_range=0.2, num_hidden_layers=3, mlp_only_layers=[1],
+                            **overrides)
+
+
+def routing(batch: dict, num_layers: int = 2, top_k: int = 2) -> torch.Tensor:
+    """A random routing [B, S, L, K] of distinct experts per token (not the routers' own top-k)."""
+    generator = torch.Generator().manual_seed(7)
+    rows, columns = batch["input_ids"].shape
+    scores = torch.rand(rows, columns, num_layers, 8, generator=generator)
+    return scores.topk(top_k, dim=-1).indices.to(torch.int8)
+
+
+def _run(rank: int, world_size: int, ep_sizes: list[int], checkpoint_dir: str | None) -> dict:
+    """Per ep size: log-probs, losses and weights of STEPS steps; balancing-loss metrics and weights of one step
+    (against the same world without ep); log-probs under routing replay; generation weights of the experts."""
+    batch = make_batch()
+    batch[ROUTED_EXPERTS] = routing(batch)
+    results = {}
+    for ep_size in ep_sizes:
+        config = EngineConfig(layout="3d", ep_size=ep_size, micro_batch_tokens=24, optim=OPTIM)
+        engine = TrainingEngine(config, tiny_moe)
+        local = rank_slice(engine, batch)
+        plain = {k: v for k, v in local.items() if k != ROUTED_EXPERTS}
+        logprobs = engine.forward(plain)["logprobs"].numpy()
+        shard = engine.model.model.layers["0"].mlp.experts.gate_up_proj.to_local().shape[0]
+        losses = [engine.train_step(plain, token_nll_loss)["loss"] for _ in range(STEPS)]
+        generation = engine.local_shards()[EXPERT_KEY].clone()
+        weights = as_numpy(engine.full_state_dict())
+        if checkpoint_dir is not None:
+            engine.save_checkpoint(f"{checkpoint_dir}/ep{ep_size}")
+        engine.enable_routing_replay()
+        replayed = engine.forward(local)["logprobs"].numpy()
+        aux = {}
+        for name, size in (("ep", ep_size), ("dp", 1)):  # the same world, experts split or replicated
+            aux_config = EngineConfig(layout="3d", ep_size=size, micro_batch_tokens=1024, optim=OPTIM,
+                                      router_aux_loss_coef=0.5)
+            aux_engine = TrainingEngine(aux_config, tiny_moe)
+            aux[name] = (aux_engine.train_step(plain, token_nll_loss), as_numpy(aux_engine.full_state_dict()))
+        results[ep_size] = dict(logprobs=logprobs, losses=losses, weights=weights, generation=generation,
+                                replayed=replayed, aux=aux, shard=shard)
+    return results
+
+
+def _single_process():
+    batch = make_batch()
+    batch[ROUTED_EXPERTS] = routing(batch)
+    plain = {k: v for k, v in batch.items() if k != ROUTED_EXPERTS}
+    engine = TrainingEngine(EngineConfig(micro_batch_tokens=24, optim=OPTIM), tiny_moe)
+    logprobs = engine.forward(plain)["logprobs"].numpy()
+    losses = [engine.train_step(plain, token_nll_loss)["loss"] for _ in range(STEPS)]
+    weights = as_numpy(engine.full_state_dict())
+    engine.enable_routing_replay()
+    return logprobs, losses, weights, engine.forward(batch)["logprobs"].numpy()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _single_process()
+
+
+def _slice_aux_metric(world_size: int, rank: int) -> float:
+    """The balancing loss one process reports training on rank ``rank``'s rows alone (one micro-batch, as there)."""
+    batch = make_batch()
+    rows = batch["input_ids"].shape[0] // world_size
+    part = {k: v[rank * rows:(rank + 1) * rows] for k, v in batch.items()}
+    engine = TrainingEngine(EngineConfig(micro_batch_tokens=1024, optim=OPTIM, router_aux_loss_coef=0.5), tiny_moe)
+    return engine.train_step(part, token_nll_loss)["router_aux_loss"]
+
+
+def _check(reference, by_rank: list[dict], world_size: int, ep_size: int) -> None:
+    logprobs, losses, weights, replayed = reference
+    rows = len(logprobs) // world_size
+    result = by_rank[0][ep_size]
+    assert result["shard"] == 8 // ep_size  # each rank holds E / ep experts of every MoE layer
+    for rank, per_rank in enumerate(by_rank):
+        mine = per_rank[ep_size]
+        part = slice(rank * rows, (rank + 1) * rows)
+        np.testing.assert_allclose(mine["logprobs"], logprobs[part], rtol=1e-6, atol=2e-6, err_msg=f"rank {rank}")
+        np.testing.assert_allclose(mine["replayed"], replayed[part], rtol=1e-6, atol=2e-6, err_msg=f"rank {rank}")
+        # generation gets whole experts on every rank: the gathered tensor the exported weights hold
+        np.testing.assert_array_equal(mine["generation"].numpy(), result["weights"][EXPERT_KEY])
+    np.testing.assert_allclose(result["losses"], losses, rtol=1e-5)
+    assert set(result["weights"]) == set(weights)
+    for key, value in weights.items():
+        np.testing.assert_allclose(result["weights"][key], value, rtol=0, atol=1e-5, err_msg=key)
+    # the balancing loss: each rank's is one process's on its rows; splitting the experts changes neither it nor the
+    # step it takes (the same world with the experts replicated)
+    (ep_metrics, ep_weights), (dp_metrics, dp_weights) = result["aux"]["ep"], result["aux"]["dp"]
+    expected = np.mean([_slice_aux_metric(world_size, rank) for rank in range(world_size)])
+    assert ep_metrics["router_aux_loss"] == pytest.approx(expected, rel=1e-6)
+    assert ep_metrics["loss"] == pytest.approx(dp_metrics["loss"], rel=1e-6)
+    for key, value in dp_weights.items():
+        np.testing.assert_allclose(ep_weights[key], value, rtol=0, atol=1e-6, err_msg=f"aux {key}")
+
+
+def test_expert_parallel_over_two_ranks_equals_one_process_and_its_checkpoint_loads_in_one(reference, tmp_path):
+    by_rank = run_distributed(_run, 2, [2], str(tmp_path), timeout_s=500)
+    _check(reference, by_rank, 2, 2)
+    engine = TrainingEngine(EngineConfig(micro_batch_tokens=24, optim=OPTIM), tiny_moe)
+    engine.load_checkpoint(str(tmp_path / "ep2"))
+    assert engine.step == STEPS
+    for key, value in as_numpy(engine.full_state_dict()).items():
+        np.testing.assert_array_equal(value, by_rank[0][2]["weights"][key], err_msg=key)
+
+
+@pytest.mark.slow
+def test_expert_parallel_over_four_ranks_with_and_without_expert_data_parallel_equals_one_process(reference):
+    by_rank = run_distributed(_run, 4, [4, 2], None, timeout_s=900)
+    _check(reference, by_rank, 4, 4)
+    _check(reference, by_rank, 4, 2)  # two ep groups of two: expert gradients summed over the ranks sharing them
+
+
+def test_bad_expert_parallel_sizes_are_refused_naming_the_field_the_value_and_what_is_allowed():
+    from hybridflow.parallel.expert_parallel import validate_ep_size
+
+    with pytest.raises(ValueError, match=r"engine.ep_size=2 needs layout='3d' with pp_size=1 and tp_size=1, got "
+                                         r"layout='fsdp'.*allowed: ep_size 1, or ep_size > 1 with layout='3d'"):
+        EngineConfig(layout="fsdp", ep_size=2)
+    with pytest.raises(ValueError, match=r"engine.ep_size=2 needs layout='3d' with pp_size=1 and tp_size=1, got "
+                                         r"layout='3d', pp_size=1, tp_size=2"):
+        EngineConfig(layout="3d", tp_size=2, ep_size=2)
+    with pytest.raises(ValueError, match=r"engine.ep_size must be a positive integer, got 0"):
+        EngineConfig(layout="3d", ep_size=0)
+    with pytest.raises(ValueError, match=r"engine.ep_size=2 needs a mixture-of-experts model; model_type 'qwen3' "
+                                         r"has no experts; allowed: ep_size 1 for dense models"):
+        TrainingEngine(EngineConfig(layout="3d", ep_size=2), lambda: build_tiny_model("qwen3"))
+    with pytest.raises(ValueError, match=r"engine.ep_size=2 must divide the world size 1; allowed: \[1\]"):
+        TrainingEngine(EngineConfig(layout="3d", ep_size=2), tiny_moe)
+    with pytest.raises(ValueError, match=r"engine.ep_size=4 must divide the 6 experts of 'qwen3_moe'; allowed "
+                                         r"\(also dividing the world size 4\): \[1, 2\]"):
+        validate_ep_size(tiny_moe(num_experts=6), 4, 4)
