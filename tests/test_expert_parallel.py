@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from test_engine_layouts import as_numpy, make_batch, rank_slice, token_nll_loss
+from test_hybrid_engine import GREEDY, generate_on, prompts_and_mask
 
 from hybridflow.engine import EngineConfig, OptimConfig, TrainingEngine
 from hybridflow.models import build_tiny_model
@@ -50,6 +51,7 @@ def _run(rank: int, world_size: int, ep_sizes: list[int], checkpoint_dir: str | 
         losses = [engine.train_step(plain, token_nll_loss)["loss"] for _ in range(STEPS)]
         generation = engine.local_shards()[EXPERT_KEY].clone()
         weights = as_numpy(engine.full_state_dict())
+        greedy = _generate(engine)
         if checkpoint_dir is not None:
             engine.save_checkpoint(f"{checkpoint_dir}/ep{ep_size}")
         engine.enable_routing_replay()
@@ -61,8 +63,20 @@ def _run(rank: int, world_size: int, ep_sizes: list[int], checkpoint_dir: str | 
             aux_engine = TrainingEngine(aux_config, tiny_moe)
             aux[name] = (aux_engine.train_step(plain, token_nll_loss), as_numpy(aux_engine.full_state_dict()))
         results[ep_size] = dict(logprobs=logprobs, losses=losses, weights=weights, generation=generation,
-                                replayed=replayed, aux=aux, shard=shard)
+                                replayed=replayed, aux=aux, shard=shard, greedy=greedy)
     return results
+
+
+def _generate(engine: TrainingEngine) -> torch.Tensor:
+    """Greedy responses of the hybrid engine's generation weights built from ``engine``'s shards."""
+    from hybridflow.engine.hybrid_engine import HybridEngine, HybridEngineConfig
+
+    hybrid = HybridEngine.for_training(engine, HybridEngineConfig())
+    hybrid.to_generation(engine.local_shards())
+    try:
+        return generate_on(hybrid, *prompts_and_mask(4), GREEDY)["responses"]
+    finally:
+        hybrid.to_training()
 
 
 def _single_process():
@@ -104,6 +118,15 @@ def _check(reference, by_rank: list[dict], world_size: int, ep_size: int) -> Non
         # generation gets whole experts on every rank: the gathered tensor the exported weights hold
         np.testing.assert_array_equal(mine["generation"].numpy(), result["weights"][EXPERT_KEY])
     np.testing.assert_allclose(result["losses"], losses, rtol=1e-5)
+    # the hybrid engine generates from whole experts: transformers' greedy tokens on the trained weights
+    model = tiny_moe().eval()
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in result["weights"].items()}, strict=False)
+    prompts, mask = prompts_and_mask(4)
+    with torch.no_grad():
+        expected = model.generate(prompts, attention_mask=mask, max_new_tokens=GREEDY.max_new_tokens,
+                                  do_sample=False, pad_token_id=0, eos_token_id=None)[:, prompts.shape[1]:]
+    for rank, per_rank in enumerate(by_rank):
+        assert torch.equal(per_rank[ep_size]["greedy"], expected), rank
     assert set(result["weights"]) == set(weights)
     for key, value in weights.items():
         np.testing.assert_allclose(result["weights"][key], value, rtol=0, atol=1e-5, err_msg=key)
