@@ -11,6 +11,8 @@ import torch
 from test_engine_layouts import as_numpy, make_batch, rank_slice, token_nll_loss
 from test_hybrid_engine import GREEDY, generate_on, prompts_and_mask
 
+from transformers import AutoModelForCausalLM
+
 from hybridflow.engine import EngineConfig, OptimConfig, TrainingEngine
 from hybridflow.models import build_tiny_model
 from hybridflow.models.moe import ROUTED_EXPERTS
@@ -37,12 +39,15 @@ def routing(batch: dict, num_layers: int = 2, top_k: int = 2) -> torch.Tensor:
 
 def _run(rank: int, world_size: int, ep_sizes: list[int], checkpoint_dir: str | None) -> dict:
     """Per ep size: log-probs, losses and weights of STEPS steps; balancing-loss metrics and weights of one step
-    (against the same world without ep); log-probs under routing replay; generation weights of the experts."""
+    (against the same world without ep); log-probs under routing replay; generation weights of the experts; with
+    ``checkpoint_dir``: a checkpoint, and the log-probs of the model directory there read onto the meta device."""
     batch = make_batch()
     batch[ROUTED_EXPERTS] = routing(batch)
     results = {}
     for ep_size in ep_sizes:
-        config = EngineConfig(layout="3d", ep_size=ep_size, micro_batch_tokens=24, optim=OPTIM)
+        # four ranks: with activation checkpointing (backward recomputes each layer, all-to-alls included)
+        config = EngineConfig(layout="3d", ep_size=ep_size, micro_batch_tokens=24, optim=OPTIM,
+                              activation_checkpointing=world_size == 4)
         engine = TrainingEngine(config, tiny_moe)
         local = rank_slice(engine, batch)
         plain = {k: v for k, v in local.items() if k != ROUTED_EXPERTS}
@@ -54,6 +59,7 @@ def _run(rank: int, world_size: int, ep_sizes: list[int], checkpoint_dir: str | 
         greedy = _generate(engine)
         if checkpoint_dir is not None:
             engine.save_checkpoint(f"{checkpoint_dir}/ep{ep_size}")
+            results[f"meta{ep_size}"] = _meta_logprobs(config, f"{checkpoint_dir}/model", plain)
         engine.enable_routing_replay()
         replayed = engine.forward(local)["logprobs"].numpy()
         aux = {}
@@ -65,6 +71,13 @@ def _run(rank: int, world_size: int, ep_sizes: list[int], checkpoint_dir: str | 
         results[ep_size] = dict(logprobs=logprobs, losses=losses, weights=weights, generation=generation,
                                 replayed=replayed, aux=aux, shard=shard, greedy=greedy)
     return results
+
+
+def _meta_logprobs(config: EngineConfig, model_dir: str, batch: dict):
+    from hybridflow.models.config import ModelConfig
+
+    assert TrainingEngine.meta_init_supported(config, ModelConfig(path=model_dir))
+    return TrainingEngine.from_model_config(config, ModelConfig(path=model_dir)).forward(batch)["logprobs"].numpy()
 
 
 def _generate(engine: TrainingEngine) -> torch.Tensor:
@@ -140,9 +153,13 @@ def _check(reference, by_rank: list[dict], world_size: int, ep_size: int) -> Non
         np.testing.assert_allclose(ep_weights[key], value, rtol=0, atol=1e-6, err_msg=f"aux {key}")
 
 
-def test_expert_parallel_over_two_ranks_equals_one_process_and_its_checkpoint_loads_in_one(reference, tmp_path):
+def test_expert_parallel_over_two_ranks_equals_one_process_loads_a_model_directory_and_its_checkpoint(reference, tmp_path):
+    tiny_moe().save_pretrained(str(tmp_path / "model"))
     by_rank = run_distributed(_run, 2, [2], str(tmp_path), timeout_s=500)
     _check(reference, by_rank, 2, 2)
+    for rank, per_rank in enumerate(by_rank):  # read shard by shard onto the meta device: the same model
+        rows = slice(rank * 4, (rank + 1) * 4)
+        np.testing.assert_allclose(per_rank["meta2"], reference[0][rows], rtol=1e-6, atol=2e-6)
     engine = TrainingEngine(EngineConfig(micro_batch_tokens=24, optim=OPTIM), tiny_moe)
     engine.load_checkpoint(str(tmp_path / "ep2"))
     assert engine.step == STEPS
@@ -176,3 +193,38 @@ def test_bad_expert_parallel_sizes_are_refused_naming_the_field_the_value_and_wh
     with pytest.raises(ValueError, match=r"engine.ep_size=4 must divide the 6 experts of 'qwen3_moe'; allowed "
                                          r"\(also dividing the world size 4\): \[1, 2\]"):
         validate_ep_size(tiny_moe(num_experts=6), 4, 4)
+
+
+
+def test_a_grpo_run_on_ray_trains_a_qwen3_moe_actor_under_expert_parallel_with_routing_replay(ray_session, tmp_path):
+    from test_families import family_model_dir
+
+    from hybridflow.data import write_jsonl
+    from hybridflow.data.builtin import ArithmeticTaskConfig, prompt_rows
+    from hybridflow.trainers.config.rl import load_rl_config
+    from hybridflow.trainers.rl import RLTrainer
+
+    model_dir = family_model_dir("qwen3_moe", tmp_path / "model")
+    write_jsonl(tmp_path / "prompts.jsonl", prompt_rows(4, split="train", seed=0, config=ArithmeticTaskConfig()))
+    config = load_rl_config(None, [
+        f"data.train_path={tmp_path / 'prompts.jsonl'}", f"actor.model.path={model_dir}", "placement.pools={all: [2]}",
+        "actor.engine.layout=3d", "actor.engine.ep_size=2", "actor.engine.router_aux_loss_coef=0.001",
+        "actor.routing_replay=true", "actor.loss.old_log_probs=recompute", "reward.function=arithmetic",
+        "algorithm.advantage_estimator=grpo", "actor.generation.max_new_tokens=3", "batch.prompts_per_step=2",
+        "batch.samples_per_prompt=2", "batch.mini_batch_size=4", "trainer.total_steps=1", "trainer.progress_bar=false",
+        "trainer.resume=false", f"trainer.output_dir={tmp_path / 'grpo'}"])
+    trainer = RLTrainer(config, mode="ray", tensorboard=False)
+    try:
+        step = trainer.fit()[-1]
+        trainer.groups["actor"].export_hf(str(tmp_path / "export"))
+    finally:
+        trainer.shutdown()
+    # an fp32 rollout from the gathered experts, rescored under expert parallel with its routing: the same log-probs
+    assert step["rollout/logprob_abs_diff_max"] < 1e-5
+    assert step["actor/routing_replay_overridden"] == 0.0
+    assert step["actor/router_aux_loss"] > 0.5
+    trained = AutoModelForCausalLM.from_pretrained(str(tmp_path / "export"))
+    initial = AutoModelForCausalLM.from_pretrained(model_dir)
+    expert = "model.layers.0.mlp.experts.gate_up_proj"
+    assert trained.state_dict()[expert].shape == initial.state_dict()[expert].shape  # whole experts exported
+    assert not torch.equal(trained.state_dict()[expert], initial.state_dict()[expert])
