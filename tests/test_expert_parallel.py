@@ -10,7 +10,6 @@ import pytest
 import torch
 from test_engine_layouts import as_numpy, make_batch, rank_slice, token_nll_loss
 from test_hybrid_engine import GREEDY, generate_on, prompts_and_mask
-
 from transformers import AutoModelForCausalLM
 
 from hybridflow.engine import EngineConfig, OptimConfig, TrainingEngine
@@ -153,7 +152,7 @@ def _check(reference, by_rank: list[dict], world_size: int, ep_size: int) -> Non
         np.testing.assert_allclose(ep_weights[key], value, rtol=0, atol=1e-6, err_msg=f"aux {key}")
 
 
-def test_expert_parallel_over_two_ranks_equals_one_process_loads_a_model_directory_and_its_checkpoint(reference, tmp_path):
+def test_ep2_on_two_ranks_equals_one_process_reads_a_model_directory_and_resumes_in_one(reference, tmp_path):
     tiny_moe().save_pretrained(str(tmp_path / "model"))
     by_rank = run_distributed(_run, 2, [2], str(tmp_path), timeout_s=500)
     _check(reference, by_rank, 2, 2)
@@ -168,7 +167,7 @@ def test_expert_parallel_over_two_ranks_equals_one_process_loads_a_model_directo
 
 
 @pytest.mark.slow
-def test_expert_parallel_over_four_ranks_with_and_without_expert_data_parallel_equals_one_process(reference):
+def test_ep4_and_ep2_by_edp2_on_four_ranks_equal_one_process(reference):
     by_rank = run_distributed(_run, 4, [4, 2], None, timeout_s=900)
     _check(reference, by_rank, 4, 4)
     _check(reference, by_rank, 4, 2)  # two ep groups of two: expert gradients summed over the ranks sharing them
