@@ -194,6 +194,17 @@ def test_bad_expert_parallel_sizes_are_refused_naming_the_field_the_value_and_wh
         validate_ep_size(tiny_moe(num_experts=6), 4, 4)
 
 
+def test_a_run_config_refuses_an_ep_size_that_does_not_divide_the_roles_pool():
+    from hybridflow.trainers.config.rl import load_rl_config
+
+    overrides = ["data.train_path=unused.jsonl", "actor.model.builtin=arithmetic", "reward.function=arithmetic",
+                 "placement.pools.global=[2]", "actor.engine.layout=3d"]
+    with pytest.raises(ValueError, match=r"config key actor.engine.ep_size got 4; allowed: a divisor of the 2 devices "
+                                         r"of pool 'global'"):
+        load_rl_config(None, [*overrides, "actor.engine.ep_size=4"]).derived()
+    assert load_rl_config(None, [*overrides, "actor.engine.ep_size=2"]).derived()
+
+
 
 def test_a_grpo_run_on_ray_trains_a_qwen3_moe_actor_under_expert_parallel_with_routing_replay(ray_session, tmp_path):
     from test_families import family_model_dir
