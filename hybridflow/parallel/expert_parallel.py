@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from hybridflow.models.moe import _local, grouped_experts
+from hybridflow.models.moe import grouped_experts, local_part
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 """The stacked expert parameters sharded along dim 0 (experts)."""
@@ -99,8 +99,8 @@ def expert_parallel_forward(module: nn.Module, hidden_TH: Tensor, top_k_index_TK
                             top_k_weights_TK: Tensor) -> Tensor:
     """The experts' output [T, H] for this rank's tokens, computed by the ranks of ``module.ep_group`` that hold
     their experts (module docstring)."""
-    hidden_TH, index_TK, weights_TK = _local(hidden_TH), _local(top_k_index_TK), _local(top_k_weights_TK)
-    gate_up_L2IH, down_LHI = _local(module.gate_up_proj), _local(module.down_proj)
+    hidden_TH, index_TK, weights_TK = local_part(hidden_TH), local_part(top_k_index_TK), local_part(top_k_weights_TK)
+    gate_up_L2IH, down_LHI = local_part(module.gate_up_proj), local_part(module.down_proj)
     group, num_local = module.ep_group, gate_up_L2IH.shape[0]
     expert_A = index_TK.reshape(-1)
     order_A = torch.argsort(expert_A, stable=True)  # by expert, hence by owning rank; tokens ascending inside
