@@ -223,7 +223,7 @@ class ExpertParallelLayout(ThreeDLayout):
 
     def shard_group(self, *, dp_group, tp_group):
         # expert gradients are Shard(0) DTensors split over the ep group; the rest is replicated
-        return self.ep_mesh.get_group("ep") if self.ep_size > 1 else None
+        return self.ep_mesh.get_group("ep")
 
     def reduce_gradients(self, params: list[nn.Parameter], dp_group) -> None:
         experts = [param for param in params if id(param) in self._expert_params]
