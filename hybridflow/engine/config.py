@@ -104,11 +104,16 @@ class EngineConfig:
     """How one model is laid out over its worker group and how it trains."""
 
     layout: Literal["fsdp", "3d"] = "fsdp"
-    """'fsdp': FSDP2 over all ranks; '3d': tensor x pipeline x data parallel (replicated over dp)."""
+    """'fsdp': FSDP2 over all ranks; '3d': tensor x pipeline x data parallel (replicated over dp), or expert x data
+    parallel for mixture-of-experts models (ep_size)."""
     pp_size: int = 1
     """Pipeline stages (3d only); must be <= the model's layers."""
     tp_size: int = 1
     """Tensor-parallel ranks (3d only); must divide the attention and key/value heads."""
+    ep_size: int = 1
+    """Expert-parallel ranks (3d only, with pp_size = tp_size = 1; mixture-of-experts models): each MoE layer's
+    experts are split over ep_size consecutive ranks, which exchange tokens by all-to-all; the other parameters are
+    replicated and data parallel over all ranks. Must divide the world size and the experts."""
     fsdp_cpu_offload: bool = False
     """FSDP only: keep sharded parameters, gradients and optimizer state in CPU memory."""
     activation_checkpointing: bool = False
@@ -145,6 +150,11 @@ class EngineConfig:
             raise ValueError(f"engine.layout must be one of {LAYOUTS}, got {self.layout!r}")
         _check_positive_int("engine.pp_size", self.pp_size)
         _check_positive_int("engine.tp_size", self.tp_size)
+        _check_positive_int("engine.ep_size", self.ep_size)
+        if self.ep_size != 1 and (self.layout, self.pp_size, self.tp_size) != ("3d", 1, 1):
+            raise ValueError(f"engine.ep_size={self.ep_size} needs layout='3d' with pp_size=1 and tp_size=1, got "
+                             f"layout={self.layout!r}, pp_size={self.pp_size}, tp_size={self.tp_size}; allowed: "
+                             f"ep_size 1, or ep_size > 1 with layout='3d', pp_size=1, tp_size=1")
         traits = LAYOUT_TRAITS[self.layout]
         if traits.data_parallel_only and (self.pp_size, self.tp_size) != (1, 1):
             model_parallel = " or ".join(repr(name) for name, other in LAYOUT_TRAITS.items()

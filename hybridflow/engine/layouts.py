@@ -56,6 +56,10 @@ class TrainingLayout(ABC):
         """Whether a checkpoint can be read shard by shard onto a meta-initialised stage."""
         return True
 
+    @classmethod
+    def check_model(cls, model: nn.Module, config: "EngineConfig", world_size: int) -> None:
+        """ValueError when this layout with ``config``'s sizes cannot lay ``model`` out over ``world_size`` ranks."""
+
     @abstractmethod
     def shard_stage(self, stage: nn.Module, mesh: "DeviceMesh | None", *, cpu_offload: bool,
                     compute_dtype: torch.dtype) -> nn.Module:
@@ -138,7 +142,16 @@ class ThreeDLayout(TrainingLayout):
 
     @classmethod
     def for_world(cls, config: "EngineConfig", world_size: int) -> "ThreeDLayout":
+        if config.ep_size > 1:
+            return ExpertParallelLayout.for_world(config, world_size)
         return cls(ParallelLayout.for_world(world_size, pp_size=config.pp_size, tp_size=config.tp_size))
+
+    @classmethod
+    def check_model(cls, model: nn.Module, config: "EngineConfig", world_size: int) -> None:
+        if config.ep_size > 1:
+            from hybridflow.parallel.expert_parallel import validate_ep_size
+
+            validate_ep_size(model, config.ep_size, world_size)
 
     def shard_stage(self, stage: nn.Module, mesh: "DeviceMesh | None", *, cpu_offload: bool,
                     compute_dtype: torch.dtype) -> nn.Module:
@@ -176,6 +189,54 @@ class ThreeDLayout(TrainingLayout):
         from hybridflow.engine.hybrid_engine import TRANSITION_STRATEGIES
 
         return TRANSITION_STRATEGIES[strategy]()
+
+
+class ExpertParallelLayout(ThreeDLayout):
+    """The 3d layout with ``engine.ep_size`` > 1 (``parallel/expert_parallel.py``): the experts of every MoE layer
+    split over ep_size ranks (tokens exchanged by all-to-all), everything else replicated and data parallel over all
+    ranks (p = t = 1, d = world). Expert gradients are summed over the ranks holding the same experts, the others
+    over all ranks. ``ThreeDLayout.for_world`` returns it; the planner models it as 3d (it does not price the
+    all-to-all)."""
+
+    equal_micro_batch_counts = True  # every forward of an MoE layer exchanges tokens within the ep group
+
+    def __init__(self, ranks: ParallelLayout, ep_size: int) -> None:
+        super().__init__(ranks)
+        self.ep_size = ep_size
+        self.ep_mesh = None  # built with the stage (shard_stage)
+        self._expert_params: set[int] = set()
+
+    @classmethod
+    def for_world(cls, config: "EngineConfig", world_size: int) -> "ExpertParallelLayout":
+        from hybridflow.parallel.expert_parallel import check_ep_world
+
+        check_ep_world(config.ep_size, world_size)
+        return cls(ParallelLayout(dp_size=world_size), config.ep_size)
+
+    def shard_stage(self, stage: nn.Module, mesh: "DeviceMesh | None", *, cpu_offload: bool,
+                    compute_dtype: torch.dtype) -> nn.Module:
+        from hybridflow.parallel.expert_parallel import build_ep_mesh, shard_experts
+
+        self.ep_mesh = build_ep_mesh(self.ep_size)
+        self._expert_params = {id(param) for param in shard_experts(stage, self.ep_mesh)}
+        return stage
+
+    def shard_group(self, *, dp_group, tp_group):
+        # expert gradients are Shard(0) DTensors split over the ep group; the rest is replicated
+        return self.ep_mesh.get_group("ep")
+
+    def reduce_gradients(self, params: list[nn.Parameter], dp_group) -> None:
+        experts = [param for param in params if id(param) in self._expert_params]
+        others = [param for param in params if id(param) not in self._expert_params]
+        super().reduce_gradients(others, dp_group)
+        if self.ep_mesh.size(0) > 1:
+            super().reduce_gradients(experts, self.ep_mesh.get_group("edp"))
+
+    def local_shards(self, model: nn.Module, device: torch.device) -> dict[str, Tensor]:
+        # generation needs whole experts: each expert parameter is all-gathered over the ep group (a new tensor);
+        # the replicated rest is the live parameters, as the 3d layout with t = p = 1 hands them over
+        return {name: (param.full_tensor().detach() if isinstance(param, DTensor) else param.data)
+                for name, param in model.named_parameters()}
 
 
 TRAINING_LAYOUTS: dict[str, type[TrainingLayout]] = {cls.name: cls for cls in (FsdpLayout, ThreeDLayout)}

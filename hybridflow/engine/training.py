@@ -124,6 +124,7 @@ class TrainingEngine:
             raise ValueError(f"build_model returned a {type(model).__name__}; the engine needs a Hugging Face "
                              f"decoder with `.model.layers` (Llama, Mistral or Qwen2 family)")
         validate_tp_size(model.config, self.config.tp_size)
+        layout_class(self.config.layout).check_model(model, self.config, world_size())
         num_layers = len(model.model.layers)
         if self.config.pp_size > num_layers:
             raise ValueError(f"pp_size {self.config.pp_size} is larger than the model's {num_layers} layers; "

@@ -9,7 +9,8 @@ out as an [E, C, H] batch (each expert's tokens in its row, zero rows after them
 one batched matmul each, forward and backward. Nothing is dropped: C is the largest group, so the padding costs
 E * C - A rows of compute, and every token's expert outputs are summed in ascending expert order, as the loop
 does. (``torch.nn.functional.grouped_mm`` would skip the padding, but on CPU in torch 2.13 it requires 16-byte
-strides and its backward fails on some group layouts.)
+strides and its backward fails on some group layouts.) Expert parallel (``hybridflow.parallel.expert_parallel``)
+runs ``grouped_experts`` on each rank's share of the experts, between two all-to-alls.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ GROUPED_EXPERTS = "hybridflow_grouped"
 """Name under which ``grouped_experts_forward`` is registered with transformers' experts interface."""
 
 
-def _local(tensor: Tensor) -> Tensor:
-    """A DTensor's local tensor (replicated under tensor parallelism: the experts are not sharded there)."""
+def local_part(tensor: Tensor) -> Tensor:
+    """A DTensor's local tensor (the whole tensor under tensor parallelism, which replicates the experts; this
+    rank's experts under expert parallel, ``hybridflow.parallel.expert_parallel``); any other tensor itself."""
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
@@ -60,8 +62,8 @@ def grouped_experts_forward(module, hidden_states_TH: Tensor, top_k_index_TK: Te
                             top_k_weights_TK: Tensor) -> Tensor:
     """transformers experts function (``config._experts_implementation``): ``grouped_experts`` on the module's
     stacked weights."""
-    return grouped_experts(_local(hidden_states_TH), _local(top_k_index_TK), _local(top_k_weights_TK),
-                           _local(module.gate_up_proj), _local(module.down_proj), module.act_fn)
+    return grouped_experts(local_part(hidden_states_TH), local_part(top_k_index_TK), local_part(top_k_weights_TK),
+                           local_part(module.gate_up_proj), local_part(module.down_proj), module.act_fn)
 
 
 def route(hidden_TH: Tensor, router_EH: Tensor, top_k: int, normalize: bool) -> tuple[Tensor, Tensor, Tensor]:
@@ -151,7 +153,7 @@ class RouterLogitsRecorder:
 
     def _record(self, module, inputs, outputs) -> None:
         if module.training and torch.is_grad_enabled():
-            self.logits.append(_local(outputs[0]))
+            self.logits.append(local_part(outputs[0]))
 
     def balancing_loss(self, num_tokens: int) -> Tensor:
         """``load_balancing_loss`` over the first ``num_tokens`` tokens (the real ones) of every recorded layer,
@@ -226,14 +228,14 @@ class RoutingReplay:
         if self.experts_NLK is None:
             return None
         logits_TE, own_weights_TK, own_experts_TK = outputs  # DTensors under tensor parallelism
-        own_TK = _local(own_experts_TK)
+        own_TK = local_part(own_experts_TK)
         recorded_TK = self.experts_NLK[:, layer].to(device=own_TK.device, dtype=torch.long)
         assert recorded_TK.shape == own_TK.shape, (recorded_TK.shape, own_TK.shape)
         recorded_T = recorded_TK[:, 0] >= 0
         experts_TK = torch.where(recorded_T[:, None], recorded_TK, own_TK)
         rerouted_T = (recorded_TK.sort(-1).values != own_TK.sort(-1).values).any(-1) & recorded_T
         self._overridden.append((rerouted_T.sum(), recorded_T.sum()))
-        weights_TK = replayed_weights(_local(logits_TE), experts_TK, module.norm_topk_prob)
+        weights_TK = replayed_weights(local_part(logits_TE), experts_TK, module.norm_topk_prob)
         return logits_TE, _like(weights_TK, own_weights_TK), _like(experts_TK, own_experts_TK)
 
 

@@ -619,6 +619,8 @@ class RLConfig:
             devices, model_parallel = self.placement.pool_size(pool), engine.pp_size * engine.tp_size
             require(devices % model_parallel == 0, f"{self.section_key(role)}.engine.tp_size", engine.tp_size,
                      f"pp_size * tp_size = {model_parallel} must divide the {devices} devices of pool {pool!r}")
+            require(devices % engine.ep_size == 0, f"{self.section_key(role)}.engine.ep_size", engine.ep_size,
+                     f"a divisor of the {devices} devices of pool {pool!r}")
             dp_sizes[role] = devices // model_parallel
             require(samples % dp_sizes[role] == 0, "batch.prompts_per_step", self.batch.prompts_per_step,
                      f"a value making samples per step ({samples}) divisible by {role}'s data-parallel "
