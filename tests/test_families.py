@@ -178,6 +178,19 @@ def family_model_dir(family: str, directory, **overrides) -> str:
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_grpo_train_and_sft_run_end_to_end_from_a_model_directory_of_the_family(family, tmp_path):
+    _train_and_sft(family, tmp_path, ["--local"], ["--local"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_grpo_train_and_sft_run_end_to_end_on_two_fsdp_ranks(ray_session, family, tmp_path):
+    # two Ray workers per role: the actor trains under fsdp (dp 2) and generates as two replicas; SFT on two ranks
+    _train_and_sft(family, tmp_path, ["placement.pools={all: [2]}"], ["devices=[2]"])
+
+
+def _train_and_sft(family: str, tmp_path, train_extra: list[str], sft_extra: list[str]) -> None:
+    """`hybridflow train` (GRPO, two steps) and `hybridflow sft` (two steps) from a model directory of ``family``:
+    both exit 0, the exported actor is of the family, SFT changed the weights."""
     from hybridflow.cli import main
     from hybridflow.data import write_jsonl
     from hybridflow.data.builtin import ArithmeticTaskConfig, prompt_rows, sft_rows
@@ -191,11 +204,11 @@ def test_grpo_train_and_sft_run_end_to_end_from_a_model_directory_of_the_family(
                  "actor.generation.max_new_tokens=3",
                  "batch.prompts_per_step=2", "batch.samples_per_prompt=2", "batch.mini_batch_size=4",
                  "trainer.total_steps=2", "trainer.progress_bar=false", "trainer.tensorboard=false",
-                 f"trainer.output_dir={tmp_path / 'grpo'}", "--local"]) == 0
+                 f"trainer.output_dir={tmp_path / 'grpo'}", *train_extra]) == 0
     trained = AutoModelForCausalLM.from_pretrained(str(tmp_path / "grpo" / "final" / "actor"))
     assert trained.config.model_type == family
     assert main(["sft", f"data.train_path={tmp_path / 'sft.jsonl'}", f"model.path={model_dir}", "batch_size=4",
-                 "max_steps=2", "progress_bar=false", f"output_dir={tmp_path / 'sft'}", "--local"]) == 0
+                 "max_steps=2", "progress_bar=false", f"output_dir={tmp_path / 'sft'}", *sft_extra]) == 0
     tuned = AutoModelForCausalLM.from_pretrained(str(tmp_path / "sft" / "model"))
     initial = AutoModelForCausalLM.from_pretrained(model_dir)
     changed = [name for name, tensor in initial.state_dict().items()
