@@ -14,7 +14,7 @@ from torch import Tensor
 from hybridflow.algorithms import (POLICY_LOSSES, aggregate_loss, kl_estimate, masked_mean,
                                    truncated_importance_weights)
 from hybridflow.controller import register
-from hybridflow.engine.hybrid_engine import HybridEngine
+from hybridflow.engine.hybrid_engine import HybridEngine, TransitionStats, storage_bytes
 from hybridflow.engine.optim import OptimizerOffload
 from hybridflow.engine.rollout import Rollout, rollout_class
 from hybridflow.engine.weight_sync import WeightPayload, pack_weights
@@ -124,13 +124,19 @@ class ActorWorker(ModelWorker):
         """The generation backend (``actor.generation.backend``), built on the first rollout and kept."""
         if spec.routing_replay:  # refused here for a dense model
             self.engine.enable_routing_replay()
+        lora = self.engine.lora
+        self.syncs_adapter = (lora is not None and lora.vllm_sync == "adapter"
+                              and getattr(rollout_class(spec.generation.backend), "takes_adapters", False))
+        """LoRA on a backend that applies the adapter itself: base weights once, then only the adapter per sync."""
 
     def _rollout_for(self, shard) -> Rollout:
         """This rank's rollout backend, built once (every rank at once) for shards laid out like ``shard``."""
         if self.rollout is None:
             generation = self.actor_spec.generation
+            adapter = {"lora": self.engine.lora} if self.syncs_adapter else {}
             self.rollout = rollout_class(generation.backend).for_shard(self.engine.hf_config, shard,
-                                                                       dtype=self.hybrid.dtype, config=generation)
+                                                                       dtype=self.hybrid.dtype, config=generation,
+                                                                       **adapter)
         return self.rollout
 
     @register("3D_ALL_MICRO_DP")
@@ -224,7 +230,12 @@ class ActorWorker(ModelWorker):
         lets training have the gathered pieces back at once), ``produce(rollout)`` (the batched call, or episodes on
         its requests), release, back to training.
         Returns (what ``produce`` returned, to_generation stats, to_training stats, the load's stats)."""
-        to_generation = self.hybrid.to_generation(self.engine.local_shards())
+        if self.syncs_adapter and self.rollout is not None and self.rollout.holds_base_weights:
+            return self._adapter_rollout(produce)
+        from hybridflow.engine.lora import base_shards
+
+        to_generation = self.hybrid.to_generation(base_shards(self.engine) if self.syncs_adapter
+                                                  else self.engine.local_shards())
         self._shard_numel = sum(piece.numel() for pieces in self.hybrid.shard.weights.values() for piece in pieces)
         to_training = None
         try:
@@ -232,6 +243,8 @@ class ActorWorker(ModelWorker):
             try:
                 rollout.resume()
                 load = rollout.load(self.hybrid.shard, version=self.engine.step)
+                if self.syncs_adapter:  # the base weights are in: from now on the adapter alone goes over
+                    load = rollout.load_adapter(self._generation_adapter(), version=self.engine.step, after=load)
                 if not rollout.reads_shard_in_place:
                     to_training = self.hybrid.to_training()
                 output = produce(rollout)
@@ -241,6 +254,26 @@ class ActorWorker(ModelWorker):
             if to_training is None:
                 to_training = self.hybrid.to_training()
         return output, to_generation, to_training, load
+
+    def _adapter_rollout(self, produce):
+        """``_rollout`` once the backend holds the base weights (``syncs_adapter``): no transition, the adapter
+        alone is synced; the training shards stay as they are (the returned transition stats say so)."""
+        adapter = self._generation_adapter()
+        held = storage_bytes(self.engine.training_layout.local_shards(self.engine.model, self.engine.device).values())
+        try:
+            self.rollout.resume()
+            load = self.rollout.load_adapter(adapter, version=self.engine.step)
+            output = produce(self.rollout)
+        finally:
+            self.rollout.release()
+        stays = [TransitionStats(direction, "adapter_only", param_bytes=held, peak_param_bytes=held)
+                 for direction in ("to_generation", "to_training")]
+        return output, *stays, load
+
+    def _generation_adapter(self) -> dict[str, Tensor]:
+        from hybridflow.engine.lora import generation_adapter
+
+        return generation_adapter(self.engine, dtype=self.hybrid.dtype)
 
     @register("ONE_TO_ALL")
     def transition_stats(self) -> dict[str, float]:
