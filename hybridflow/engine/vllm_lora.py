@@ -27,9 +27,16 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The ``max_lora_rank`` values vLLM 0.32 accepts (``vllm.config.lora.MaxLoRARanks``)."""
 
 
-def vllm_lora_options(lora: LoraConfig) -> dict:
+def vllm_lora_options(lora: LoraConfig, hf_config) -> dict:
     """``vllm.LLM`` keyword arguments for one adapter of ``lora``'s rank: LoRA slots of the smallest rank vLLM
-    offers that holds it (a smaller adapter is zero-padded into the slot), one adapter at a time."""
+    offers that holds it (a smaller adapter is zero-padded into the slot), one adapter at a time. ValueError for a
+    model whose adapter the rollout cannot hand vLLM (checked before any engine is built)."""
+    if getattr(hf_config, "num_experts", 0):
+        # vLLM's LoRA wraps the fused-MoE layer and runs its experts with Triton kernels (TritonExperts), which
+        # the CPU build lacks and whose weight layout the rollout's expert loading does not know
+        raise ValueError(f"actor.lora.vllm_sync='adapter' on a mixture-of-experts model ({hf_config.model_type}): "
+                         f"vLLM's LoRA replaces the fused-MoE experts the rollout loads; allowed: "
+                         f"actor.lora.vllm_sync=merged (the rollout loads W + scale B A), or backend='native'")
     fits = [rank for rank in VLLM_LORA_RANKS if rank >= lora.rank]
     if not fits:
         raise ValueError(f"actor.lora.rank={lora.rank}: vLLM's LoRA supports ranks up to {VLLM_LORA_RANKS[-1]}; "

@@ -223,6 +223,7 @@ class VllmRollout(VllmRequests, Rollout):
         """
         super().__init__(hf_config, dtype=dtype, config=config)
         check_supported(hf_config)
+        lora_options = vllm_lora_options(lora, hf_config) if lora is not None else {}
         tp_groups = tp_groups or [[0]]
         self.tp_size = check_tp_groups(tp_groups, hf_config)
         # an in-process engine core: no extra process, the caller's threads and torch.distributed world
@@ -265,7 +266,7 @@ class VllmRollout(VllmRequests, Rollout):
                                enable_prefix_caching=True,
                                logprobs_mode="processed_logprobs" if tempered else "raw_logprobs",
                                enable_sleep_mode=_sleep_mode_available(), **parallel,
-                               **(vllm_lora_options(lora) if lora is not None else {}))
+                               **lora_options)
         finally:
             torch.set_num_threads = set_num_threads
             torch.set_num_threads(threads)

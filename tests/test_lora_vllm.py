@@ -1,0 +1,85 @@
+"""A LoRA actor on the vLLM rollout of the newer families (``actor.lora.vllm_sync: adapter``): vLLM applies the
+adapter itself as a LoRA request on the base weights it loaded once, and its greedy tokens and log-probs equal the
+native decoder's on the merged weights after training steps that move the adapter; each later sync moves only the
+adapter's bytes. The built-in Llama model's case is in tests/test_lora.py. Skipped where vLLM is not installed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from test_families import family_model_dir  # noqa: E402
+from test_families_vllm import TOKENIZER, VLLM_FAMILIES  # noqa: E402
+
+from hybridflow.controller.local import init_local_process_group  # noqa: E402
+from hybridflow.data import PromptDataset  # noqa: E402
+from hybridflow.data.builtin import ArithmeticTaskConfig, prompt_rows  # noqa: E402
+from hybridflow.engine import EngineConfig, OptimConfig  # noqa: E402
+from hybridflow.engine.generation import GenerationConfig  # noqa: E402
+from hybridflow.engine.generation_config import GenerationTokens  # noqa: E402
+from hybridflow.models.config import ModelConfig  # noqa: E402
+from hybridflow.models.lora_config import LoraConfig  # noqa: E402
+from hybridflow.trainers.build import model_config_of  # noqa: E402
+from hybridflow.workers import ActorSpec, ActorWorker, EngineSpec  # noqa: E402
+from hybridflow.workers.actor import next_token_loss_fn  # noqa: E402
+from hybridflow.workers.base import SEQUENCE_KEYS, tensors_of  # noqa: E402
+
+
+def _actor(model_dir: str, backend: str, lora: LoraConfig) -> ActorWorker:
+    engine = EngineSpec(model=model_config_of(ModelConfig(path=model_dir)), head="lm", seed=0, lora=lora,
+                        engine=EngineConfig(dtype="float32", optim=OptimConfig(lr=1e-2)))
+    generation = GenerationConfig(backend=backend, max_new_tokens=6, greedy=True, vllm_kv_cache_gib=0.0625)
+    tokens = GenerationTokens(eos_token_ids=(TOKENIZER.eos_token_id,), pad_token_id=TOKENIZER.pad_token_id)
+    return ActorWorker(ActorSpec(engine=engine, generation=generation, tokens=tokens))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3", "gemma3_text"])
+def test_vllm_generates_a_lora_actor_as_the_native_decoder_with_merged_weights_syncing_only_the_adapter(
+        family, tmp_path):
+    init_local_process_group()
+    model_dir = family_model_dir(family, tmp_path / family, **VLLM_FAMILIES[family])
+    lora = LoraConfig(rank=4, alpha=8.0)  # every projection of attention and MLP
+    native, vllm = _actor(model_dir, "native", lora), _actor(model_dir, "vllm", lora)
+    assert vllm.syncs_adapter
+    rows = prompt_rows(6, split="train", seed=0, config=ArithmeticTaskConfig(max_digits=2))
+    prompts = PromptDataset(rows, TOKENIZER, max_prompt_tokens=16).batch(range(6))
+    batch = tensors_of(native.generate_sequences(prompts), SEQUENCE_KEYS)
+    generated = []
+    for sync in range(2):
+        for actor in (native, vllm):  # the same next-token step on both: identical adapters
+            actor.engine.train_step(batch, next_token_loss_fn(1.0), outputs=("logprobs",))
+        expected, got = native.generate_sequences(prompts), vllm.generate_sequences(prompts)
+        assert torch.equal(expected.batch["responses"], got.batch["responses"]), sync
+        mask_BT = got.batch["response_mask"].bool()
+        torch.testing.assert_close(got.batch["logprobs"][mask_BT], expected.batch["logprobs"][mask_BT],
+                                   rtol=1e-4, atol=1e-4)
+        generated.append(got.batch["logprobs"])
+        stats = vllm.transition_stats()
+        base = stats["lora_sync_bytes_merged"]
+        assert stats["vllm_bytes_loaded"] == (base if sync == 0 else 0) + stats["lora_sync_bytes_adapter"]
+    assert not torch.equal(generated[0], generated[1])  # the second sync's adapter reached vLLM
+
+
+def test_a_mixture_of_experts_lora_actor_on_vllm_is_refused_naming_the_merged_sync(tmp_path):
+    """vLLM's LoRA swaps the fused-MoE experts for its Triton kernels (absent on CPU): refused before an engine is
+    built, so vLLM's process-wide groups stay as they were."""
+    init_local_process_group()
+    model_dir = family_model_dir("qwen3_moe", tmp_path / "moe", **VLLM_FAMILIES["qwen3_moe"])
+    vllm = _actor(model_dir, "vllm", LoraConfig(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj")))
+    rows = prompt_rows(2, split="train", seed=0, config=ArithmeticTaskConfig(max_digits=2))
+    prompts = PromptDataset(rows, TOKENIZER, max_prompt_tokens=16).batch(range(2))
+    with pytest.raises(ValueError, match=r"vllm_sync='adapter' on a mixture-of-experts model.*vllm_sync=merged"):
+        vllm.generate_sequences(prompts)
+
+
+def test_a_lora_target_vllm_cannot_adapt_is_refused_naming_the_merged_sync():
+    from hybridflow.engine.vllm_lora import check_lora_targets
+
+    names = [f"model.layers.0.{module}.{factor}.weight" for module in ("self_attn.q_proj", "mlp.gate")
+             for factor in ("lora_A", "lora_B")]
+    check_lora_targets(names[:2], {"q_proj", "k_proj"})
+    with pytest.raises(ValueError, match=r"adapts \['gate'\], which vLLM's LoRA cannot carry.*vllm_sync=merged"):
+        check_lora_targets(names, {"q_proj", "k_proj"})
