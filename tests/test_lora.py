@@ -3,7 +3,6 @@ adapters off, generation and export see W + scale B A, layouts equal one process
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
@@ -348,76 +347,7 @@ def test_a_frozen_engine_or_role_refuses_a_lora_config():
         ReferenceWorker(spec)
 
 
-# ----- vLLM ---------------------------------------------------------------------------------------------
-@pytest.mark.slow
-@pytest.mark.parametrize("vllm_sync", ["adapter", "merged"])
-def test_a_lora_actor_on_vllm_generates_as_the_native_engine_with_merged_weights(vllm_sync):
-    """Two training steps, each followed by a rollout on both backends: vLLM with the adapter as a LoRA request
-    (``adapter``: the base weights once, then only A and B) or with the merged weights, against the native decoder
-    on the merged shard."""
-    pytest.importorskip("vllm")
-    from hybridflow.controller.local import init_local_process_group
-    from hybridflow.data import PromptDataset
-    from hybridflow.data.builtin import ArithmeticTaskConfig, builtin_tokenizer, prompt_rows
-    from hybridflow.engine.generation import GenerationConfig
-    from hybridflow.engine.generation_config import GenerationTokens
-    from hybridflow.models import ModelConfig
-    from hybridflow.trainers.build import model_config_of
-    from hybridflow.workers import ActorSpec, ActorWorker, EngineSpec
-    from hybridflow.workers.actor import next_token_loss_fn
-    from hybridflow.workers.base import SEQUENCE_KEYS, tensors_of
-
-    init_local_process_group()
-    tokenizer = builtin_tokenizer()
-
-    def actor(backend: str) -> ActorWorker:
-        engine = EngineSpec(model=model_config_of(ModelConfig(builtin="arithmetic")), seed=0,
-                            lora=dataclasses.replace(LORA, vllm_sync=vllm_sync),
-                            engine=EngineConfig(dtype="float32", optim=OptimConfig(lr=1e-2)))
-        generation = GenerationConfig(backend=backend, max_new_tokens=6, greedy=True, vllm_kv_cache_gib=0.0625)
-        tokens = GenerationTokens(eos_token_ids=(tokenizer.eos_token_id,), pad_token_id=tokenizer.pad_token_id)
-        return ActorWorker(ActorSpec(engine=engine, generation=generation, tokens=tokens))
-
-    native, vllm = actor("native"), actor("vllm")
-    assert vllm.syncs_adapter == (vllm_sync == "adapter") and not native.syncs_adapter
-    rows = prompt_rows(4, split="train", seed=1, config=ArithmeticTaskConfig(max_digits=2))
-    prompts = PromptDataset(rows, tokenizer, max_prompt_tokens=16).batch(range(4))
-    batch = tensors_of(native.generate_sequences(prompts), SEQUENCE_KEYS)
-    for sync in range(2):
-        for worker in (native, vllm):  # a step on both: B moves (from 0 at first), the merged weights with it
-            worker.engine.train_step(batch, next_token_loss_fn(1.0), outputs=("logprobs",))
-        expected, got = native.generate_sequences(prompts), vllm.generate_sequences(prompts)
-        assert torch.equal(expected.batch["responses"], got.batch["responses"]), sync
-        mask_BT = got.batch["response_mask"].bool()
-        torch.testing.assert_close(got.batch["logprobs"][mask_BT], expected.batch["logprobs"][mask_BT],
-                                   rtol=1e-4, atol=1e-4)
-        stats = vllm.transition_stats()
-        merged, adapter = stats["lora_sync_bytes_merged"], stats["lora_sync_bytes_adapter"]
-        assert merged > 10 * adapter > 0
-        if vllm_sync == "merged":
-            assert stats["vllm_bytes_loaded"] == merged
-        elif sync == 0:  # the base weights (as many bytes as the merged ones) and the adapter
-            assert stats["vllm_bytes_loaded"] == merged + adapter
-        else:  # no transition, no gather: only A and B went to vLLM
-            assert stats["vllm_bytes_loaded"] == adapter and stats["bytes_received"] == 0
-
-
-@pytest.mark.slow
-def test_grpo_with_a_lora_actor_on_vllm_syncs_only_the_adapter_after_the_first_step(data_dir, tmp_path):
-    pytest.importorskip("vllm")
-    from hybridflow.trainers.rl import run_rl
-
-    config = _grpo_config(data_dir, tmp_path / "run", "actor.generation.backend=vllm",
-                          "actor.generation.vllm_kv_cache_gib=0.0625", "trainer.total_steps=2")
-    assert config.actor.lora.vllm_sync == "adapter"
-    history = run_rl(config, mode="local", tensorboard=False)
-    assert len(history) == 2
-    first, second = history
-    assert first["rollout/vllm_bytes_loaded"] == (first["rollout/lora_sync_bytes_merged"]
-                                                  + first["rollout/lora_sync_bytes_adapter"])
-    assert second["rollout/vllm_bytes_loaded"] == second["rollout/lora_sync_bytes_adapter"] > 0
-    for step in history:  # fp32 on both sides: vLLM's LoRA log-probs are the training engine's to rounding
-        assert step["rollout/logprob_abs_diff_max"] < 1e-4
+# ----- vLLM: tests/test_lora_vllm.py ---------------------------------------------------------------------
 
 
 # ----- Ray, two ranks --------------------------------------------------------------------------------------

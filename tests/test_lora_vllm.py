@@ -1,7 +1,7 @@
 """A LoRA actor on the vLLM rollout of the newer families (``actor.lora.vllm_sync: adapter``): vLLM applies the
 adapter itself as a LoRA request on the base weights it loaded once, and its greedy tokens and log-probs equal the
 native decoder's on the merged weights after training steps that move the adapter; each later sync moves only the
-adapter's bytes. The built-in Llama model's case is in tests/test_lora.py. Skipped where vLLM is not installed."""
+adapter's bytes; the merged sync (``vllm_sync: merged``) too. Skipped where vLLM is not installed."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ pytest.importorskip("vllm")
 
 from test_families import family_model_dir  # noqa: E402
 from test_families_vllm import TOKENIZER, VLLM_FAMILIES  # noqa: E402
+from test_trainer import data_dir  # noqa: E402, F401 (the built-in task's prompt files, a fixture)
 
 from hybridflow.controller.local import init_local_process_group  # noqa: E402
 from hybridflow.data import PromptDataset  # noqa: E402
@@ -27,29 +28,38 @@ from hybridflow.workers.actor import next_token_loss_fn  # noqa: E402
 from hybridflow.workers.base import SEQUENCE_KEYS, tensors_of  # noqa: E402
 
 
-def _actor(model_dir: str, backend: str, lora: LoraConfig) -> ActorWorker:
-    engine = EngineSpec(model=model_config_of(ModelConfig(path=model_dir)), head="lm", seed=0, lora=lora,
+def _actor(model: ModelConfig, backend: str, lora: LoraConfig) -> ActorWorker:
+    engine = EngineSpec(model=model_config_of(model), head="lm", seed=0, lora=lora,
                         engine=EngineConfig(dtype="float32", optim=OptimConfig(lr=1e-2)))
     generation = GenerationConfig(backend=backend, max_new_tokens=6, greedy=True, vllm_kv_cache_gib=0.0625)
     tokens = GenerationTokens(eos_token_ids=(TOKENIZER.eos_token_id,), pad_token_id=TOKENIZER.pad_token_id)
     return ActorWorker(ActorSpec(engine=engine, generation=generation, tokens=tokens))
 
 
+def _prompts(count: int):
+    rows = prompt_rows(count, split="train", seed=0, config=ArithmeticTaskConfig(max_digits=2))
+    return PromptDataset(rows, TOKENIZER, max_prompt_tokens=16).batch(range(count))
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen3", "gemma3_text"])
-def test_vllm_generates_a_lora_actor_as_the_native_decoder_with_merged_weights_syncing_only_the_adapter(
-        family, tmp_path):
+@pytest.mark.parametrize(("family", "vllm_sync"), [("llama", "adapter"), ("llama", "merged"), ("qwen3", "adapter"),
+                                                   ("gemma3_text", "adapter")])
+def test_vllm_generates_a_lora_actor_as_the_native_decoder_with_merged_weights_after_each_sync(family, vllm_sync,
+                                                                                             tmp_path):
+    """Two training steps, each followed by a rollout on both backends: vLLM with the adapter as a LoRA request
+    (``adapter``: the base weights once, then only A and B) or with the merged weights, against the native decoder
+    on the merged shard. Llama is the built-in task's model."""
     init_local_process_group()
-    model_dir = family_model_dir(family, tmp_path / family, **VLLM_FAMILIES[family])
-    lora = LoraConfig(rank=4, alpha=8.0)  # every projection of attention and MLP
-    native, vllm = _actor(model_dir, "native", lora), _actor(model_dir, "vllm", lora)
-    assert vllm.syncs_adapter
-    rows = prompt_rows(6, split="train", seed=0, config=ArithmeticTaskConfig(max_digits=2))
-    prompts = PromptDataset(rows, TOKENIZER, max_prompt_tokens=16).batch(range(6))
+    model = (ModelConfig(builtin="arithmetic") if family == "llama"
+             else ModelConfig(path=family_model_dir(family, tmp_path / family, **VLLM_FAMILIES[family])))
+    lora = LoraConfig(rank=4, alpha=8.0, vllm_sync=vllm_sync)  # every projection of attention and MLP
+    native, vllm = _actor(model, "native", lora), _actor(model, "vllm", lora)
+    assert vllm.syncs_adapter == (vllm_sync == "adapter") and not native.syncs_adapter
+    prompts = _prompts(6)
     batch = tensors_of(native.generate_sequences(prompts), SEQUENCE_KEYS)
     generated = []
     for sync in range(2):
-        for actor in (native, vllm):  # the same next-token step on both: identical adapters
+        for actor in (native, vllm):  # the same next-token step on both: B moves (from 0 at first), identically
             actor.engine.train_step(batch, next_token_loss_fn(1.0), outputs=("logprobs",))
         expected, got = native.generate_sequences(prompts), vllm.generate_sequences(prompts)
         assert torch.equal(expected.batch["responses"], got.batch["responses"]), sync
@@ -58,9 +68,35 @@ def test_vllm_generates_a_lora_actor_as_the_native_decoder_with_merged_weights_s
                                    rtol=1e-4, atol=1e-4)
         generated.append(got.batch["logprobs"])
         stats = vllm.transition_stats()
-        base = stats["lora_sync_bytes_merged"]
-        assert stats["vllm_bytes_loaded"] == (base if sync == 0 else 0) + stats["lora_sync_bytes_adapter"]
-    assert not torch.equal(generated[0], generated[1])  # the second sync's adapter reached vLLM
+        merged, adapter = stats["lora_sync_bytes_merged"], stats["lora_sync_bytes_adapter"]
+        assert merged > 10 * adapter > 0
+        if vllm_sync == "merged":
+            assert stats["vllm_bytes_loaded"] == merged
+        elif sync == 0:  # the base weights (as many bytes as the merged ones) and the adapter
+            assert stats["vllm_bytes_loaded"] == merged + adapter
+        else:  # no transition, no gather: only A and B went to vLLM
+            assert stats["vllm_bytes_loaded"] == adapter and stats["bytes_received"] == 0
+    assert not torch.equal(generated[0], generated[1])  # the second sync reached vLLM
+
+
+@pytest.mark.slow
+def test_grpo_with_a_lora_actor_on_vllm_syncs_only_the_adapter_after_the_first_step(data_dir, tmp_path):
+    from test_lora import _grpo_config
+
+    from hybridflow.trainers.rl import run_rl
+
+    config = _grpo_config(data_dir, tmp_path / "run", "actor.generation.backend=vllm",
+                          "actor.generation.vllm_kv_cache_gib=0.0625", "trainer.total_steps=2")
+    assert config.actor.lora.vllm_sync == "adapter"
+    history = run_rl(config, mode="local", tensorboard=False)
+    assert len(history) == 2
+    first, second = history
+    assert first["rollout/vllm_bytes_loaded"] == (first["rollout/lora_sync_bytes_merged"]
+                                                  + first["rollout/lora_sync_bytes_adapter"])
+    assert second["rollout/vllm_bytes_loaded"] == second["rollout/lora_sync_bytes_adapter"] > 0
+    assert second["rollout/bytes_received"] == 0 and second["time/rollout_weight_sync_s"] > 0
+    for step in history:  # fp32 on both sides: vLLM's LoRA log-probs are the training engine's to rounding
+        assert step["rollout/logprob_abs_diff_max"] < 1e-4
 
 
 def test_a_mixture_of_experts_lora_actor_on_vllm_is_refused_naming_the_merged_sync(tmp_path):
@@ -68,11 +104,9 @@ def test_a_mixture_of_experts_lora_actor_on_vllm_is_refused_naming_the_merged_sy
     built, so vLLM's process-wide groups stay as they were."""
     init_local_process_group()
     model_dir = family_model_dir("qwen3_moe", tmp_path / "moe", **VLLM_FAMILIES["qwen3_moe"])
-    vllm = _actor(model_dir, "vllm", LoraConfig(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj")))
-    rows = prompt_rows(2, split="train", seed=0, config=ArithmeticTaskConfig(max_digits=2))
-    prompts = PromptDataset(rows, TOKENIZER, max_prompt_tokens=16).batch(range(2))
+    vllm = _actor(ModelConfig(path=model_dir), "vllm", LoraConfig(rank=4, alpha=8.0, target_modules=("q_proj",)))
     with pytest.raises(ValueError, match=r"vllm_sync='adapter' on a mixture-of-experts model.*vllm_sync=merged"):
-        vllm.generate_sequences(prompts)
+        vllm.generate_sequences(_prompts(2))
 
 
 def test_a_lora_target_vllm_cannot_adapt_is_refused_naming_the_merged_sync():
