@@ -117,3 +117,52 @@ def test_a_lora_target_vllm_cannot_adapt_is_refused_naming_the_merged_sync():
     check_lora_targets(names[:2], {"q_proj", "k_proj"})
     with pytest.raises(ValueError, match=r"adapts \['gate'\], which vLLM's LoRA cannot carry.*vllm_sync=merged"):
         check_lora_targets(names, {"q_proj", "k_proj"})
+
+
+def _lora_rollouts_under_tp2(rank: int, world_size: int) -> dict:
+    """A tp = 2 LoRA actor on both backends (vLLM tg = 2, adapter sync), two training steps each followed by a
+    rollout of common prompts: the outputs and vLLM's sync stats on this rank."""
+    from hybridflow.controller.worker import WorkerContext, set_worker_context
+    from hybridflow.engine.hybrid_engine_config import HybridEngineConfig
+
+    set_worker_context(WorkerContext(rank=rank, world_size=world_size, local_rank=rank, node_id="local"))
+    lora = LoraConfig(rank=4, alpha=8.0)
+
+    def actor(backend: str) -> ActorWorker:
+        engine = EngineSpec(model=model_config_of(ModelConfig(builtin="arithmetic")), head="lm", seed=0, lora=lora,
+                            engine=EngineConfig(dtype="float32", layout="3d", tp_size=2, optim=OptimConfig(lr=1e-2)))
+        generation = GenerationConfig(backend=backend, max_new_tokens=6, greedy=True, vllm_kv_cache_gib=0.0625)
+        tokens = GenerationTokens(eos_token_ids=(TOKENIZER.eos_token_id,), pad_token_id=TOKENIZER.pad_token_id)
+        return ActorWorker(ActorSpec(engine=engine, hybrid_engine=HybridEngineConfig(tp_size=2),
+                                     generation=generation, tokens=tokens))
+
+    native, vllm = actor("native"), actor("vllm")
+    prompts = _prompts(4)
+    batch = tensors_of(native.generate_sequences(prompts), SEQUENCE_KEYS)
+    syncs = []
+    for _ in range(2):
+        for worker in (native, vllm):
+            worker.engine.train_step(batch, next_token_loss_fn(1.0), outputs=("logprobs",))
+        expected, got = native.generate_sequences(prompts), vllm.generate_sequences(prompts)
+        syncs.append({"expected": {key: expected.batch[key] for key in ("responses", "logprobs", "response_mask")},
+                      "got": {key: got.batch[key] for key in ("responses", "logprobs")},
+                      "stats": vllm.transition_stats()})
+    return syncs
+
+
+@pytest.mark.slow
+def test_vllm_tg2_applies_the_whole_adapter_each_rank_slicing_it_as_the_native_engine_merges_its_shard():
+    """t = tg = 2: each rank's vLLM engine takes the whole adapter (gathered from the DTensor shards) and slices it
+    for its TP rank; generation equals the native decoder's on the merged tensor-parallel shards."""
+    from hybridflow.parallel.launch import run_distributed
+
+    results = run_distributed(_lora_rollouts_under_tp2, 2, timeout_s=900)
+    for rank, syncs in enumerate(results):
+        for index, sync in enumerate(syncs):
+            expected, got, stats = sync["expected"], sync["got"], sync["stats"]
+            assert torch.equal(expected["responses"], got["responses"]), (rank, index)
+            mask_BT = expected["response_mask"].bool()
+            torch.testing.assert_close(got["logprobs"][mask_BT], expected["logprobs"][mask_BT], rtol=1e-4, atol=1e-4)
+        # the whole adapter in fp32 on every rank after the first sync: nothing else moved
+        assert syncs[1]["stats"]["vllm_bytes_loaded"] == syncs[1]["stats"]["lora_sync_bytes_adapter"] > 0
+        assert syncs[1]["stats"]["bytes_received"] == 0

@@ -232,11 +232,11 @@ class Rollout(abc.ABC):
     """True: ``generate`` computes with the shard's pieces, which must stay alive until ``release``. False:
     ``load`` copies them, and the hybrid engine returns to training before ``generate``."""
     logprobs_match_training: bool = False
+    """Whether in fp32 the sampled log-probs are the training engine's up to rounding (same kernels' arithmetic),
+    so an old-log-prob pass that recomputes them may be skipped."""
     takes_adapters: bool = False
     """True: the backend can apply a LoRA adapter itself (``for_shard(..., lora=)``, ``load_adapter``), so a LoRA
     actor syncs the base weights once and then only the adapter; False: it is handed the merged weights."""
-    """Whether in fp32 the sampled log-probs are the training engine's up to rounding (same kernels' arithmetic),
-    so an old-log-prob pass that recomputes them may be skipped."""
 
     def __init__(self, hf_config, *, dtype, config: "GenerationConfig") -> None:
         self.hf_config, self.dtype, self.config = hf_config, dtype, config
