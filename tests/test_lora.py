@@ -307,6 +307,8 @@ def test_a_lora_run_resumes_from_its_adapter_checkpoint_identically(data_dir, tm
     ("actor.lora.alpha=-1", r"config key actor.lora.alpha got -1.0; allowed: a finite number > 0"),
     ("actor.lora.dropout=1.0", r"config key actor.lora.dropout got 1.0; allowed: a number in \[0, 1\)"),
     ("critic.lora.rank=-2", r"config key critic.lora.rank got -2"),
+    ("actor.lora.vllm_sync=merge", r"config key actor.lora.vllm_sync got 'merge' \(str\); allowed: one of 'adapter', "
+                                   r"'merged'"),
     ("reference.lora.rank=8", r"config key reference.lora is not allowed here: the reference is frozen"),
     ("reward.lora.rank=8", r"config key reward.lora is not allowed here: the reward model is frozen"),
 ])

@@ -166,3 +166,15 @@ def test_vllm_tg2_applies_the_whole_adapter_each_rank_slicing_it_as_the_native_e
         # the whole adapter in fp32 on every rank after the first sync: nothing else moved
         assert syncs[1]["stats"]["vllm_bytes_loaded"] == syncs[1]["stats"]["lora_sync_bytes_adapter"] > 0
         assert syncs[1]["stats"]["bytes_received"] == 0
+
+
+def test_vllms_lora_slots_take_the_smallest_rank_it_offers_that_holds_the_adapter():
+    from hybridflow.engine.vllm_lora import vllm_lora_options
+    from hybridflow.models import build_tiny_model
+
+    hf_config = build_tiny_model().config
+    assert vllm_lora_options(LoraConfig(rank=4), hf_config) == {"enable_lora": True, "max_lora_rank": 8,
+                                                               "max_loras": 1, "max_cpu_loras": 1}
+    assert vllm_lora_options(LoraConfig(rank=16), hf_config)["max_lora_rank"] == 16
+    with pytest.raises(ValueError, match=r"lora.rank=600: vLLM's LoRA supports ranks up to 512.*vllm_sync=merged"):
+        vllm_lora_options(LoraConfig(rank=600), hf_config)

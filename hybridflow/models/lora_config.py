@@ -31,10 +31,11 @@ class LoraConfig:
     """Export also writes the merged model (W + scale B A, a plain Hugging Face directory) to
     ``<export dir>/<role>/merged`` beside the adapter (PEFT's adapter_config.json + adapter_model.safetensors)."""
     vllm_sync: Literal["adapter", "merged"] = "adapter"
-    """The actor's, with ``generation.backend: vllm`` (a critic generates nothing): what each weight sync hands vLLM: ``adapter``, the base weights once and
-    then only A and B per sync, generated as a vLLM LoRA request (vLLM keeps its copy of the base weights between
-    rollouts); ``merged``, the whole generation shard with W + scale B A merged in, as full fine-tuning syncs it
-    (vLLM's weights are released for training). The native backend always reads the merged shard (docs/lora.md)."""
+    """The actor's, with ``generation.backend: vllm`` (a critic generates nothing): what each weight sync hands
+    vLLM. ``adapter``: the base weights once, then only A and B per sync, generated as a vLLM LoRA request (vLLM
+    keeps its copy of the base weights between rollouts); ``merged``: the whole generation shard with W + scale B A
+    merged in, as full fine-tuning syncs it (vLLM's weights are released for training). The native backend always
+    reads the merged shard (docs/lora.md)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
