@@ -460,7 +460,8 @@ class VllmRollout(VllmRequests, Rollout):
         return [c for c in flat if isinstance(c, torch.Tensor)]
 
     def resident_bytes(self) -> int:
-        """Bytes of vLLM's weights and KV cache alive now (0 after ``release`` on CPU)."""
+        """Bytes of vLLM's weights and KV cache alive now (after ``release`` on CPU: 0, a LoRA engine's base
+        weights)."""
         return storage_bytes([*self.params.values(), *self._kv_caches()])
 
 
