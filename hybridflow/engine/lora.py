@@ -62,3 +62,21 @@ def adapter_state(model: nn.Module) -> dict[str, Tensor]:
             full = param.full_tensor() if isinstance(param, DTensor) else param
             state[name] = full.detach().to("cpu", copy=True)
     return state
+
+
+def base_shards(engine) -> dict[str, Tensor]:
+    """What ``TrainingEngine.local_shards`` hands generation, without merging: this rank's base weights as they
+    are (the adapters left out), for a rollout that applies the adapter itself (vLLM, ``vllm_sync: adapter``)."""
+    shards = engine.training_layout.local_shards(engine.model, engine.device)
+    return {name: tensor for name, tensor in shards.items() if not is_adapter_parameter(name)}
+
+
+def generation_adapter(engine, *, dtype: torch.dtype) -> dict[str, Tensor]:
+    """The whole adapter (every A and B, gathered from their shards: a collective on every rank) in the generation
+    dtype, what an adapter-only sync hands the rollout. ValueError under pipeline parallelism, where a rank holds
+    only its stage's adapters."""
+    if engine.layout.pp_size > 1:
+        raise ValueError(f"actor.lora.vllm_sync='adapter' with the actor's pp_size={engine.layout.pp_size}: a rank "
+                         f"holds only its pipeline stage's adapters; allowed: vllm_sync='merged' (the hybrid engine "
+                         f"gathers the merged weights across stages) or pp_size 1")
+    return {name: tensor.to(dtype) for name, tensor in adapter_state(engine.model).items()}

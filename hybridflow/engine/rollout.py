@@ -234,6 +234,9 @@ class Rollout(abc.ABC):
     logprobs_match_training: bool = False
     """Whether in fp32 the sampled log-probs are the training engine's up to rounding (same kernels' arithmetic),
     so an old-log-prob pass that recomputes them may be skipped."""
+    takes_adapters: bool = False
+    """True: the backend can apply a LoRA adapter itself (``for_shard(..., lora=)``, ``load_adapter``), so a LoRA
+    actor syncs the base weights once and then only the adapter; False: it is handed the merged weights."""
 
     def __init__(self, hf_config, *, dtype, config: "GenerationConfig") -> None:
         self.hf_config, self.dtype, self.config = hf_config, dtype, config

@@ -48,7 +48,8 @@ def vllm_sampling_params(config: SamplingConfig, *, vocab_size: int, seed: int):
 
 
 class VllmRequests:
-    """The request half of ``VllmRollout`` (uses its ``llm``, ``config``, ``vocab_size`` and ``version``)."""
+    """The request half of ``VllmRollout`` (uses its ``llm``, ``config``, ``vocab_size``, ``version`` and
+    ``lora_request``)."""
 
     def _request_state(self) -> tuple[dict[str, QueuedRequest], dict[str, str]]:
         """(our request id -> queued request, our request id -> the engine's id for it), created on first use.
@@ -75,7 +76,8 @@ class VllmRequests:
                                       seed=options.seed * REQUEST_SEED_STRIDE + next(self._submissions))
         params.output_kind = RequestOutputKind.DELTA  # each step hands back only the new tokens
         prompt = TokensPrompt(prompt_token_ids=[*request.prompt_ids, *request.prefix_ids])
-        engine_id = self.llm.llm_engine.add_request(request.request_id, prompt, params)
+        engine_id = self.llm.llm_engine.add_request(request.request_id, prompt, params,
+                                                    lora_request=self.lora_request)
         item = queued[request.request_id] = QueuedRequest.of(request)
         engine_ids[request.request_id] = engine_id
         return item.handle

@@ -21,6 +21,10 @@ Life of the engine on one actor rank:
    the platform has it (CUDA), else (the CPU build has no sleep mode) by shrinking their storages to zero
    bytes and growing them back before the next load.
 
+A LoRA actor with ``actor.lora.vllm_sync: adapter`` builds the engine with LoRA slots instead: the base weights are
+loaded once (step 2 with the unmerged shard) and kept between rollouts (only the KV cache is released), and every
+later sync is ``load_adapter`` (A and B alone, ``hybridflow.engine.vllm_lora``), every request carrying the adapter.
+
 Shape legend: B rows (prompts x samples per prompt), P prompt length, T max new tokens.
 """
 
@@ -41,6 +45,7 @@ from hybridflow.engine.generation_config import GenerationConfig, SamplingConfig
 from hybridflow.engine.hybrid_engine import parameter_shapes, storage_bytes
 from hybridflow.engine.rollout import (GenerationShard, Rollout, RolloutStats, batch_output,
                                        cut_at_stop_sequence)
+from hybridflow.engine.vllm_lora import VllmAdapter, check_lora_targets, vllm_lora_modules, vllm_lora_options
 from hybridflow.engine.vllm_requests import VllmRequests, vllm_sampling_params
 from hybridflow.engine.vllm_routing import VllmRoutingRecorder
 from hybridflow.models.families import causal_lm_class_name
@@ -79,7 +84,8 @@ def vllm_parameter_plan(hf_shapes: dict[str, torch.Size], vllm_names: list[str],
     """
     plan = {}
     for name in vllm_names:
-        sources = _hf_sources(name, tie_word_embeddings)
+        # a LoRA-enabled engine wraps each adaptable layer, its own parameters under ``base_layer``
+        sources = _hf_sources(name.replace(".base_layer.", "."), tie_word_embeddings)
         missing = [s for s in sources if s not in hf_shapes]
         if missing:
             raise ValueError(f"vLLM parameter {name!r} needs {missing}, which the model does not have; the vLLM "
@@ -191,20 +197,23 @@ class VllmRollout(VllmRequests, Rollout):
 
     name = "vllm"
     reads_shard_in_place = False
+    takes_adapters = True
 
     @classmethod
-    def for_shard(cls, hf_config, shard: GenerationShard, *, dtype, config: GenerationConfig) -> "VllmRollout":
+    def for_shard(cls, hf_config, shard: GenerationShard, *, dtype, config: GenerationConfig,
+                  lora=None) -> "VllmRollout":
         """The engine of this rank's replica, tensor-parallel over the hybrid engine's generation TP groups; built
         by every rank at once. The sampling defaults of ``config`` (the actor's, not one call's: a greedy
-        validation may come first) fix which log-probs vLLM records for the whole run."""
+        validation may come first) fix which log-probs vLLM records for the whole run. ``lora`` (a ``LoraConfig``):
+        the engine generates with that adapter, synced alone by ``load_adapter``."""
         if shard.pp_size != 1:
             raise ValueError(f"actor.hybrid_engine.pp_size={shard.pp_size}: backend='vllm' runs pg = 1 "
                              "(tensor-parallel generation only); use backend='native' for pg > 1 "
                              "(see docs/generation.md)")
-        return cls(hf_config, dtype=dtype, config=config, tp_groups=shard.tp_groups)
+        return cls(hf_config, dtype=dtype, config=config, tp_groups=shard.tp_groups, lora=lora)
 
     def __init__(self, hf_config, *, dtype: torch.dtype, config: GenerationConfig, seed: int = 0,
-                 tp_groups: list[list[int]] | None = None) -> None:
+                 tp_groups: list[list[int]] | None = None, lora=None) -> None:
         """Builds the engine once (tens of seconds): from ``hf_config`` only, with dummy weights.
 
         ``tp_groups``: the generation tensor-parallel groups of the whole torch.distributed world (the
@@ -212,9 +221,11 @@ class VllmRollout(VllmRequests, Rollout):
         them. Groups of one rank (or None): each rank runs its own engine (uniprocess executor). Larger
         groups: every rank of the world builds its engine in the same call (collective), vLLM's tensor
         parallelism running over exactly these groups (``external_launcher`` executor, ``vllm_tp_groups``).
+        ``lora``: a ``LoraConfig`` whose adapter the engine applies itself (LoRA slots, ``load_adapter``).
         """
         super().__init__(hf_config, dtype=dtype, config=config)
         check_supported(hf_config)
+        lora_options = vllm_lora_options(lora, hf_config) if lora is not None else {}
         tp_groups = tp_groups or [[0]]
         self.tp_size = check_tp_groups(tp_groups, hf_config)
         # an in-process engine core: no extra process, the caller's threads and torch.distributed world
@@ -256,7 +267,8 @@ class VllmRollout(VllmRequests, Rollout):
                                                            tp_size=self.tp_size),
                                enable_prefix_caching=True,
                                logprobs_mode="processed_logprobs" if tempered else "raw_logprobs",
-                               enable_sleep_mode=_sleep_mode_available(), **parallel)
+                               enable_sleep_mode=_sleep_mode_available(), **parallel,
+                               **lora_options)
         finally:
             torch.set_num_threads = set_num_threads
             torch.set_num_threads(threads)
@@ -272,13 +284,15 @@ class VllmRollout(VllmRequests, Rollout):
         self._released: dict[int, tuple[torch.UntypedStorage, int]] = {}
         self._asleep = False
         self._routing: VllmRoutingRecorder | None = None  # routing replay: made by the first call that records
+        self.adapter = VllmAdapter(lora) if lora is not None else None
+        """The LoRA adapter vLLM applies (None: it generates with the weights ``load`` copied, merged or not)."""
 
     # ----- weights -----------------------------------------------------------------------------------
     def _own_linear_weights(self, shapes: dict[str, torch.Size]) -> None:
         """Give every prepacked linear layer a plain weight tensor and ``F.linear`` (see ``WEIGHTS_NOTE``)."""
         for module_name, module in self.model.named_modules():
-            if not hasattr(module, "cpu_linear"):
-                continue
+            if not hasattr(module, "cpu_linear") or hasattr(module, "base_layer"):
+                continue  # a LoRA wrapper forwards attributes to its base layer, which is listed on its own
             name = f"{module_name}.weight"
             weight = module.weight  # a tied head is the embedding's parameter (listed once, under its name)
             if weight.numel() == 0:
@@ -327,6 +341,41 @@ class VllmRollout(VllmRequests, Rollout):
         self.stats = stats
         return stats
 
+    # ----- a LoRA adapter of its own (actor.lora.vllm_sync: adapter) --------------------------------------
+    @property
+    def holds_base_weights(self) -> bool:
+        """Whether a LoRA engine has its base weights (loaded once by ``load``); later syncs need only the adapter."""
+        return self.adapter is not None and self.version is not None
+
+    @property
+    def lora_request(self):
+        """The ``LoRARequest`` every request carries (None: no adapter, or none synced yet)."""
+        return self.adapter.request if self.adapter is not None else None
+
+    def load_adapter(self, adapter: dict[str, torch.Tensor], *, version: int,
+                     after: RolloutStats | None = None) -> RolloutStats:
+        """Make ``adapter`` (parameter name -> full A [R, I] / B [O, R] in the generation dtype, ``lora_A`` /
+        ``lora_B`` as ``models/lora.py`` names them) the one every request is generated with; only its bytes move
+        (``vllm_bytes_loaded``). The base weights are the ones ``load`` copied; ``after``: that load's stats when it
+        was part of this sync (its bytes and seconds are counted in)."""
+        if self.adapter is None:
+            raise ValueError("load_adapter needs an engine built with lora=...; this one loads merged weights")
+        if self.adapter.request is None:
+            check_lora_targets(adapter, vllm_lora_modules(self.llm))
+        start = time.perf_counter()
+        self.resume()
+        stats = RolloutStats(bytes_loaded=self.adapter.load(self.llm, adapter))
+        self.llm.reset_prefix_cache()  # cached prefixes were computed with the old adapter
+        stats.param_bytes = storage_bytes(self.params.values())
+        stats.kv_cache_bytes = storage_bytes(self._kv_caches())
+        stats.load_seconds = time.perf_counter() - start
+        if after is not None:
+            stats.bytes_loaded += after.bytes_loaded
+            stats.load_seconds += after.load_seconds
+        self.stats = stats
+        self.version = version
+        return stats
+
     # ----- generation --------------------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, prompts_BP: torch.Tensor, prompt_mask_BP: torch.Tensor,
@@ -344,7 +393,7 @@ class VllmRollout(VllmRequests, Rollout):
         params = [vllm_sampling_params(config, vocab_size=self.vocab_size, seed=config.seed + row)
                   for row in range(len(requests))]
         with self._routing_recorded(config) as routing:
-            outputs = self.llm.generate(requests, params, use_tqdm=False)
+            outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.lora_request)
             routing_BSLK = None if routing is None else routing.experts([output.request_id for output in outputs],
                                                                         prompt_mask_BP.sum(-1).tolist(), P, P + T)
         B = len(requests)
@@ -380,14 +429,18 @@ class VllmRollout(VllmRequests, Rollout):
     # ----- memory between rollouts -------------------------------------------------------------------
     def release(self) -> None:
         """Free the KV cache and the weight copy for training (refilled by the next ``load_weights``); requests still
-        queued finish with reason "abort" (``continue_request`` resumes them after the next load)."""
+        queued finish with reason "abort" (``continue_request`` resumes them after the next load). A LoRA engine
+        (``adapter``) keeps its base weights, which no later sync sends again: the CPU build frees only the KV
+        cache, sleep mode moves the weights to host memory (level 1)."""
         for request_id in list(self._request_state()[1]):
             self.abort(request_id)
         if self.sleeps:
-            self.llm.sleep(level=2)  # weights and KV cache discarded; the next load refills the weights
+            # level 2: weights and KV cache discarded, the next load refills the weights
+            self.llm.sleep(level=1 if self.adapter is not None else 2)
             self._asleep = True
             return
-        for tensor in [*self.params.values(), *self._kv_caches()]:
+        kept = self.adapter is not None
+        for tensor in [*([] if kept else self.params.values()), *self._kv_caches()]:
             storage = tensor.untyped_storage()
             if storage.data_ptr() not in self._released and storage.nbytes() > 0:
                 self._released[storage.data_ptr()] = (storage, storage.nbytes())
@@ -428,7 +481,8 @@ class VllmRollout(VllmRequests, Rollout):
         return [c for c in flat if isinstance(c, torch.Tensor)]
 
     def resident_bytes(self) -> int:
-        """Bytes of vLLM's weights and KV cache alive now (0 after ``release`` on CPU)."""
+        """Bytes of vLLM's weights and KV cache alive now (after ``release`` on CPU: 0, a LoRA engine's base
+        weights)."""
         return storage_bytes([*self.params.values(), *self._kv_caches()])
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """Every linear layer of a decoder layer of the supported families (PEFT's "all-linear" without the output head)."""
@@ -29,6 +30,12 @@ class LoraConfig:
     export_merged: bool = False
     """Export also writes the merged model (W + scale B A, a plain Hugging Face directory) to
     ``<export dir>/<role>/merged`` beside the adapter (PEFT's adapter_config.json + adapter_model.safetensors)."""
+    vllm_sync: Literal["adapter", "merged"] = "adapter"
+    """The actor's, with ``generation.backend: vllm`` (a critic generates nothing): what each weight sync hands
+    vLLM. ``adapter``: the base weights once, then only A and B per sync, generated as a vLLM LoRA request (vLLM
+    keeps its copy of the base weights between rollouts); ``merged``: the whole generation shard with W + scale B A
+    merged in, as full fine-tuning syncs it (vLLM's weights are released for training). The native backend always
+    reads the merged shard (docs/lora.md)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
@@ -47,6 +54,8 @@ class LoraConfig:
         object.__setattr__(self, "target_modules", tuple(targets))
         if not isinstance(self.export_merged, bool):
             raise ValueError(f"config key export_merged got {self.export_merged!r}; allowed: true or false")
+        if self.vllm_sync not in ("adapter", "merged"):
+            raise ValueError(f"config key vllm_sync got {self.vllm_sync!r}; allowed: adapter, merged")
 
     @property
     def scale(self) -> float:

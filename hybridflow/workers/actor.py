@@ -6,6 +6,7 @@ Shape legend: B = samples on this rank, P = prompt tokens, T = response tokens.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 import torch
@@ -14,7 +15,8 @@ from torch import Tensor
 from hybridflow.algorithms import (POLICY_LOSSES, aggregate_loss, kl_estimate, masked_mean,
                                    truncated_importance_weights)
 from hybridflow.controller import register
-from hybridflow.engine.hybrid_engine import HybridEngine
+from hybridflow.engine.hybrid_engine import HybridEngine, TransitionStats, storage_bytes
+from hybridflow.engine.lora import base_shards, generation_adapter
 from hybridflow.engine.optim import OptimizerOffload
 from hybridflow.engine.rollout import Rollout, rollout_class
 from hybridflow.engine.weight_sync import WeightPayload, pack_weights
@@ -117,6 +119,9 @@ class ActorWorker(ModelWorker):
         self.set_parallel_layout(self.engine.layout, generation=self.hybrid.generation_layout)
         self.last_transition: dict[str, float] = {}
         self._shard_numel = 0  # elements of the last rollout's generation shard on this rank (LoRA's sync bytes)
+        self.sync_seconds = 0.0
+        """Seconds of the last weight sync on this rank: from the training weights to the backend's loaded copy (the
+        merge, the transition and the load; an adapter-only sync: gathering the adapter and loading it)."""
         # the AdamW moments leave the accelerator for the rollout (actor.hybrid_engine.offload_optimizer)
         offload = spec.hybrid_engine.offload_optimizer
         self.optimizer_offload = OptimizerOffload(self.engine.optimizer) if offload else None
@@ -124,13 +129,19 @@ class ActorWorker(ModelWorker):
         """The generation backend (``actor.generation.backend``), built on the first rollout and kept."""
         if spec.routing_replay:  # refused here for a dense model
             self.engine.enable_routing_replay()
+        lora = self.engine.lora
+        self.syncs_adapter = (lora is not None and lora.vllm_sync == "adapter"
+                              and rollout_class(spec.generation.backend).takes_adapters)
+        """LoRA on a backend that applies the adapter itself: base weights once, then only the adapter per sync."""
 
     def _rollout_for(self, shard) -> Rollout:
         """This rank's rollout backend, built once (every rank at once) for shards laid out like ``shard``."""
         if self.rollout is None:
             generation = self.actor_spec.generation
+            adapter = {"lora": self.engine.lora} if self.syncs_adapter else {}
             self.rollout = rollout_class(generation.backend).for_shard(self.engine.hf_config, shard,
-                                                                       dtype=self.hybrid.dtype, config=generation)
+                                                                       dtype=self.hybrid.dtype, config=generation,
+                                                                       **adapter)
         return self.rollout
 
     @register("3D_ALL_MICRO_DP")
@@ -202,13 +213,14 @@ class ActorWorker(ModelWorker):
             "training_allocated_bytes": to_training.allocated_bytes, "collectives": to_generation.collectives,
             # 0 when the option is off or the state already lives on the CPU (a CPU run, FSDP CPU offload)
             "optimizer_offloaded": float(offloaded_bytes > 0), "optimizer_offloaded_bytes": offloaded_bytes,
-            **self._lora_sync_bytes(), **self.rollout.transition_metrics()}
+            "weight_sync_s": self.sync_seconds, **self._lora_sync_bytes(), **self.rollout.transition_metrics()}
 
     def _lora_sync_bytes(self) -> dict[str, float]:
         """With LoRA, what one weight sync hands the rollout backend on this rank both ways it can be done:
         ``lora_sync_bytes_merged``, the generation shard with the adapters merged in (what the native backend
-        reads and vLLM copies now); ``lora_sync_bytes_adapter``, the adapters alone in the generation dtype (what
-        an adapter-only sync moves once the base weights are loaded). Nothing without LoRA."""
+        reads and vLLM copies with ``vllm_sync: merged``); ``lora_sync_bytes_adapter``, the adapters alone in the
+        generation dtype (what vLLM's adapter-only sync moves once the base weights are loaded). Nothing without
+        LoRA."""
         if self.engine.lora is None:
             return {}
         from hybridflow.models.lora import is_adapter_parameter
@@ -224,16 +236,26 @@ class ActorWorker(ModelWorker):
         lets training have the gathered pieces back at once), ``produce(rollout)`` (the batched call, or episodes on
         its requests), release, back to training.
         Returns (what ``produce`` returned, to_generation stats, to_training stats, the load's stats)."""
-        to_generation = self.hybrid.to_generation(self.engine.local_shards())
+        if self.syncs_adapter and self.rollout is not None and self.rollout.holds_base_weights:
+            return self._adapter_rollout(produce)
+        start = time.perf_counter()
+        to_generation = self.hybrid.to_generation(base_shards(self.engine) if self.syncs_adapter
+                                                  else self.engine.local_shards())
+        self.sync_seconds = time.perf_counter() - start
         self._shard_numel = sum(piece.numel() for pieces in self.hybrid.shard.weights.values() for piece in pieces)
         to_training = None
         try:
             rollout = self._rollout_for(self.hybrid.shard)
             try:
                 rollout.resume()
+                start = time.perf_counter()
                 load = rollout.load(self.hybrid.shard, version=self.engine.step)
+                if self.syncs_adapter:  # the base weights are in: from now on the adapter alone goes over
+                    load = rollout.load_adapter(generation_adapter(self.engine, dtype=self.hybrid.dtype),
+                                                version=self.engine.step, after=load)
                 if not rollout.reads_shard_in_place:
                     to_training = self.hybrid.to_training()
+                self.sync_seconds += time.perf_counter() - start
                 output = produce(rollout)
             finally:
                 rollout.release()  # KV cache, weight copies and references to the pieces back to training
@@ -241,6 +263,23 @@ class ActorWorker(ModelWorker):
             if to_training is None:
                 to_training = self.hybrid.to_training()
         return output, to_generation, to_training, load
+
+    def _adapter_rollout(self, produce):
+        """``_rollout`` once the backend holds the base weights (``syncs_adapter``): no transition, the adapter
+        alone is synced; the training shards stay as they are (the returned transition stats say so)."""
+        held = storage_bytes(self.engine.training_layout.local_shards(self.engine.model, self.engine.device).values())
+        try:
+            self.rollout.resume()
+            start = time.perf_counter()
+            load = self.rollout.load_adapter(generation_adapter(self.engine, dtype=self.hybrid.dtype),
+                                             version=self.engine.step)
+            self.sync_seconds = time.perf_counter() - start
+            output = produce(self.rollout)
+        finally:
+            self.rollout.release()
+        stays = [TransitionStats(direction, "adapter_only", param_bytes=held, peak_param_bytes=held)
+                 for direction in ("to_generation", "to_training")]
+        return output, *stays, load
 
     @register("ONE_TO_ALL")
     def transition_stats(self) -> dict[str, float]:
