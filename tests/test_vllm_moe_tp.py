@@ -3,7 +3,8 @@ intermediate dim over its TP ranks, and the weight sync writes each rank its sli
 halves of ``w13_weight`` sliced alone, the columns of ``w2_weight``), padded and prepacked for that rank's kernel.
 
 One spawned gloo world of two ranks, each with a native actor and a vLLM actor (one vLLM engine per process):
-greedy tokens and fp32 log-probs equal the native decoder's before and after one identical training step.
+greedy tokens, fp32 log-probs and the experts routing replay records equal the native decoder's, before and after
+one identical training step.
 Skipped where vLLM is not installed; slow (two vLLM engines start on a loaded 2-core machine).
 """
 
@@ -19,6 +20,7 @@ pytest.importorskip("vllm")
 from test_families import family_model_dir  # noqa: E402
 
 from hybridflow.engine.vllm_rollout import expert_tp_slice, pad_intermediate  # noqa: E402
+from hybridflow.models.moe import ROUTED_EXPERTS, ROUTING_PAD  # noqa: E402
 from hybridflow.parallel.launch import run_distributed  # noqa: E402
 
 # vLLM's CPU attention needs head_dim >= 32 and its MoE kernel a hidden size that is a multiple of 32. Each rank
@@ -60,7 +62,7 @@ def _actor(model_dir: str, backend: str):
     generation = GenerationConfig(backend=backend, max_new_tokens=NEW_TOKENS, greedy=True, vllm_kv_cache_gib=0.0625)
     tokens = GenerationTokens(eos_token_ids=(tokenizer.eos_token_id,), pad_token_id=tokenizer.pad_token_id)
     return ActorWorker(ActorSpec(engine=engine, hybrid_engine=HybridEngineConfig(tp_size=2),
-                                 generation=generation, tokens=tokens))
+                                 generation=generation, tokens=tokens, routing_replay=True))
 
 
 def _prompts(count: int, seed: int):
@@ -72,7 +74,7 @@ def _prompts(count: int, seed: int):
 
 
 def _outputs(output) -> dict:
-    return {key: output.batch[key].numpy() for key in ("responses", "response_mask", "logprobs")}
+    return {key: output.batch[key].numpy() for key in ("responses", "response_mask", "logprobs", ROUTED_EXPERTS)}
 
 
 def _rollouts_of_moe_under_tg2(rank: int, world_size: int, model_dir: str) -> dict:
@@ -132,6 +134,10 @@ def test_vllm_tg2_generates_qwen3_moe_like_the_native_decoder_before_and_after_a
             mask = native["response_mask"].astype(bool)
             torch.testing.assert_close(torch.from_numpy(vllm["logprobs"][mask]),
                                        torch.from_numpy(native["logprobs"][mask]), rtol=1e-4, atol=1e-4)
+            # routing replay records the same experts per token on every rank (vLLM's top-k comes unsorted)
+            native_BSLK, vllm_BSLK = (torch.from_numpy(out[ROUTED_EXPERTS]) for out in (native, vllm))
+            assert torch.equal(vllm_BSLK.sort(-1).values, native_BSLK.sort(-1).values), (rank, phase)
+            assert int((vllm_BSLK != ROUTING_PAD).sum()) > 0
         # the step changed the model, and vLLM generated with the new weights
         assert not (result["before"][1]["logprobs"][:, 0] == result["after"][1]["logprobs"][:, 0]).any()
     assert (results[0]["before"][1]["responses"] == results[1]["before"][1]["responses"]).all()
