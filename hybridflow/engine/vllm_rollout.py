@@ -15,8 +15,9 @@ Life of the engine on one actor rank:
 2. Every rollout: the hybrid engine gathers this rank's generation shard (its micro-DP all-gather, the
    bytes of the paper's Table 2); ``load_weights`` copies its pieces straight into vLLM's (TP-sharded) fused
    parameters (q/k/v rows into ``qkv_proj``, gate/up rows into ``gate_up_proj``, the vocabulary into the
-   padded embedding and head, Qwen3-MoE's stacked experts into the fused-MoE ``w13_weight``/``w2_weight``,
-   prepacked in place for vLLM's CPU MoE kernel). The gathered pieces are then dropped and vLLM generates.
+   padded embedding and head, Qwen3-MoE's stacked experts into the fused-MoE ``w13_weight``/``w2_weight``, each
+   TP rank its slice of every expert, prepacked in place for vLLM's CPU MoE kernel). The gathered pieces are then
+   dropped and vLLM generates.
 3. After the rollout the KV cache and the weight copy are released for training: vLLM's sleep mode where
    the platform has it (CUDA), else (the CPU build has no sleep mode) by shrinking their storages to zero
    bytes and growing them back before the next load.
@@ -185,8 +186,8 @@ def expert_writers(model: torch.nn.Module, vllm_names) -> dict[str, ExpertWriter
 
 
 def _expert_tp_rank(layer: torch.nn.Module) -> tuple[int, int]:
-    """(rank, size) of the TP group over which vLLM's fused-MoE ``layer`` splits each expert; (0, 1) when each rank
-    holds whole experts (expert parallel, or no TP)."""
+    """(rank, size) of the TP group over which vLLM's fused-MoE ``layer`` splits each expert ((0, 1) without TP);
+    ValueError for vLLM's expert-parallel layout (whole experts on some ranks), which the rollout does not load."""
     parallel = layer.moe_config.moe_parallel_config
     if parallel.use_ep:
         raise ValueError("actor.generation.backend='vllm': vLLM shards this model's experts over an expert-parallel "
