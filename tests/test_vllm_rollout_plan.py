@@ -95,11 +95,14 @@ def test_expert_weights_are_padded_to_the_kernels_intermediate_size_with_gate_an
     assert pad_intermediate(down, down.shape, "w2_weight") is down
 
 
-def test_vllm_tensor_parallel_generation_of_a_mixture_of_experts_model_is_refused_naming_the_field():
-    with pytest.raises(ValueError, match=r"actor.hybrid_engine.tp_size=2: backend='vllm' generates a "
-                                         r"mixture-of-experts model \(qwen3_moe\) with tp_size 1 only"):
+def test_vllm_tensor_parallel_generation_of_a_mixture_of_experts_model_needs_tg_to_divide_the_experts_width():
+    # vLLM splits every expert's intermediate rows over its TP ranks: tg must divide moe_intermediate_size
+    with pytest.raises(ValueError, match="tensor_parallel_size 4 does not divide the model's moe_intermediate_size 30"):
+        check_tp_groups([[0, 1, 2, 3]], tiny_config("qwen3_moe", num_key_value_heads=4, moe_intermediate_size=30))
+    # a width tg divides passes the model's checks (then fails on this one-rank world, not on the experts)
+    with pytest.raises(ValueError, match=r"must cover every rank of the torch.distributed world"):
         check_tp_groups([[0, 1]], tiny_config("qwen3_moe"))
-    assert check_tp_groups([[0]], tiny_config("qwen3_moe")) == 1
+    assert check_tp_groups([[0]], tiny_config("qwen3_moe", moe_intermediate_size=30)) == 1
 
 
 def test_vllm_tp_groups_must_be_equal_and_divide_the_heads_and_vocabulary():

@@ -15,8 +15,9 @@ Life of the engine on one actor rank:
 2. Every rollout: the hybrid engine gathers this rank's generation shard (its micro-DP all-gather, the
    bytes of the paper's Table 2); ``load_weights`` copies its pieces straight into vLLM's (TP-sharded) fused
    parameters (q/k/v rows into ``qkv_proj``, gate/up rows into ``gate_up_proj``, the vocabulary into the
-   padded embedding and head, Qwen3-MoE's stacked experts into the fused-MoE ``w13_weight``/``w2_weight``,
-   prepacked in place for vLLM's CPU MoE kernel). The gathered pieces are then dropped and vLLM generates.
+   padded embedding and head, Qwen3-MoE's stacked experts into the fused-MoE ``w13_weight``/``w2_weight``, each
+   TP rank its slice of every expert, prepacked in place for vLLM's CPU MoE kernel). The gathered pieces are then
+   dropped and vLLM generates.
 3. After the rollout the KV cache and the weight copy are released for training: vLLM's sleep mode where
    the platform has it (CUDA), else (the CPU build has no sleep mode) by shrinking their storages to zero
    bytes and growing them back before the next load.
@@ -132,16 +133,20 @@ def copy_pieces(target: torch.Tensor, hf_name: str, pieces: list[torch.Tensor]) 
 
 @dataclass(frozen=True)
 class ExpertWriter:
-    """How a fused-MoE weight (``EXPERTS``) goes into vLLM's parameter: the intermediate size zero-padded to the
-    kernel's (``pad_intermediate``) and, for vLLM's CPU grouped-GEMM kernel, prepacked for its ``isa`` straight
-    into the existing tensor (the packed layout has the plain one's shape), so every update stays in place."""
+    """How a fused-MoE weight (``EXPERTS``) goes into vLLM's parameter on one of ``tp_size`` TP ranks: this rank's
+    slice of every expert's intermediate dim (``expert_tp_slice``), zero-padded to the kernel's width
+    (``pad_intermediate``) and, for vLLM's CPU grouped-GEMM kernel, prepacked for its ``isa`` straight into the
+    existing tensor (the packed layout has the plain one's shape), so every update stays in place."""
 
     kind: str
     isa: str | None  # None: vLLM computes on the plain layout (CUDA, or its CPU kernel through zentorch)
+    tp_rank: int = 0
+    tp_size: int = 1
 
     def write(self, target: torch.Tensor, pieces: list[torch.Tensor]) -> int:
-        """Write the stacked experts (replicated over the generation TP group: every piece is whole); bytes."""
-        experts = pieces[0]
+        """Write this rank's slice of the stacked experts (replicated over the generation TP group: every piece
+        is whole); bytes written before padding."""
+        experts = expert_tp_slice(pieces[0], self.kind, self.tp_rank, self.tp_size)
         padded = pad_intermediate(experts, target.shape, self.kind).to(target.dtype).contiguous()
         if self.isa is None:
             target.copy_(padded)
@@ -150,9 +155,21 @@ class ExpertWriter:
         return experts.numel() * target.element_size()
 
 
+def expert_tp_slice(experts: torch.Tensor, kind: str, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """TP rank ``tp_rank``'s part of stacked experts, as vLLM's fused-MoE layer shards them: the contiguous
+    1/tp_size of every expert's intermediate dim I, i.e. rows of the gate half and of the up half of
+    ``w13_weight`` [E, 2I, H] (each sliced alone) -> [E, 2I/t, H], columns of ``w2_weight`` [E, H, I] -> [E, H, I/t]."""
+    if tp_size == 1:
+        return experts
+    if kind == "w2_weight":
+        return experts.chunk(tp_size, dim=2)[tp_rank]
+    return torch.cat([half.chunk(tp_size, dim=1)[tp_rank] for half in experts.chunk(2, dim=1)], dim=1)
+
+
 def pad_intermediate(experts: torch.Tensor, shape: torch.Size, kind: str) -> torch.Tensor:
-    """Stacked experts (``w13_weight`` [E, 2I, H], ``w2_weight`` [E, H, I]) zero-padded to vLLM's ``shape``
-    ([E, 2P, H], [E, H, P], P >= I) as vLLM's CPU kernel pads them: gate rows [0, I), up rows [P, P + I)."""
+    """A rank's stacked experts (``w13_weight`` [E, 2I, H], ``w2_weight`` [E, H, I], I the rank's part) zero-padded
+    to vLLM's ``shape`` ([E, 2P, H], [E, H, P], P >= I) as vLLM's CPU kernel pads them: gate rows [0, I), up rows
+    [P, P + I)."""
     if experts.shape == shape:
         return experts
     if kind == "w2_weight":
@@ -168,8 +185,20 @@ def expert_writers(model: torch.nn.Module, vllm_names) -> dict[str, ExpertWriter
     for name in vllm_names:
         module_name, _, kind = name.rpartition(".")
         if kind in EXPERTS and ".mlp.experts" in module_name:
-            writers[name] = ExpertWriter(kind, _prepack_isa(module_name, model.get_submodule(module_name)))
+            layer = model.get_submodule(module_name)
+            tp_rank, tp_size = _expert_tp_rank(layer)
+            writers[name] = ExpertWriter(kind, _prepack_isa(module_name, layer), tp_rank, tp_size)
     return writers
+
+
+def _expert_tp_rank(layer: torch.nn.Module) -> tuple[int, int]:
+    """(rank, size) of the TP group over which vLLM's fused-MoE ``layer`` splits each expert ((0, 1) without TP);
+    ValueError for vLLM's expert-parallel layout (whole experts on some ranks), which the rollout does not load."""
+    parallel = layer.moe_config.moe_parallel_config
+    if parallel.use_ep:
+        raise ValueError("actor.generation.backend='vllm': vLLM shards this model's experts over an expert-parallel "
+                         "group, a layout the rollout does not load; use backend='native' for this model")
+    return parallel.tp_rank, parallel.tp_size
 
 
 def _prepack_isa(name: str, layer: torch.nn.Module) -> str | None:
@@ -506,20 +535,20 @@ def check_supported(hf_config) -> None:
 
 def check_tp_groups(tp_groups: list[list[int]], hf_config) -> int:
     """tg, the size of every group in ``tp_groups``; ValueError unless they partition the world into equal
-    groups (of distinct ranks) whose size divides the model's heads, key/value heads and vocabulary."""
+    groups (of distinct ranks) whose size divides the model's heads, key/value heads, vocabulary and (a
+    mixture-of-experts model) experts' intermediate size."""
     sizes = {len(group) for group in tp_groups}
     if len(sizes) != 1:
         raise ValueError(f"vLLM tp_groups must all have one size, got sizes {sorted(sizes)} in {tp_groups}")
     tp_size = sizes.pop()
     if tp_size == 1:
         return 1
-    if getattr(hf_config, "num_experts", 0):
-        raise ValueError(f"actor.hybrid_engine.tp_size={tp_size}: backend='vllm' generates a mixture-of-experts "
-                         f"model ({hf_config.model_type}) with tp_size 1 only (vLLM splits every expert over its TP "
-                         f"ranks, the rollout loads them whole); allowed: tp_size 1, or backend='native'")
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
-    for name, count in (("num_attention_heads", hf_config.num_attention_heads),
-                        ("num_key_value_heads", kv_heads), ("vocab_size", hf_config.vocab_size)):
+    counts = [("num_attention_heads", hf_config.num_attention_heads), ("num_key_value_heads", kv_heads),
+              ("vocab_size", hf_config.vocab_size)]
+    if getattr(hf_config, "num_experts", 0):  # vLLM splits every expert's intermediate rows over the TP ranks
+        counts.append(("moe_intermediate_size", hf_config.moe_intermediate_size))
+    for name, count in counts:
         if count % tp_size:
             raise ValueError(f"vLLM tensor_parallel_size {tp_size} does not divide the model's {name} {count}; "
                              f"allowed: a divisor of {count}")
