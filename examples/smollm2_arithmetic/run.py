@@ -2,7 +2,7 @@
 
     python examples/smollm2_arithmetic/run.py [--evaluate MODEL_DIR] [key=value ...]
 
-Writes train/held-out prompt files (reasoning-gym's basic_arithmetic: a + b or a - b, 1-2 digit operands; the
+Writes train/held-out prompt files (reasoning-gym's basic_arithmetic: a + b of 1-2 digit operands; the
 held-out problems never appear in training) under ``<output_dir>/data``, then trains ``config.yaml``.
 ``--evaluate DIR`` instead scores a Hugging Face directory (the base model, or ``<output_dir>/final/actor``) on
 the held-out prompts with plain transformers in fp32, greedy, the way the exported model is documented to load.
@@ -23,9 +23,9 @@ from hybridflow.trainers.rl import RLTrainer
 
 CONFIG = Path(__file__).with_name("config.yaml")
 INSTRUCTION = "Reply with the number only."
-# a + b or a - b with 0 <= a, b <= 100 and no parentheses (so no negative operands): the base model answers a
-# third of them right greedily and 15% of its samples at temperature 1 are right, so most groups are mixed
-OPTIONS = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2, "operators": ("+", "-"),
+# a + b with 0 <= a, b <= 100: the base model answers 42% of them right greedily and 15% of its samples at
+# temperature 1 are right, so most groups are mixed (with a - b too it learned half as much: README.md)
+OPTIONS = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2, "operators": ("+",),
            "allow_parentheses": False, "allow_negation": False}
 
 
