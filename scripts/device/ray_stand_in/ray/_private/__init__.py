@@ -1,0 +1,1 @@
+"""ray._private of the stand-in."""

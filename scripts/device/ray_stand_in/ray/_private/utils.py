@@ -1,0 +1,5 @@
+"""ray._private.utils of the stand-in."""
+
+
+def read_ray_address(*args, **kwargs):
+    return None
