@@ -4,8 +4,10 @@ on sampled ids only), a call that edits the history is refused, and a GRPO step 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
+import time
 from pathlib import Path
 
 import openai
@@ -59,7 +61,7 @@ class ThreeCallAgent(OpenAIAgentEnvironment):
         return 1.0 + row["index"]
 
 
-def run_agents(env_class, rows, *, max_turns=None, max_new_tokens=6):
+def run_agents(env_class, rows, *, max_turns=None, max_new_tokens=6, agent_timeout_s=None):
     """Run ``env_class``'s agent per row on the tiny model, which samples only "a".."h" and <|im_end|> (so that some
     turns stop at <|im_end|> and others are cut by their length); the episodes, the requests, the tokenizer and the
     calls in flight at each rollout step."""
@@ -79,7 +81,8 @@ def run_agents(env_class, rows, *, max_turns=None, max_new_tokens=6):
     runner = EndpointRunner(rollout, chat=ChatTokens(tokenizer), make_env=env_class, parser=make_parser("hermes"),
                             options=SamplingOptions(max_new_tokens=max_new_tokens, eos_token_ids=(IM_END,), seed=3,
                                                     suppress_tokens=suppressed),
-                            limits=EpisodeLimits(max_turns=max_turns, max_episode_tokens=1024, decode_chunk_tokens=2))
+                            limits=EpisodeLimits(max_turns=max_turns, max_episode_tokens=1024, decode_chunk_tokens=2,
+                                                 agent_timeout_s=agent_timeout_s))
     return runner.run(rows, [[1]] * len(rows)), requests, tokenizer, in_flight
 
 
@@ -172,6 +175,44 @@ def test_calls_past_max_turns_end_the_episode_truncated_and_a_bad_reward_fails_i
     stops = [request.options for request in requests if request.request_id.startswith("episode-0-")]
     assert all(options.seed == 11 and options.stop_sequences == (tuple(encode(tokenizer, "\n")),)
                for options in stops)
+
+
+class StuckAgent(OpenAIAgentEnvironment):
+    """One call, then row "stuck" never returns: an async agent waits forever, a plain-def one (``SyncStuckAgent``)
+    sleeps in its thread."""
+
+    async def agent(self, client, row):
+        await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": row["prompt"]}])
+        if row.get("stuck"):
+            await asyncio.Event().wait()
+        return 1.0
+
+
+class SyncStuckAgent(OpenAIAgentEnvironment):
+    def agent(self, client, row):
+        client.chat.completions.create(model="policy", messages=[{"role": "user", "content": row["prompt"]}])
+        if row.get("stuck"):
+            time.sleep(3600)  # a daemon thread: abandoned when the episode's time runs out
+        return 1.0
+
+
+@pytest.mark.parametrize("env_class", [StuckAgent, SyncStuckAgent], ids=["async", "plain_def"])
+def test_an_agent_that_never_returns_fails_its_episode_after_agent_timeout_s_and_the_step_goes_on(env_class):
+    started = time.perf_counter()
+    episodes, _, _, _ = run_agents(env_class, [{"prompt": "q0", "index": 0, "stuck": True},
+                                               {"prompt": "q1", "index": 1}], agent_timeout_s=2.0)
+    assert time.perf_counter() - started < 600  # it ended at all (without the timeout it waits forever)
+    assert f"{env_class.__name__}.agent raised TimeoutError" in episodes[0].failed
+    assert "did not return within 2 s (env.agent_timeout_s)" in episodes[0].failed
+    assert episodes[0].turns == 1 and not episodes[0].done and episodes[0].reward == 0.0
+    assert episodes[1].failed is None and episodes[1].done and episodes[1].reward == 1.0
+
+
+def test_agent_timeout_s_must_be_a_positive_number_of_seconds():
+    from hybridflow.agents.config import EnvConfig
+
+    with pytest.raises(ValueError, match=r"config key agent_timeout_s got 0; allowed: a number of seconds > 0"):
+        EnvConfig(class_path="env.py:Env", agent_timeout_s=0)
 
 
 class CountingAgent(OpenAIAgentEnvironment):

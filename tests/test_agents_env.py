@@ -362,7 +362,7 @@ def test_the_env_config_section_loads_from_yaml_keys_through_the_config_loader()
                              path="env")
     assert config.class_path == "my_env.py:MyEnv" and config.kwargs == {"level": 2} and config.max_turns == 3
     assert to_plain(config)["class"] == "my_env.py:MyEnv" and build_dataclass(EnvConfig, to_plain(config)) == config
-    with pytest.raises(ValueError, match="unknown config key env.class_path; allowed keys here: class, "):
+    with pytest.raises(ValueError, match="unknown config key env.class_path; allowed keys here: agent_timeout_s, class, kwargs, "):
         build_dataclass(EnvConfig, {"class_path": "my_env.py:MyEnv"}, path="env")
     with pytest.raises(ValueError, match="config key env.class is required but missing"):
         build_dataclass(EnvConfig, {}, path="env")

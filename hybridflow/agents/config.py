@@ -34,6 +34,9 @@ class EnvConfig:
     tool_timeout_s: float = 30.0
     """Seconds one tool call may take (a tool's own ``timeout_s`` overrides it); past it the model reads a
     timeout error as the tool's result and the episode goes on."""
+    agent_timeout_s: float = 600.0
+    """Seconds the agent program of an endpoint environment (``OpenAIAgentEnvironment.agent``) may run for one
+    episode; past it the episode ends failed (``agent/env_failures``) and the step goes on without it."""
     tool_format: Literal["auto", "hermes", "llama3"] = "auto"
     """How tool calls are written: ``hermes`` (``<tool_call>{json}</tool_call>``, Hermes/Qwen), ``llama3`` (the
     turn is ``{"name": ..., "parameters": ...}``), ``auto``: the format the model's chat template renders."""
@@ -51,8 +54,8 @@ class EnvConfig:
             value = getattr(self, name)
             _require(value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1),
                      name, value, "an integer >= 1 or null")
-        _require(_positive_number(self.tool_timeout_s), "tool_timeout_s", self.tool_timeout_s,
-                 "a number of seconds > 0")
+        for name in ("tool_timeout_s", "agent_timeout_s"):
+            _require(_positive_number(getattr(self, name)), name, getattr(self, name), "a number of seconds > 0")
         _require(self.tool_format in TOOL_FORMATS, "tool_format", self.tool_format, ", ".join(TOOL_FORMATS))
         _require(self.on_env_error in ON_ENV_ERROR, "on_env_error", self.on_env_error, ", ".join(ON_ENV_ERROR))
 

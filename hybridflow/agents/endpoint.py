@@ -15,6 +15,7 @@ that share one seed, batched with the other episodes' calls, exactly as ``Episod
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import inspect
 import json
@@ -25,7 +26,7 @@ import socket
 import threading
 import time
 import traceback
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from hybridflow.agents.endpoint_messages import EndpointError, check_body, new_messages, sampling_changes
@@ -80,8 +81,9 @@ class EndpointRunner(EpisodeRunner):
                           for index, (row, ids) in enumerate(zip(rows, fallback_prompt_ids))]
         self._inbox: queue.Queue[_Call] = queue.Queue()
         self._calls: dict[str, _Call] = {}
-        with ThreadPoolExecutor(max_workers=self.limits.env_threads) as threads, _Server(self._app()) as server:
-            self._threads, self._loop = threads, server.loop
+        self._agent_slots = asyncio.Semaphore(self.limits.env_threads)  # plain-def agents running at once
+        with _Server(self._app()) as server:
+            self._loop = server.loop
             agents = [server.submit(self._drive(session, f"{server.url}/episodes/{session.episode.index}/v1"))
                       for session in self._sessions]
             while not all(agent.done() for agent in agents) or self.rollout.pending():
@@ -242,11 +244,10 @@ class EndpointRunner(EpisodeRunner):
             episode.finished_at = time.perf_counter()
             return
         try:
-            reward = await self._run_agent(env, base_url, session.row)
-            if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not math.isfinite(reward):
-                raise TypeError(f"{type(env).__name__}.agent returned {reward!r}; allowed: a finite number")
+            reward = await self._agent_reward(env, base_url, session.row)
         except Exception as error:  # noqa: BLE001 - an agent that raises fails its episode, not the run
             reward = 0.0
+            session.closed = session.closed or f"its agent ended with {type(error).__name__}"
             if episode.truncated is None and episode.failed is None:
                 episode.failed = _agent_failure(env, error).describe()
         session.closed = session.closed or "agent returned"
@@ -256,6 +257,22 @@ class EndpointRunner(EpisodeRunner):
         if failure is not None and episode.failed is None:
             episode.failed = failure.describe()
         episode.finished_at = time.perf_counter()
+
+    async def _agent_reward(self, env, base_url: str, row: dict) -> float:
+        """The episode's reward from its agent, within ``limits.agent_timeout_s`` (a TimeoutError saying so past it:
+        an async agent is cancelled, a plain-def one abandoned in its daemon thread, its later calls refused)."""
+        timeout = self.limits.agent_timeout_s
+        try:
+            async with asyncio.timeout(timeout) as deadline:
+                reward = await self._run_agent(env, base_url, row)
+        except TimeoutError:
+            if not deadline.expired():
+                raise  # the agent's own (its client's, say)
+            raise TimeoutError(f"{type(env).__name__}.agent did not return within {timeout:g} s "
+                               "(env.agent_timeout_s)") from None
+        if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not math.isfinite(reward):
+            raise TypeError(f"{type(env).__name__}.agent returned {reward!r}; allowed: a finite number")
+        return float(reward)
 
     async def _run_agent(self, env, base_url: str, row: dict):
         import openai
@@ -270,7 +287,31 @@ class EndpointRunner(EpisodeRunner):
             with openai.OpenAI(**settings, http_client=openai.DefaultHttpxClient(trust_env=False)) as client:
                 return env.agent(client, row)
 
-        return await asyncio.get_running_loop().run_in_executor(self._threads, run_sync)
+        async with self._agent_slots:
+            return await _in_daemon_thread(run_sync)
+
+
+async def _in_daemon_thread(function):
+    """``function()`` in a daemon thread of its own, awaited: when the episode's time runs out the wait is cancelled
+    and the thread abandoned (a daemon thread never holds the process open; a pool's thread would, at exit)."""
+    loop = asyncio.get_running_loop()
+    result = loop.create_future()
+
+    def settle(value, error) -> None:
+        if not result.done():  # cancelled: the episode timed out
+            result.set_result(value) if error is None else result.set_exception(error)
+
+    def target() -> None:
+        value, error = None, None
+        try:
+            value = function()
+        except BaseException as caught:  # noqa: BLE001 - handed to the awaiting episode
+            error = caught
+        with contextlib.suppress(RuntimeError):  # the step's loop may be closed by now
+            loop.call_soon_threadsafe(settle, value, error)
+
+    threading.Thread(target=target, name="hybridflow-agent", daemon=True).start()
+    return await result
 
 
 def _rendered(render, messages: list[dict], tools: list[dict], **kwargs) -> list[int]:

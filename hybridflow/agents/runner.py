@@ -43,6 +43,8 @@ class EpisodeLimits:
     """Tokens the rollout advances its requests by between two looks at the environments."""
     env_threads: int = 16
     """Threads running environment starts and steps (tools) concurrently."""
+    agent_timeout_s: float | None = None
+    """Seconds an endpoint agent may run for its episode (``EndpointRunner``; None: no bound)."""
 
 
 @dataclass

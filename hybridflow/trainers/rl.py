@@ -164,7 +164,8 @@ class RLTrainer:
         # unbounded by the config, an episode is still bounded by the actor's positions
         budget = env.max_episode_tokens or max_positions(self.config.actor.model)
         limits = EpisodeLimits(max_turns=env.max_turns, max_episode_tokens=budget,
-                               decode_chunk_tokens=env.decode_chunk_tokens, env_threads=env.env_threads)
+                               decode_chunk_tokens=env.decode_chunk_tokens, env_threads=env.env_threads,
+                               agent_timeout_s=env.agent_timeout_s)
         kwargs = dict(env.kwargs)
         return EpisodeJob(env_class=env.class_path, env_kwargs=kwargs, limits=limits,
                           tokenizer=self.specs.actor_tokenizer, tool_format=env.tool_format,
