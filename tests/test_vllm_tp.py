@@ -110,17 +110,22 @@ def _generation_shard_bytes(hf_config, gen_tp_size: int) -> int:
                for name, shape in parameter_shapes(hf_config).items())
 
 
+def assert_same_rollout(native: dict, vllm: dict, where) -> None:
+    """vLLM's responses equal the native decoder's, and their log-probs agree to 1e-4 (fp32)."""
+    assert (native["responses"] == vllm["responses"]).all(), where
+    assert (native["response_mask"] == vllm["response_mask"]).all(), where
+    mask = native["response_mask"].astype(bool)
+    torch.testing.assert_close(torch.from_numpy(vllm["logprobs"][mask]),
+                               torch.from_numpy(native["logprobs"][mask]), rtol=1e-4, atol=1e-4)
+
+
 def _check(results: list[dict], gen_tp_size: int, expected_groups: list[list[int]]) -> None:
     groups = sorted({tuple(r["vllm_tp_group"]) for r in results})
     assert [list(g) for g in groups] == expected_groups  # vLLM's TP groups are the hybrid engine's
     for rank, result in enumerate(results):
         for phase in ("before", "after"):
             native, vllm = result[phase]
-            assert (native["responses"] == vllm["responses"]).all(), (rank, phase)
-            assert (native["response_mask"] == vllm["response_mask"]).all(), (rank, phase)
-            mask = native["response_mask"].astype(bool)
-            torch.testing.assert_close(torch.from_numpy(vllm["logprobs"][mask]),
-                                       torch.from_numpy(native["logprobs"][mask]), rtol=1e-4, atol=1e-4)
+            assert_same_rollout(native, vllm, (rank, phase))
         # the step changed the model: the first response token's log-prob moved in every row
         assert not (result["before"][1]["logprobs"][:, 0] == result["after"][1]["logprobs"][:, 0]).any()
         stats, native_stats = result["vllm_stats"], result["native_stats"]
