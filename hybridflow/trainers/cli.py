@@ -42,6 +42,10 @@ def parse_job_args(prog: str, description: str, argv: list[str]) -> argparse.Nam
     if args.config is not None and "=" in args.config:  # no file, only overrides
         args.overrides.insert(0, args.config)
         args.config = None
+    for extra in args.overrides:
+        if "=" not in extra and extra.endswith((".yaml", ".yml")):
+            parser.error(f"a second config file {extra!r} after {args.config!r}: one config file is read; merge them, "
+                         f"or give the second one's keys as key.path=value overrides")
     return args
 
 
@@ -58,12 +62,28 @@ def _read_config_file(path: str | None) -> None:
         return
     from hybridflow.trainers.config.loader import load_yaml
 
+    _check_utf8(path)
     try:
         load_yaml(path)
     except ValueError:
         raise
     except Exception as error:  # yaml's parser errors carry the line and column
         raise ValueError(f"config file {path!r}: {error}") from None
+
+
+def _check_utf8(path: str) -> None:
+    """A config file that is not UTF-8 (a Latin-1 editor's) named with its line, not as a codec's byte offset."""
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read()
+    except OSError:
+        return  # load_yaml names a missing file or a directory
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = raw[:error.start].count(b"\n") + 1
+        raise ValueError(f"config file {path!r} line {line} is not UTF-8 text (byte {raw[error.start]:#04x}); "
+                         f"re-save the file as UTF-8") from None
 
 
 def _last_checkpoint_note(trainer) -> str:
@@ -156,8 +176,9 @@ def _supervised_main(kind: str, argv: list[str]) -> int:
         return 0
 
     return run_guarded(prog, body, errors_dir=lambda: errors_directory(run["output_dir"]),
-                       interrupted=lambda error: f"{kind} runs keep no checkpoint: run it again to train from the "
-                                                 f"start")
+                       interrupted=lambda error: f"{kind} runs keep no checkpoint: run it again with overwrite=true "
+                                                 f"to train from the start (its output_dir now holds this run's "
+                                                 f"metrics)")
 
 
 def sft_main(argv: list[str]) -> int:
