@@ -222,3 +222,20 @@ def test_a_disk_error_outside_a_checkpoint_is_said_in_words_with_where_the_run_s
     err = _one_error_line(capsys, "hybridflow train: error: no space left on the device (OSError: [Errno 28] No "
                                   "space left on device); at step 19; no checkpoint was saved; free disk space under ")
     assert f"'{tmp_path / 'run'}' (full traceback: {tmp_path / 'run' / 'errors'}" in err
+
+
+def test_a_final_export_failing_on_a_full_disk_leaves_no_half_written_role_directory(tmp_path):
+    from hybridflow.trainers.config.rl import load_rl_config
+    from hybridflow.trainers.export import export_roles
+
+    class FullDisk:
+        def export_hf(self, directory: str) -> None:
+            Path(f"{directory}.tmp").mkdir(parents=True)
+            (Path(f"{directory}.tmp") / "model.safetensors").write_bytes(b"half")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    config = load_rl_config(None, ["data.train_path=x.jsonl", "actor.model.builtin=arithmetic",
+                                   "reward.function=arithmetic", "actor.generation.max_new_tokens=3"])
+    with pytest.raises(OSError, match="No space left"):
+        export_roles({"actor": FullDisk()}, config, tmp_path / "final")
+    assert list((tmp_path / "final").iterdir()) == []

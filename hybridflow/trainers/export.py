@@ -9,6 +9,7 @@ directories. Each loads with ``from_pretrained`` and as a ``model.path`` of the 
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 from pathlib import Path
 
@@ -33,18 +34,31 @@ def export_roles(groups: dict, config, directory: str | Path, *, merged: bool = 
     written = {}
     for role in TRAINED_ROLES:
         if role in groups:
-            target = Path(directory) / role
-            lora = config.section_of(role).lora
-            if lora is None:
-                groups[role].export_hf(str(target))
-            else:
-                groups[role].export_adapter(str(target), base_model=_base_model_path(config, role))
-                if merged or lora.export_merged:
-                    groups[role].export_hf(str(target / "merged"))
-                    role_tokenizer(config, role).save_pretrained(str(target / "merged"))
-            role_tokenizer(config, role).save_pretrained(str(target))
-            written[role] = target
+            written[role] = _export_role(groups[role], config, role, Path(directory) / role, merged=merged)
     return written
+
+
+def _export_role(group, config, role: str, target: Path, *, merged: bool) -> Path:
+    """One role's directory; on a failure (a full disk, ...) the engine's half-written ``<role>.tmp`` is removed, so
+    it neither holds the space nor looks like an export."""
+    try:
+        _write_role(group, config, role, target, merged=merged)
+    except BaseException:
+        shutil.rmtree(f"{target}.tmp", ignore_errors=True)
+        raise
+    return target
+
+
+def _write_role(group, config, role: str, target: Path, *, merged: bool) -> None:
+    lora = config.section_of(role).lora
+    if lora is None:
+        group.export_hf(str(target))
+    else:
+        group.export_adapter(str(target), base_model=_base_model_path(config, role))
+        if merged or lora.export_merged:
+            group.export_hf(str(target / "merged"))
+            role_tokenizer(config, role).save_pretrained(str(target / "merged"))
+    role_tokenizer(config, role).save_pretrained(str(target))
 
 
 def _base_model_path(config, role: str) -> str | None:
