@@ -239,3 +239,20 @@ def test_a_final_export_failing_on_a_full_disk_leaves_no_half_written_role_direc
     with pytest.raises(OSError, match="No space left"):
         export_roles({"actor": FullDisk()}, config, tmp_path / "final")
     assert list((tmp_path / "final").iterdir()) == []
+
+
+def test_a_stopped_sft_run_says_overwrite_is_needed_to_run_it_again(tmp_path, monkeypatch, capsys):
+    import signal
+
+    import hybridflow.trainers.supervised as supervised
+    from hybridflow.trainers.boundary import RunInterrupted
+
+    def stopped(config, mode=None):
+        raise RunInterrupted(signal.SIGTERM)
+
+    monkeypatch.setattr(supervised, "run_supervised", stopped)
+    assert main(["sft", "model.builtin=arithmetic", f"data.train_path={tmp_path / 'x.jsonl'}",
+                 f"output_dir={tmp_path / 'run'}"]) == 128 + signal.SIGTERM
+    assert capsys.readouterr().err == (
+        "hybridflow sft: stopped by SIGTERM; sft runs keep no checkpoint: run it again with overwrite=true to train "
+        "from the start (its output_dir now holds this run's metrics)\n")
