@@ -256,3 +256,24 @@ def test_a_stopped_sft_run_says_overwrite_is_needed_to_run_it_again(tmp_path, mo
     assert capsys.readouterr().err == (
         "hybridflow sft: stopped by SIGTERM; sft runs keep no checkpoint: run it again with overwrite=true to train "
         "from the start (its output_dir now holds this run's metrics)\n")
+
+
+def test_a_ray_address_where_nothing_listens_is_refused_at_once_not_retried_for_minutes():
+    import socket
+
+    from hybridflow.trainers.cli import check_ray_address
+
+    with socket.socket() as probe:  # a port nothing listens on: bound, never listening
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+        with pytest.raises(ValueError, match=rf"environment variable RAY_ADDRESS='127.0.0.1:{port}': nothing answers "
+                                             r"there \(Connection refused\); start the cluster"):
+            check_ray_address({"RAY_ADDRESS": f"127.0.0.1:{port}"})
+    with pytest.raises(ValueError, match=r"the port 'x' is not a number"):
+        check_ray_address({"RAY_ADDRESS": "head:x"})
+    for fine in ({}, {"RAY_ADDRESS": "auto"}, {"RAY_ADDRESS": "ray://head:10001"}):
+        check_ray_address(fine)
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        check_ray_address({"RAY_ADDRESS": f"127.0.0.1:{server.getsockname()[1]}"})

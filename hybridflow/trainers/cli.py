@@ -86,6 +86,28 @@ def _check_utf8(path: str) -> None:
                          f"re-save the file as UTF-8") from None
 
 
+def check_ray_address(environ=None, *, timeout_s: float = 3.0) -> None:
+    """ValueError when RAY_ADDRESS names a ``host:port`` where nothing listens: ``ray.init`` would otherwise retry
+    for minutes, printing only its own connection warnings."""
+    import os
+    import socket
+
+    address = (os.environ if environ is None else environ).get("RAY_ADDRESS", "").strip()
+    if not address or address in ("auto", "local") or "://" in address or ":" not in address:
+        return
+    host, _, port = address.rpartition(":")
+    if not port.isdigit():
+        raise ValueError(f"environment variable RAY_ADDRESS={address!r}: the port {port!r} is not a number; allowed: "
+                         f"host:port of a running Ray cluster's head, or unset it")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as error:
+        reason = error.strerror or str(error)
+        raise ValueError(f"environment variable RAY_ADDRESS={address!r}: nothing answers there ({reason}); start the "
+                         f"cluster (`ray start --head`), fix the address, unset RAY_ADDRESS, or run with --local") \
+            from None
+
+
 def _last_checkpoint_note(trainer) -> str:
     """Where a stopped run can resume from, for the one line a signal or a hard exit ends the run with."""
     return "no run had started" if trainer is None else trainer.resume_note()
@@ -130,6 +152,8 @@ def train_main(argv: list[str]) -> int:
 
         if args.local:
             warn_local_pools(config)
+        else:
+            check_ray_address()
         with signals_stop_the_run(graceful=lambda: config.trainer.save_on_signal and run["trainer"] is not None) \
                 as request, hard_exits_reported(prog, lambda: _last_checkpoint_note(run["trainer"])):
             trainer = run["trainer"] = RLTrainer(config, mode="local" if args.local else None)
@@ -169,6 +193,9 @@ def _supervised_main(kind: str, argv: list[str]) -> int:
             print(dump_yaml(config), end="")
             return 0
         from hybridflow.trainers.supervised import run_supervised
+
+        if not args.local:
+            check_ray_address()
 
         with signals_stop_the_run(), hard_exits_reported(prog):
             result = run_supervised(config, mode="local" if args.local else None)
