@@ -54,9 +54,12 @@ class PipelinedSampling:
     """Generates on the rollout pool k batches ahead (a sampling strategy: ``sample(prompts, seed, ...)``)."""
 
     def __init__(self, *, actor, rollout, loader, score, max_staleness: int, samples_per_prompt: int,
-                 run_seed: int, tis_cap: float | None) -> None:
-        """``score(batch)``: ``RLTrainer.score`` (reference, critic, reward, old log-probs as futures)."""
+                 run_seed: int, tis_cap: float | None, episodes=None) -> None:
+        """``score(batch)``: ``RLTrainer.score`` (reference, critic, reward, old log-probs as futures); ``episodes``:
+        the run's ``EpisodeSampling`` (``env``), whose job the replicas run (``generate_episodes``) in place of
+        single responses, on the same schedule."""
         self.actor, self.rollout, self.loader, self.score = actor, rollout, loader, score
+        self.episodes = episodes
         self.max_staleness, self.samples_per_prompt, self.run_seed = max_staleness, samples_per_prompt, run_seed
         self.queue: list[InFlight] = []
         self.step = 0
@@ -96,9 +99,10 @@ class PipelinedSampling:
         batch.meta_info[TRAINING_EXACT_LOGPROBS] = bool(batch.meta_info.get(TRAINING_EXACT_LOGPROBS)) and staleness == 0
         batch["policy_version"] = np.full(len(batch), head.version)
         batch = self.score(batch)
+        episode_metrics = self.episodes.observe(batch) if self.episodes is not None else {}
         return Experience(prompts=head.prompts, batch=batch,
                           sampling_metrics={**staleness_metrics(batch, trained_version=self.step - 1),
-                                            **self.sync_metrics,
+                                            **self.sync_metrics, **episode_metrics,
                                             "async/wait_generation_s": waited})
 
     def _next_index(self) -> int:
@@ -111,12 +115,15 @@ class PipelinedSampling:
             return
         if self.synced_version != version:
             self._sync(version)
+        generate = self.rollout.generate_sequences if self.episodes is None else self.rollout.generate_episodes
         for item in pending:
             item.version = version
             item.prompts.meta_info.update(seed=self.run_seed * 1_000_003 + item.index,
                                           samples_per_prompt=self.samples_per_prompt)
             item.prompts["uid"] = np.arange(len(item.prompts))
-            item.future = self.rollout.generate_sequences.future(item.prompts)
+            if self.episodes is not None:
+                self.episodes.prepare(item.prompts)
+            item.future = generate.future(item.prompts)
 
     def _sync(self, version: int) -> None:
         """The actor's weights, bucketed in the generation dtype with checksums, to every rollout replica, issued

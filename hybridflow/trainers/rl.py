@@ -150,7 +150,7 @@ class RLTrainer:
                 actor=self.actor, rollout=rollout, loader=self.loader, score=self.score,
                 max_staleness=self.config.asynchrony.max_staleness,
                 samples_per_prompt=self.config.batch.samples_per_prompt, run_seed=self.config.trainer.seed,
-                tis_cap=self.config.actor.loss.tis_cap)
+                tis_cap=self.config.actor.loss.tis_cap, episodes=self.sampling if self.episode_job else None)
             if not rollout.is_local:  # a replica lost while the trainer trains stops the run within seconds
                 self.replica_monitor = LivenessMonitor(rollout, timeout_s=self.config.trainer.worker_timeout_s)
 

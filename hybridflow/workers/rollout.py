@@ -3,8 +3,9 @@
 With a ``rollout`` role in ``placement.roles`` the rollout replicas run in processes of their own (asynchronous
 RL, docs/async.md): each rank is one generation replica (pg = tg = 1) that holds the whole policy in the
 generation dtype, no optimizer and no gradients. Its weights arrive from the actor through ``sync_weights``
-(bucketed, with a version and per-tensor checksums: ``engine/weight_sync.py``); ``generate_sequences`` answers
-like the actor's, every output stamped with the version of the weights that generated it.
+(bucketed, with a version and per-tensor checksums: ``engine/weight_sync.py``); ``generate_sequences`` and
+``generate_episodes`` (multi-turn episodes, ``env``) answer like the actor's, every output stamped with the version
+of the weights that generated it.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from hybridflow.engine.rollout import GenerationShard, Rollout, rollout_class
 from hybridflow.engine.weight_sync import WeightPayload, unpack_weights, verify_weights
 from hybridflow.parallel.layout import GenerationLayout, ParallelLayout
 from hybridflow.protocol import DataProto
-from hybridflow.workers.actor import GENERATION_OVERRIDES, TRAINING_EXACT_LOGPROBS, WEIGHT_VERSION
+from hybridflow.workers.actor import GENERATION_OVERRIDES, TRAINING_EXACT_LOGPROBS, WEIGHT_VERSION, episodes_batch
 from hybridflow.workers.base import ROLLOUT_TEMPERATURE
 from hybridflow.workers.spec import EngineSpec
 
@@ -101,9 +102,7 @@ class RolloutWorker(Worker):
         if self.rollout is None:
             raise RuntimeError("the rollout worker has no weights yet: the driver syncs them before generating")
         meta = prompts.meta_info
-        config = self.spec.generation.for_call(self.spec.tokens, seed=int(meta.get("seed", 0)) * 1_000_003 + self.rank,
-                                               samples_per_prompt=int(meta.get("samples_per_prompt", 1)))
-        config = dataclasses.replace(config, **{key: meta[key] for key in GENERATION_OVERRIDES if key in meta})
+        config = self._call_config(meta)
         output = self.rollout.generate(prompts["input_ids"].to(self.device),
                                        prompts["attention_mask"].to(self.device), config)
         samples = config.samples_per_prompt
@@ -113,3 +112,22 @@ class RolloutWorker(Worker):
                                    meta_info={**meta, ROLLOUT_TEMPERATURE: temperature,
                                               TRAINING_EXACT_LOGPROBS: self.rollout.logprobs_match_training,
                                               WEIGHT_VERSION: self.version})
+
+    @register("3D_ALL_MICRO_DP")
+    def generate_episodes(self, prompts: DataProto) -> DataProto:
+        """As ``ActorWorker.generate_episodes``, with the weights of the last sync: the same ``EpisodeJob``
+        (``prompts.meta_info["episode_job"]``) runs this replica's episodes on its rollout's requests, the
+        environments and tools in this process; the batch is the actor's (token-exact ids, the loss mask 1 only on
+        sampled tokens, each episode's record), stamped with the version that generated it."""
+        if self.rollout is None:
+            raise RuntimeError("the rollout worker has no weights yet: the driver syncs them before generating")
+        config = self._call_config(prompts.meta_info)
+        result = prompts.meta_info["episode_job"].run(self.rollout, prompts, config)
+        return episodes_batch(prompts, config, self.rollout, result)
+
+    def _call_config(self, meta: dict):
+        """The sampling config of one generation call: the actor's defaults with ``meta``'s overrides; each replica
+        draws its own noise (the seed and the rank)."""
+        config = self.spec.generation.for_call(self.spec.tokens, seed=int(meta.get("seed", 0)) * 1_000_003 + self.rank,
+                                               samples_per_prompt=int(meta.get("samples_per_prompt", 1)))
+        return dataclasses.replace(config, **{key: meta[key] for key in GENERATION_OVERRIDES if key in meta})

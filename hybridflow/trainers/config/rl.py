@@ -537,9 +537,6 @@ class RLConfig:
             require(not estimator.baseline_generation, "algorithm.advantage_estimator",
                     self.algorithm.advantage_estimator,
                     "an estimator without a greedy baseline generation with placement.roles.rollout")
-            require(self.env is None, "env", "a section",
-                    "null with placement.roles.rollout (episodes run on the actor's own rollout; the pipelined "
-                    "schedule generates single responses)")
             require(self.actor.lora is None, "actor.lora", "a section",
                     "null with placement.roles.rollout (the rollout pool receives whole weights, not adapters)")
         self.derived()  # raises on inconsistent sizes before any worker starts
