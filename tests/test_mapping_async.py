@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from hybridflow.data.builtin import ASSETS_DIR
-from hybridflow.mapping import Cluster, Dataflow, Plan, Workload, load_hardware, plan, simulate_plan
+from hybridflow.mapping import Cluster, Dataflow, Plan, Workload, load_hardware, model_spec, plan, simulate_plan
 from hybridflow.mapping import overlap
 from hybridflow.mapping.hardware import HardwareProfile
 from hybridflow.mapping.plan import OverlapSeconds
@@ -131,19 +131,16 @@ def test_a_plan_with_a_rollout_pool_round_trips_through_its_config_fragment_with
         assert again.overlap == candidate.overlap
 
 
-def test_the_weight_sync_is_paid_by_both_sides_and_grows_with_the_replicas_it_feeds():
+def test_the_weight_sync_crosses_once_to_every_node_of_the_rollout_pool_and_not_at_all_inside_one():
     simulator = Simulator(workload=WORKLOAD, cluster=_cluster(8))
-    from hybridflow.mapping import model_spec
-
     spec = model_spec("llama-7b")
-    send, receive_one = overlap.weight_sync_seconds(simulator, spec, actor_devices=4, rollout_devices=1,
-                                                    crosses_nodes=False)
-    _, receive_four = overlap.weight_sync_seconds(simulator, spec, actor_devices=4, rollout_devices=4,
-                                                  crosses_nodes=False)
+    send, local = overlap.weight_sync_seconds(simulator, spec, actor_devices=4, remote_nodes=0)
+    _, two_nodes = overlap.weight_sync_seconds(simulator, spec, actor_devices=4, remote_nodes=2)
     payload = spec.num_params(head="lm") * 2  # bf16
-    bandwidth, latency = simulator.link(False)
-    assert receive_four - receive_one == pytest.approx(3 * (latency + payload / bandwidth))
-    assert send > overlap.PAYLOAD_PASSES * payload / simulator.memory_bandwidth  # the gather comes first
+    bandwidth, latency = simulator.link(True)
+    assert local == pytest.approx(overlap.PAYLOAD_PASSES * payload / simulator.memory_bandwidth)
+    assert two_nodes - local == pytest.approx(2 * (latency + payload / (8 * bandwidth)))
+    assert send > local  # the same passes, after the gather over the actor's 4 devices
 
 
 # ---- the trainer's config ------------------------------------------------------------------------------

@@ -14,9 +14,10 @@ resharding). On CPU profiles, processes busy at once share the node's cores: whi
 process of both pools is busy, so each stage is costed at the share of all N processes.
 
 The weight sync (``ActorWorker.generation_weights`` then ``RolloutWorker.sync_weights``) is costed as the
-trainer's all-gather of the policy over the actor's pool, a cast-and-pack copy and a checksum pass on rank 0
-(send: on the trainer's timeline), the payload's transfer from rank 0 to each replica in turn over the link
-between the pools, and an unpack copy and a verifying pass on each replica (receive: on the rollout pool's).
+trainer's all-gather of the policy over the actor's pool and ``PAYLOAD_PASSES`` over the payload on rank 0 (send:
+on the trainer's timeline); the payload's transfer, through Ray's object store, once to each node of the rollout
+pool other than the trainer's (in turn, each over one node's share of the inter-node links; the replicas of a
+node read its one copy), and ``PAYLOAD_PASSES`` on each replica (receive: on the rollout pool's timeline).
 Not modeled: the driver's own work between calls (rewards, advantages) and the per-call costs of the single
 controller (docs/mapping.md, "Limits").
 """
@@ -37,7 +38,8 @@ from hybridflow.mapping.strategy import RoleStrategy
 REPLICA = RoleStrategy(layout="fsdp", generation_pp_size=1, generation_tp_size=1)
 """A rollout replica's layout: the whole model on one device (workers/rollout.py runs pg = tg = 1)."""
 PAYLOAD_PASSES = 3
-"""Memory passes over the payload on each side of a sync: a copy (read and write) and a checksum read."""
+"""Memory passes over the payload on each side of a sync. Trainer: the cast-and-pack copy into buckets, the
+checksums, the copy into the object store. Replica: the unpack copy, the verifying checksums, the load."""
 
 
 class TrainingPoolPlanner(Planner):
@@ -77,16 +79,18 @@ def replica_generation_seconds(simulator: Simulator, spec: ModelSpec, num_device
     return None if generated is None else generated[0]
 
 
-def weight_sync_seconds(simulator: Simulator, spec: ModelSpec, *, actor_devices: int, rollout_devices: int,
-                        crosses_nodes: bool) -> tuple[float, float]:
+def weight_sync_seconds(simulator: Simulator, spec: ModelSpec, *, actor_devices: int,
+                        remote_nodes: int) -> tuple[float, float]:
     """(send, receive) seconds of one weight sync of ``spec`` in the generation dtype: the all-gather over the
     actor's ``actor_devices`` and ``PAYLOAD_PASSES`` over the payload on rank 0; its transfer to each of the
-    ``rollout_devices`` replicas in turn and ``PAYLOAD_PASSES`` on each (they run in parallel)."""
+    rollout pool's ``remote_nodes`` nodes in turn (0: the pools share the trainer's node and its object store) and
+    ``PAYLOAD_PASSES`` on every replica (in parallel)."""
     payload = spec.num_params(head="lm") * simulator.element_bytes_of(spec)
     passes = PAYLOAD_PASSES * payload / simulator.memory_bandwidth
     send = simulator.all_gather_seconds(payload, actor_devices, actor_devices) + passes
-    bandwidth, latency = simulator.link(crosses_nodes)
-    receive = rollout_devices * (latency + payload / bandwidth) + passes
+    bandwidth, latency = simulator.link(True)  # per device: a node's transfer has the links of its devices
+    node_bandwidth = bandwidth * simulator.cluster.node_size
+    receive = remote_nodes * (latency + payload / node_bandwidth) + passes
     return send, receive
 
 
@@ -115,8 +119,9 @@ def with_rollout_pool(planner: Planner, training: Plan, rollout_pool: PoolPlan, 
     generation = replica_generation_seconds(simulator, spec, rollout)
     if generation is None:
         return None
+    remote_nodes = 0 if total <= cluster.node_size else len(rollout_pool.devices_per_node)
     send, receive = weight_sync_seconds(simulator, spec, actor_devices=training.pool_of(actor).num_devices,
-                                        rollout_devices=rollout, crosses_nodes=total > cluster.node_size)
+                                        remote_nodes=remote_nodes)
     assert training.stage_seconds is not None and training.pool_stage_seconds is not None
     overlap = OverlapSeconds(receive=receive, generation=generation, send=send,
                              preparation=training.stage_seconds["preparation"],
@@ -128,30 +133,36 @@ def with_rollout_pool(planner: Planner, training: Plan, rollout_pool: PoolPlan, 
                    pool_stage_seconds=pool_stage_seconds, backend=planner.backend.name)
 
 
-def rollout_pool_plans(planner: Planner, max_staleness: int) -> list[Plan]:
+def rollout_pool_plans(planner: Planner, staleness_values: Sequence[int]) -> list[Plan]:
     """For every rollout pool size R (a pool size of the planner's granularity leaving a valid training
-    cluster), the fastest training placement on the other devices beside R generation replicas, as a plan with
-    ``async.max_staleness`` = ``max_staleness``, fastest first. Empty for a dataflow that generates more than
-    once per step (the pipelined schedule generates one batch per step)."""
+    cluster) and every k of ``staleness_values``, the fastest training placement on the other devices beside R
+    generation replicas, as a plan with ``async.max_staleness`` k, fastest first. Empty for a dataflow that
+    generates more than once per step (the pipelined schedule generates one batch per step)."""
     if planner.dataflow.generation_passes != 1:
         return []
     cluster = planner.cluster
     total, node = cluster.num_devices, cluster.node_size
+    shares_cores = cluster.hardware.compute_units_per_node > 0
     plans = []
     for rollout in cluster.device_counts(planner.granularity):
         rest = total - rollout
         if rest < 1 or (rest > node and rest % node) or not cluster.fits_nodes([rollout, rest]):
             continue
-        trainer = training_planner(planner, training_devices=rest, rollout_devices=rollout,
-                                   max_staleness=max_staleness)
-        try:
-            training = trainer.search()[0]
-        except ValueError:  # the roles do not fit the devices left
-            continue
         pool = PoolPlan(name=ROLLOUT_ROLE, roles=(ROLLOUT_ROLE,), devices_per_node=tuple(cluster.pool_nodes(rollout)))
-        candidate = with_rollout_pool(planner, training, pool, max_staleness)
-        if candidate is not None:
-            plans.append(candidate)
+        searched: dict[bool, Plan | None] = {}  # overlapping or not -> the training side (the same without cores)
+        for max_staleness in staleness_values:
+            overlapping = bool(max_staleness) and shares_cores
+            if overlapping not in searched:
+                trainer = training_planner(planner, training_devices=rest, rollout_devices=rollout,
+                                           max_staleness=int(overlapping))
+                try:
+                    searched[overlapping] = trainer.search()[0]
+                except ValueError:  # the roles do not fit the devices left
+                    searched[overlapping] = None
+            training = searched[overlapping]
+            candidate = None if training is None else with_rollout_pool(planner, training, pool, max_staleness)
+            if candidate is not None:
+                plans.append(candidate)
     return sorted(plans, key=lambda plan: plan.total_seconds)
 
 

@@ -514,7 +514,7 @@ def plan(dataflow: Dataflow | str, models: Mapping[str, str | ModelSpec], worklo
     ranked = planner.search()
     if max_staleness:
         # sorted is stable: on a tie the synchronous placement (listed first) wins
-        ranked = sorted(ranked + rollout_pool_plans(planner, 0) + rollout_pool_plans(planner, max_staleness),
+        ranked = sorted(ranked + rollout_pool_plans(planner, (0, max_staleness)),
                         key=lambda candidate: candidate.total_seconds)
     return replace(ranked[0], alternatives=tuple(ranked[1:top]))
 
