@@ -24,7 +24,8 @@ from hybridflow.mapping import Plan, simulate_plan
 from hybridflow.trainers.auto_mapping import planning_inputs
 from hybridflow.trainers.config.rl import RLConfig, load_rl_config
 
-SPLIT = ["placement.pools={trainer: [1], gen: [1]}", "placement.roles={actor: trainer, reference: trainer, rollout: gen}"]
+SPLIT = ["placement.pools={trainer: [1], gen: [1]}",
+         "placement.roles={actor: trainer, reference: trainer, rollout: gen}"]
 PLACEMENTS = {
     "colocated": ["placement.pools={cluster: [2]}", "placement.roles={actor: cluster, reference: cluster}"],
     "split-k0": SPLIT + ["async.max_staleness=0"],

@@ -112,8 +112,9 @@ def test_on_a_cpu_node_the_overlapping_pools_share_its_cores():
     def replica_seconds(cores: int, max_staleness: int) -> float:
         best = plan(ACTOR_ONLY, MODELS, WORKLOAD, _cluster(2, compute_units_per_node=cores),
                     max_staleness=max(max_staleness, 1))
-        return next(candidate for candidate in (best, *best.alternatives)
-                    if candidate.rollout_pool is not None and candidate.max_staleness == max_staleness).overlap.generation
+        chosen = next(candidate for candidate in (best, *best.alternatives)
+                      if candidate.rollout_pool is not None and candidate.max_staleness == max_staleness)
+        return chosen.overlap.generation
 
     assert replica_seconds(1, 1) == pytest.approx(2 * replica_seconds(2, 1))
     assert replica_seconds(1, 0) == pytest.approx(replica_seconds(2, 1))
@@ -181,3 +182,24 @@ def test_auto_mapping_refuses_a_hand_placed_rollout_pool_and_async_options_a_rol
     with pytest.raises(ValueError, match="algorithm.dynamic_sampling got True"):
         load_rl_config(None, BASE + ["async.max_staleness=1", "algorithm.dynamic_sampling=true"])
     load_rl_config(None, BASE + ["algorithm.dynamic_sampling=true"])  # k = 0: the synchronous search only
+
+
+def test_hybridflow_plan_weighs_rollout_pools_with_max_staleness_and_writes_the_async_keys(tmp_path, capsys):
+    import yaml
+
+    from hybridflow.mapping.cli import plan_main
+
+    argv = ["--algorithm", "grpo", "--actor", "llama-7b", "--reward", "none", "--devices", "16", "--prompt-len",
+            "1024", "--response-len", "1024", "--batch", "256", "--samples-per-prompt", "4", "--mini-batch", "256",
+            "--hardware", "a100-80g"]
+    assert plan_main(argv) == 0
+    assert "(k=" not in capsys.readouterr().out  # without --max-staleness: the paper's search only
+    path = tmp_path / "plan.yaml"
+    assert plan_main(argv + ["--max-staleness", "1", "--write", str(path)]) == 0
+    printed = capsys.readouterr().out
+    assert "chosen: " in printed and "(k=1)" in printed
+    fragment = yaml.safe_load(path.read_text())
+    written = Plan.from_config_fragment(fragment)
+    assert written.max_staleness == (1 if written.rollout_pool is not None else 0)
+    assert plan_main(argv + ["--max-staleness", "-1"]) == 2
+    assert "max_staleness (async.max_staleness) must be an integer >= 0, got -1" in capsys.readouterr().err

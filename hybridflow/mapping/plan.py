@@ -273,8 +273,8 @@ class Plan:
                 best_of[other.mode] = other
         if not best_of:
             return ""
-        others = "; ".join(f"{mode} {other.placement_label} on {other.allocation_label} devices {other.total_seconds:.3g}s"
-                           for mode, other in best_of.items())
+        others = "; ".join(f"{mode} {other.placement_label} on {other.allocation_label} devices "
+                           f"{other.total_seconds:.3g}s" for mode, other in best_of.items())
         return f"chosen: {self.mode}, {self.total_seconds:.3g}s per step, against {others}"
 
 
