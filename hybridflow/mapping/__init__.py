@@ -26,7 +26,8 @@ from hybridflow.mapping.workload import Workload
 
 __all__ = [
     "Cluster", "DATAFLOWS", "STAGES", "Dataflow", "dataflow", "HardwareProfile", "load_hardware",
-    "KNOWN_MODELS", "ModelSpec", "model_spec", "OverlapSeconds", "Plan", "PoolPlan", "format_table", "spearman_correlation",
+    "KNOWN_MODELS", "ModelSpec", "model_spec", "OverlapSeconds", "Plan", "PoolPlan", "format_table",
+    "spearman_correlation",
     "ROLLOUT_BACKENDS", "RolloutBackend", "rollout_backend",
     "Planner", "plan", "set_partitions", "simulate_plan", "RoleStrategy", "Workload",
 ]
