@@ -12,9 +12,9 @@ from hybridflow.data.builtin import ASSETS_DIR
 from hybridflow.mapping import Cluster, Dataflow, Plan, Workload, load_hardware, model_spec, plan, simulate_plan
 from hybridflow.mapping import overlap
 from hybridflow.mapping.hardware import HardwareProfile
-from hybridflow.mapping.plan import OverlapSeconds
+from hybridflow.mapping.plan import ROLLOUT_ROLE, OverlapSeconds
 from hybridflow.mapping.simulator import Simulator
-from hybridflow.trainers.config.rl import load_rl_config
+from hybridflow.trainers.config.rl import ROLLOUT_ROLE as CONFIG_ROLLOUT_ROLE, load_rl_config
 
 ACTOR_ONLY = Dataflow(name="grpo", roles={"actor": "actor"})
 MODELS = {"actor": str(ASSETS_DIR)}
@@ -159,6 +159,7 @@ def test_auto_mapping_gives_the_trainer_a_rollout_pool_and_the_users_staleness_w
     _constructed_costs(monkeypatch, floor=1.0, generation=0.2, preparation=0.1, training=0.4)
     config = load_rl_config(None, BASE + [f"async.max_staleness={staleness}"])
     resolved, chosen = resolve_auto_mapping(config)  # resolved is an RLConfig: built, hence validated
+    assert ROLLOUT_ROLE == CONFIG_ROLLOUT_ROLE  # the planner sits below the config and names the role itself
     assert chosen.mode == f"split async k={staleness}"
     assert resolved.placement.mapping == "manual" and resolved.placement.rollout_pool == "rollout"
     assert resolved.asynchrony.max_staleness == staleness

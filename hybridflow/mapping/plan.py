@@ -6,11 +6,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from hybridflow.mapping.dataflow import STAGES
+from hybridflow.mapping.rollout import rollout_backend
+from hybridflow.mapping.strategy import RoleStrategy
 
 ROLLOUT_ROLE = "rollout"
 """The ``placement.roles`` key of a pool of generation replicas of its own (hybridflow.trainers.config.rl)."""
-from hybridflow.mapping.rollout import rollout_backend
-from hybridflow.mapping.strategy import RoleStrategy
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,8 +43,8 @@ class OverlapSeconds:
     score and train."""
 
     receive: float
-    """Rollout pool: the weight payload's transfer from the trainer's rank 0 to every replica, unpacking and
-    verifying it."""
+    """Rollout pool: the weight payload's transfer from the trainer's rank 0 to each of the pool's other nodes,
+    unpacking and verifying it on every replica."""
     generation: float
     """Rollout pool: generating the step's samples (one replica per device, pg = tg = 1)."""
     send: float
