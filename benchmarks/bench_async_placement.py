@@ -74,6 +74,10 @@ def measure(config: RLConfig) -> dict[str, float]:
     finally:
         trainer.shutdown()
     wait = [metrics.get("async/wait_generation_s", 0.0) for metrics in history[1:]]
+    phases = sorted(name for name in history[-1] if name.startswith("time/") and name.endswith("_s"))
+    print("  measured phases (mean s, steps 2..N): " + ", ".join(
+        f"{name[5:]} {sum(metrics.get(name, 0.0) for metrics in history[1:]) / (len(history) - 1):.3f}"
+        for name in phases), flush=True)
     return {"steps_per_s": (len(stamps) - 1) / (stamps[-1] - stamps[0]), "wait_generation_s": sum(wait) / len(wait),
             "load_before": load_before, "load_after": os.getloadavg()[0]}
 
