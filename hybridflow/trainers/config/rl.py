@@ -283,7 +283,9 @@ class PlacementSection:
     ``rollout`` -> a pool of its own gives generation its own processes (docs/async.md); left out, the actor
     generates itself through the 3D-HybridEngine."""
     mapping: Literal["manual", "auto"] = "manual"
-    """``auto``: the pools' devices form the cluster and hybridflow.mapping picks pools, roles and parallel sizes."""
+    """``auto``: the pools' devices form the cluster and hybridflow.mapping picks pools, roles and parallel sizes;
+    with ``async.max_staleness`` k >= 1 also whether a rollout pool of its own (pipelined with staleness k) beats
+    the synchronous placements (docs/async.md, "Placement")."""
     hardware: str = "local"
     """Hardware profile for ``mapping: auto``: ``local`` (this machine as ``hybridflow calibrate`` measured it:
     cpu-local or cuda-local; an error until it has run), a built-in name (a100-80g, ...) or a JSON file."""
@@ -305,7 +307,8 @@ class PlacementSection:
             require(pool in self.pools, f"roles.{role}", pool, ", ".join(self.pools))
         if ROLLOUT_ROLE in self.roles:
             require(self.mapping == "manual", "mapping", self.mapping,
-                    "'manual' with roles.rollout (the planner does not model a rollout pool yet: docs/async.md)")
+                    "'manual' with roles.rollout (with mapping 'auto' the planner sizes the rollout pool itself when "
+                    "async.max_staleness >= 1: leave roles.rollout out; docs/async.md, \"Placement\")")
             shared = sorted(role for role in ROLES if self.pool_of(role) == self.roles[ROLLOUT_ROLE])
             require(not shared, "roles.rollout", self.roles[ROLLOUT_ROLE],
                     f"a pool no other role uses (it holds {', '.join(shared)}); without a pool of its own the actor "
@@ -523,15 +526,18 @@ class RLConfig:
                 self.algorithm.overlong_buffer_length,
                 f"an integer <= actor.generation.max_new_tokens = {max_new_tokens}")
         self._check_lora_reference()
+        # with mapping auto, k >= 1 lets the planner choose a rollout pool: the run must allow one
+        may_split = self.placement.mapping == "auto" and self.asynchrony.max_staleness > 0
         if self.asynchrony.max_staleness > 0:
-            require(self.placement.rollout_pool is not None, "async.max_staleness", self.asynchrony.max_staleness,
+            require(self.placement.rollout_pool is not None or may_split, "async.max_staleness",
+                    self.asynchrony.max_staleness,
                     "0 unless placement.roles.rollout names a pool of its own (stale batches are generated there "
-                    "while the actor trains)")
+                    "while the actor trains) or placement.mapping is 'auto' (the planner chooses)")
         if self.actor.routing_replay:
             require(self.env is None and self.placement.rollout_pool is None, "actor.routing_replay", True,
                     "false with env.class or placement.roles.rollout (episodes run on rollout requests, which do not "
                     "record routing, and a rollout pool's replicas do not record it either)")
-        if self.placement.rollout_pool is not None:
+        if self.placement.rollout_pool is not None or may_split:
             require(not self.algorithm.dynamic_sampling, "algorithm.dynamic_sampling", True,
                     "false with placement.roles.rollout (the pipelined schedule draws one batch per step)")
             require(not estimator.baseline_generation, "algorithm.advantage_estimator",
