@@ -451,7 +451,13 @@ def test_a_driver_killed_mid_generation_then_mid_checkpoint_resumes_to_train_eac
     assert (partial / "in_flight.pt").is_file() and (partial / "actor").is_dir()
     assert not (partial / "driver.json").exists()  # killed mid-checkpoint: never a resume point
     assert _gone(workers, within_s=60.0)
-    after, resumed = _fit(_config(data_dir, run, *RAY_RUN))  # resumes from step 2
+    trainer = RLTrainer(_config(data_dir, run, *RAY_RUN), tensorboard=False)  # resumes from step 2
+    assert not partial.exists()  # removed by the resume, not left until step 3 is saved again
+    after = _record_learns(trainer)
+    try:
+        resumed = trainer.fit()
+    finally:
+        trainer.shutdown()
     assert len(after) == 2 * PROMPTS_PER_STEP
     assert kept + after == uninterrupted  # every prompt trained exactly once, by the uninterrupted run's step
     assert sorted(path.name for path in checkpoints.glob("step_*")) == [f"step_{step:06d}" for step in range(1, 5)]

@@ -412,6 +412,8 @@ class RLTrainer:
     def _check_resume(self) -> Path | None:
         """The checkpoint to resume from, announced with the config changes since it was written; a change beyond
         the loop and layout keys is refused unless ``trainer.allow_config_change``."""
+        for name in self.checkpointer.remove_unfinished():  # this run holds the directory: no save is under way
+            print(f"resume: removed {name}, a checkpoint the stopped run did not finish", flush=True)
         path = self.checkpointer.resume_point()
         if path is None:
             return None
