@@ -9,9 +9,9 @@ from typing import Any, Iterator
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from hybridflow.controller.errors import WorkerTimeoutError
-from hybridflow.controller.future import (WATCHDOG_INTERVAL_S, Future, FutureValue, gather, output_pad, resolve_pad,
-                                         wait_all)
+from hybridflow.controller.errors import WorkerError, WorkerLostError, WorkerTimeoutError
+from hybridflow.controller.future import (WATCHDOG_INTERVAL_S, Future, FutureValue, fetch_one, gather, output_pad,
+                                         resolve_pad, wait_all)
 from hybridflow.controller.host import (RoleSpec, WorkerHost, build_roles, driver_thread_limit, run_method,
                                        threads_per_worker)
 from hybridflow.controller.local import call_deadline, init_local_process_group
@@ -257,6 +257,11 @@ class WorkerGroup:
         return self._hosts._claimed
 
     @property
+    def process_roles(self) -> tuple[str, ...]:
+        """Every role this group's processes host: its own and those colocated with it."""
+        return tuple(self._hosts.roles)
+
+    @property
     def hosts_one_role(self) -> bool:
         """Whether this role's processes host no other role (every call they run is this group's)."""
         return len(self._hosts.roles) == 1
@@ -350,7 +355,8 @@ class WorkerGroup:
             try:
                 infos = ray.get(pending)
             except ray.exceptions.RayError:
-                infos = []  # a failed call: its own future reports it; re-read the layout to be safe
+                self._raise_if_lost(pending)  # a call whose process died is reported as itself
+                infos = []  # a call that raised: its own future reports it; re-read the layout to be safe
                 self._mesh_stale = True
             for ref, info in zip(pending, infos):
                 self._mesh_stale |= info[2] != self._mesh_versions[self._pending_infos[ref][0]]
@@ -358,6 +364,18 @@ class WorkerGroup:
         if self._mesh_stale:
             self._mesh = self._query_mesh()
         return self._mesh
+
+    def _raise_if_lost(self, refs: list[ray.ObjectRef]) -> None:
+        """The ``WorkerLostError`` of the first of these finished calls whose process died, naming that call."""
+        for ref in refs:
+            rank, method = self._pending_infos[ref]
+            try:
+                fetch_one(ref, role=self.role, rank=rank, method=method, pid=self._hosts.pids[rank],
+                          node=self._hosts.nodes[rank] if rank < len(self._hosts.nodes) else None)
+            except WorkerLostError:
+                raise
+            except WorkerError:
+                continue
 
     def _query_mesh(self) -> GroupMesh:
         if self.is_local:
