@@ -8,14 +8,16 @@ import math
 from collections import Counter
 
 import pytest
+import torch
 
 from hybridflow.data import write_jsonl
 from hybridflow.data.builtin import ArithmeticTaskConfig, prompt_rows
-from hybridflow.engine.rollout import RolloutRequest, sampling_options
+from hybridflow.engine.rollout import RolloutOutput, RolloutRequest, SamplingOptions, sampling_options
+from hybridflow.protocol import DataProto
 from hybridflow.trainers.config.rl import load_rl_config
 from hybridflow.trainers.rl import RLTrainer
-from hybridflow.trainers.streaming import DRAW_INDEX
-from hybridflow.workers.rollout import StreamWork
+from hybridflow.trainers.streaming import DRAW_INDEX, StreamingSampling
+from hybridflow.workers.rollout import StreamReport, StreamWork
 
 TASK = ArithmeticTaskConfig(max_digits=1)
 DATASET_ROWS = 8
@@ -118,14 +120,71 @@ def test_admitted_samples_are_never_more_than_k_versions_stale_and_some_span_sev
     assert history[0]["async/staleness_max"] == 0  # version 0 trains what version 0 made
     assert any(metrics["async/staleness_max"] == 1 for metrics in history[1:])
     assert any(metrics["async/multi_version_fraction"] > 0 for metrics in history)  # weights changed mid-response
+    assert sum(metrics["async/stale_regenerated_groups"] for metrics in history) == 0  # k steps' worth in flight
     assert all(count == 2 for count in _groups(trained).values())  # a group is trained whole or not at all
 
 
-def test_a_group_that_went_stale_is_regenerated_and_trained_once_fresh(uninterrupted):
-    history, trained = uninterrupted
-    assert sum(metrics["async/stale_regenerated_groups"] for metrics in history) > 0
-    groups = _groups(trained)
-    assert len(groups) == len(history) * 2 and all(count == 2 for count in groups.values())
+class _Done:
+    """A controller future that has finished."""
+
+    def __init__(self, value) -> None:
+        self.value = value
+
+    def get(self):
+        return self.value
+
+
+class _Replicas:
+    """A stand-in for the rollout group: one replica whose polls return the outputs given to ``finish``."""
+
+    world_size, is_local = 1, True
+
+    def __init__(self) -> None:
+        self.works: list[StreamWork] = []
+        self.outputs: list[RolloutOutput] = []
+        self.stream = self
+
+    def future(self, work: list[StreamWork]) -> _Done:
+        self.works.append(work[0])
+        outputs, self.outputs = self.outputs, []
+        return _Done([StreamReport(finished=outputs, version=None, pending=0, logprobs_match_training=False)])
+
+
+def _output(request_id: str, versions: tuple[int, ...]) -> RolloutOutput:
+    return RolloutOutput(request_id, (1, 2), tuple(range(len(versions))), (-1.0,) * len(versions), versions, "stop")
+
+
+def test_the_stale_rule_aborts_and_regenerates_a_group_older_than_k_and_ignores_its_late_outputs():
+    replicas = _Replicas()
+    options = SamplingOptions(max_new_tokens=4)
+    sampling = StreamingSampling(actor=None, rollout=replicas, loader=None, score=None, options=options,
+                                 max_staleness=1, prompts_per_step=2, samples_per_prompt=2, decode_tokens=2,
+                                 run_seed=0, tis_cap=2.0)
+    prompts = DataProto.from_dict(tensors={"input_ids": torch.tensor([[0, 1, 2], [3, 4, 5]]),
+                                           "attention_mask": torch.tensor([[0, 1, 1], [1, 1, 1]])},
+                                  non_tensors={"row_index": [0, 1]})
+    sampling.waiting = sampling._groups(prompts)
+    sampling.weights.version = 0
+    sampling._issue()  # both prompts submitted with version 0
+    assert [request.request_id for request in replicas.works[0].submit] == ["0:0:0", "0:0:1", "1:0:0", "1:0:1"]
+    assert replicas.works[0].submit[0].prompt_ids == (1, 2) and replicas.works[0].submit[2].prompt_ids == (3, 4, 5)
+    sampling._poll()
+    replicas.outputs = [_output("0:0:0", (0, 1)), _output("0:0:1", (0, 0))]
+    sampling.weights.version = 1
+    sampling._poll()  # prompt 0 finished (oldest token: version 0), prompt 1 still running
+    assert list(sampling.ready) == [0] and list(sampling.running) == [1]
+
+    sampling._restart_stale(trained=1)  # staleness 1 = k: nothing to do
+    assert list(sampling.ready) == [0] and sampling.regenerated == 0
+    sampling._restart_stale(trained=2)  # both groups hold a version-0 token: 2 versions stale
+    assert sampling.ready == {} and sampling.running == {} and sampling.regenerated == 2
+    assert [(group.draw_index, group.attempt) for group in sampling.waiting] == [(0, 1), (1, 1)]
+    sampling.weights.version = 2
+    replicas.outputs = [_output("1:0:0", (0, 1, 2)), _output("1:0:1", (0, 1, 2))]  # the dropped attempt, late
+    sampling._poll()
+    assert set(replicas.works[-1].abort) == {"1:0:0", "1:0:1"}  # the running group's requests, aborted
+    assert [request.request_id for request in replicas.works[-1].submit] == ["0:1:0", "0:1:1", "1:1:0", "1:1:1"]
+    assert sampling.ready == {} and all(group.submitted_version == 2 for group in sampling.running.values())
 
 
 def test_a_streaming_grpo_run_trains_with_finite_losses(uninterrupted):
@@ -175,3 +234,19 @@ def test_streaming_needs_staleness_and_a_backend_that_takes_weights_in_flight(da
     with pytest.raises(ValueError, match="actor.generation.backend got 'vllm'; allowed: a backend that takes new "
                                          "weights between decode steps with async.mode=streaming: native"):
         _config(data_dir, tmp_path, "actor.generation.backend=vllm")
+
+
+@pytest.mark.slow
+def test_on_ray_the_replica_decodes_while_the_step_trains_and_admits_nothing_staler_than_k(data_dir, tmp_path):
+    """Two processes: the polls overlap the actor's update (rounds for as long as the last step trained), the
+    weights reach the replica as a future between rounds, and the admission bound holds."""
+    config = _config(data_dir, tmp_path / "ray", "placement.runtime=ray", "trainer.total_steps=4")
+    trainer = RLTrainer(config, tensorboard=False)
+    try:
+        history = trainer.fit()
+        assert trainer.groups["rollout"].weight_version() == [3]
+    finally:
+        trainer.shutdown()
+    assert [metrics["async/weight_version"] for metrics in history] == [0, 1, 2, 3]
+    assert all(metrics["async/staleness_max"] <= 1 for metrics in history)
+    assert all(metrics["async/sync_bytes"] > 0 and metrics["async/sync_verify_s"] > 0 for metrics in history)

@@ -6,10 +6,10 @@ Versions: version v is the policy after v RL steps; step s trains version s - 1.
 sends version s - 1 to the replicas (queued behind the poll in progress, so it lands between two decode steps
 of the requests in flight: a response may span versions, ``RolloutOutput.versions`` records each token's). The
 driver polls the replicas (``RolloutWorker.stream``: abort, submit, decode ``async.stream_decode_tokens`` tokens,
-return what finished), keeping (k + 1) x ``prompts_per_step`` groups in flight (running or finished and waiting),
-until ``prompts_per_step`` groups are ready; it admits the ready groups drawn first, and leaves one poll running
-while the step trains (rounds of ``stream_decode_tokens`` for about as long as the previous step trained, so the
-next sync arrives between two rounds of the requests in flight).
+return what finished), keeping k x ``prompts_per_step`` groups in flight (running or finished and waiting), as
+the pipelined mode keeps k batches, until ``prompts_per_step`` groups are ready; it admits the ready groups drawn
+first, and leaves one poll running while the step trains (rounds of ``stream_decode_tokens`` for about as long as
+the previous step trained, so the next sync arrives between two rounds of the requests in flight).
 
 Staleness of a sample: the trained version minus the version of its oldest token. A group is admitted only as a
 whole (all ``samples_per_prompt`` samples finished, GRPO's group) and only while the staleness of each of its
@@ -90,8 +90,10 @@ class StreamingSampling:
         self.max_staleness, self.prompts_per_step, self.samples_per_prompt = (max_staleness, prompts_per_step,
                                                                               samples_per_prompt)
         self.decode_tokens, self.run_seed = decode_tokens, run_seed
-        self.capacity = (max_staleness + 1) * prompts_per_step
-        """Groups in flight at most (running, or finished and not admitted)."""
+        self.capacity = max_staleness * prompts_per_step
+        """Groups in flight at most (running, or finished and not admitted): k steps' worth. A group submitted while
+        step j trains (with version j - 1) is k versions stale at step j + k; more groups in flight would wait longer
+        than that and be generated again."""
         self.num_replicas = rollout.world_size
         self.weights = WeightSync(actor=actor, rollout=rollout)
         self.step = 0
