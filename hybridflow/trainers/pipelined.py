@@ -165,6 +165,9 @@ class PipelinedSampling:
     def load(self, directory: Path) -> None:
         """Put back what ``save`` wrote: the next steps train exactly the batches the interrupted run had made."""
         state = torch.load(directory / IN_FLIGHT_FILE, weights_only=False)
+        if "in_flight" not in state:
+            raise ValueError(f"{directory / IN_FLIGHT_FILE} was written by a streaming run; async.mode=pipelined "
+                             "cannot resume it (resume with the mode it was written with)")
         self.step = state["step"]
         self.queue = [InFlight(index=item["index"], version=item["version"], prompts=item["prompts"],
                                samples=item["samples"]) for item in state["in_flight"]]
