@@ -250,3 +250,9 @@ def test_on_ray_the_replica_decodes_while_the_step_trains_and_admits_nothing_sta
     assert [metrics["async/weight_version"] for metrics in history] == [0, 1, 2, 3]
     assert all(metrics["async/staleness_max"] <= 1 for metrics in history)
     assert all(metrics["async/sync_bytes"] > 0 and metrics["async/sync_verify_s"] > 0 for metrics in history)
+
+
+def test_streaming_refuses_episodes(data_dir, tmp_path):
+    with pytest.raises(ValueError, match="env got 'a section'; allowed: null with"):
+        _config(data_dir, tmp_path, "reward.function=null", "env.class=hybridflow.agents:RewardFunctionEnvironment")
+

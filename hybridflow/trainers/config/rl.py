@@ -560,6 +560,8 @@ class RLConfig:
                     "schedule generates single responses)")
             require(self.actor.lora is None, "actor.lora", "a section",
                     "null with placement.roles.rollout (the rollout pool receives whole weights, not adapters)")
+            require(not self.asynchrony.streaming or self.env is None, "env", "a section",
+                    "null with async.mode=streaming (the streaming driver generates single responses)")
             backend = self.actor.generation.backend
             require(not self.asynchrony.streaming or rollout_backend(backend).in_flight_weights,
                     "actor.generation.backend", backend, "a backend that takes new weights between decode steps "
