@@ -5,7 +5,8 @@ Both runs place the actor on pool ``trainer`` and the generation replica on pool
 k = 0 syncs the weights and generates before every update (the processes take turns), k = 1 generates batch
 i + 1 while batch i trains. `--mode pipelined streaming` runs every k >= 1 in each mode (streaming: requests in flight,
 weights updated between decode rounds; k = 0 is the synchronous step, run once). Prints steps per second over steps
-2..N (step 1 pays the workers' warm-up) and the
+2..N (step 1 pays the workers' warm-up), the mean response length (`--free-lengths`: responses end at EOS instead
+of all being --new-tokens long) and the
 load average before and after each run (the numbers scale with what else the machine runs).
 
 `--checksum` instead times the weight-sync checksum (``tensor_checksum``) of a 16 M-value bf16 tensor against a
@@ -27,10 +28,11 @@ from hybridflow.trainers.rl import RLTrainer
 
 
 def run(staleness: int, *, steps: int, directory: Path, new_tokens: int, prompts: int,
-        mode: str = "pipelined") -> dict[str, float]:
+        mode: str = "pipelined", free_lengths: bool = False) -> dict[str, float]:
     config = load_rl_config(None, [
         f"data.train_path={directory / 'train.jsonl'}", "actor.model.builtin=arithmetic", "reward.function=arithmetic",
-        f"actor.generation.max_new_tokens={new_tokens}", f"actor.generation.min_new_tokens={new_tokens}",
+        f"actor.generation.max_new_tokens={new_tokens}",
+        f"actor.generation.min_new_tokens={0 if free_lengths else new_tokens}",
         "actor.engine.optim.lr=1e-4", "algorithm.advantage_estimator=grpo", f"batch.prompts_per_step={prompts}",
         "batch.samples_per_prompt=4", f"batch.mini_batch_size={prompts * 4}", f"trainer.total_steps={steps}",
         "trainer.progress_bar=false", f"trainer.output_dir={directory / f'{mode}-k{staleness}'}",
@@ -52,7 +54,8 @@ def run(staleness: int, *, steps: int, directory: Path, new_tokens: int, prompts
                 "multi_version": sum(m["async/multi_version_fraction"] for m in history) / len(history)
                 } if mode == "streaming" else {}
     return {"mode": mode, "k": staleness, "steps_per_s": steps_per_s, "sync_s": sync_s, "wait_generation_s": wait_s,
-            **streamed, "sync_mb": history[-1]["async/sync_bytes"] / 2**20, "load_before": load_before,
+            "length_mean": sum(m["response/length_mean"] for m in history) / len(history),
+            "length_min": min(m["response/length_min"] for m in history), **streamed, "sync_mb": history[-1]["async/sync_bytes"] / 2**20, "load_before": load_before,
             "load_after": os.getloadavg()[0]}
 
 
@@ -80,6 +83,8 @@ def main() -> None:
     parser.add_argument("--mode", choices=["pipelined", "streaming"], nargs="+", default=["pipelined"],
                         help="async.mode of the runs with k >= 1 (each k in each mode)")
     parser.add_argument("--new-tokens", type=int, default=24)
+    parser.add_argument("--free-lengths", action="store_true",
+                        help="responses end at EOS (lengths vary) instead of all --new-tokens long")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--checksum", action="store_true", help="time the weight checksum against a copy")
     args = parser.parse_args()
@@ -93,7 +98,7 @@ def main() -> None:
                 for mode in (args.mode if staleness else ["pipelined"])]
         for staleness, mode in runs:
             result = run(staleness, steps=args.steps, directory=directory, new_tokens=args.new_tokens,
-                         prompts=args.prompts, mode=mode)
+                         prompts=args.prompts, mode=mode, free_lengths=args.free_lengths)
             print(" | ".join(f"{key} {value:.3f}" if isinstance(value, float) else f"{key} {value}"
                              for key, value in result.items()), flush=True)
 
