@@ -3,11 +3,11 @@ rollout process, on Ray): `python benchmarks/bench_async.py [--steps 8] [--stale
 
 Both runs place the actor on pool ``trainer`` and the generation replica on pool ``gen`` (one CPU slot each);
 k = 0 syncs the weights and generates before every update (the processes take turns), k = 1 generates batch
-i + 1 while batch i trains. `--mode pipelined streaming` runs every k >= 1 in each mode (streaming: requests in flight,
-weights updated between decode rounds; k = 0 is the synchronous step, run once). Prints steps per second over steps
-2..N (step 1 pays the workers' warm-up), the mean response length (`--free-lengths`: responses end at EOS instead
-of all being --new-tokens long) and the
-load average before and after each run (the numbers scale with what else the machine runs).
+i + 1 while batch i trains. `--mode pipelined streaming` runs every k >= 1 in each mode (streaming: requests in
+flight, weights updated between decode rounds; k = 0 is the synchronous step, run once). Prints steps per second
+over steps 2..N (step 1 pays the workers' warm-up), the mean response length (`--free-lengths`: responses end at
+EOS instead of all being --new-tokens long) and the load average before and after each run (the numbers scale with
+what else the machine runs).
 
 `--checksum` instead times the weight-sync checksum (``tensor_checksum``) of a 16 M-value bf16 tensor against a
 plain copy of it (the cost docs/async.md states).
@@ -55,7 +55,8 @@ def run(staleness: int, *, steps: int, directory: Path, new_tokens: int, prompts
                 } if mode == "streaming" else {}
     return {"mode": mode, "k": staleness, "steps_per_s": steps_per_s, "sync_s": sync_s, "wait_generation_s": wait_s,
             "length_mean": sum(m["response/length_mean"] for m in history) / len(history),
-            "length_min": min(m["response/length_min"] for m in history), **streamed, "sync_mb": history[-1]["async/sync_bytes"] / 2**20, "load_before": load_before,
+            "length_min": min(m["response/length_min"] for m in history), **streamed,
+            "sync_mb": history[-1]["async/sync_bytes"] / 2**20, "load_before": load_before,
             "load_after": os.getloadavg()[0]}
 
 
