@@ -25,6 +25,7 @@ import torch
 from hybridflow.algorithms import AdaptiveKLController, FixedKLController
 from hybridflow.controller import DRIVER_ACTIVITY, LivenessMonitor, WorkerLostError, WorkerTimeoutError
 from hybridflow.data import BatchLoader, PromptDataset, SFTDataset
+from hybridflow.engine.rollout import sampling_options
 from hybridflow.protocol import DataProto
 from hybridflow.rewards import RuleReward
 from hybridflow.trainers.advantage import AdvantageResult, compute_advantages, sequence_kl
@@ -43,6 +44,7 @@ from hybridflow.trainers.preflight import check_sequence_length, max_positions, 
 from hybridflow.trainers.run_dir import claim_run_directory, set_aside_later_metrics
 from hybridflow.trainers.sampling import EpisodeLossMask, build_sampling
 from hybridflow.trainers.scoring import RewardScorer
+from hybridflow.trainers.streaming import StreamingSampling
 from hybridflow.trainers.step import PhaseTimer, Experience, StepResults, first_rank, step_metrics
 
 
@@ -147,11 +149,24 @@ class RLTrainer:
         self.pipeline = None  # a rollout pool of its own: generation runs ahead there (docs/async.md)
         if "rollout" in self.groups:
             rollout = self.groups["rollout"]
-            self.sampling = self.pipeline = PipelinedSampling(
-                actor=self.actor, rollout=rollout, loader=self.loader, score=self.score,
-                max_staleness=self.config.asynchrony.max_staleness,
-                samples_per_prompt=self.config.batch.samples_per_prompt, run_seed=self.config.trainer.seed,
-                tis_cap=self.config.actor.loss.tis_cap, episodes=self.sampling if self.episode_job else None)
+            if self.config.asynchrony.streaming:
+                self.sampling = self.pipeline = self._streaming(rollout, generation)
+            else:
+                self.sampling = self.pipeline = PipelinedSampling(
+                    actor=self.actor, rollout=rollout, loader=self.loader, score=self.score,
+                    max_staleness=self.config.asynchrony.max_staleness,
+                    samples_per_prompt=self.config.batch.samples_per_prompt, run_seed=self.config.trainer.seed,
+                    tis_cap=self.config.actor.loss.tis_cap, episodes=self.sampling if self.episode_job else None)
+
+    def _streaming(self, rollout, generation) -> StreamingSampling:
+        """``async.mode: streaming``: requests in flight on the rollout pool, weights updated between decode steps."""
+        config = self.config
+        return StreamingSampling(
+            actor=self.actor, rollout=rollout, loader=self.loader, score=self.score,
+            options=sampling_options(generation), max_staleness=config.asynchrony.max_staleness,
+            prompts_per_step=config.batch.prompts_per_step, samples_per_prompt=config.batch.samples_per_prompt,
+            decode_tokens=config.asynchrony.stream_decode_tokens, run_seed=config.trainer.seed,
+            tis_cap=config.actor.loss.tis_cap)
 
     def _episode_job(self):
         """What the actor needs to run the step's episodes (``env``), or None for single-turn RL."""
