@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -13,6 +14,7 @@ from hybridflow.controller import (
     Future,
     ResourcePool,
     Worker,
+    WorkerError,
     WorkerGroup,
     driver_fetch_stats,
     lazy_fetch_stats,
@@ -39,7 +41,7 @@ def expected_tokens(prompt_ids: list[int], samples: int = 1) -> torch.Tensor:
 class StageWorker(Worker):
     """A stand-in for generation (expands prompts into long rows) and for scoring (reads them)."""
 
-    @register("ONE_TO_ALL")
+    @register("ONE_TO_ALL", declares_layout=True)
     def declare(self, tp: int) -> None:
         self.set_parallel_layout(ParallelLayout.for_world(self.world_size, tp_size=tp))
 
@@ -81,6 +83,21 @@ class StageWorker(Worker):
     @register("ONE_TO_ALL")
     def count_lists(self, value: list) -> int:
         return len(value)
+
+    @register("ONE_TO_ALL", blocking=False)
+    def wait_for(self, path: str, seconds: float = 60.0) -> bool:
+        """Hold this rank until ``path`` exists (True) or ``seconds`` pass (False)."""
+        deadline = time.monotonic() + seconds
+        while not os.path.exists(path):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+        return True
+
+    @register("ONE_TO_ALL")
+    def redeclare_unflagged(self) -> None:
+        """Declares the layout it already has, without ``declares_layout``: refused after the call."""
+        self.set_parallel_layout(self.parallel_layout)
 
 
 @pytest.fixture
@@ -194,3 +211,26 @@ def test_groups_on_different_pools_run_at_the_same_time(groups):
     intervals = first.get() + second.get()
     # every rank of both groups was busy at one common moment: the calls overlapped, none waited
     assert max(start for start, _ in intervals) < min(end for _, end in intervals)
+
+
+def test_a_layout_driven_call_is_submitted_while_an_earlier_call_still_runs(groups, tmp_path):
+    """Only ``declares_layout`` calls hold back a layout-driven submission: the asynchronous schedules submit the
+    next generation while the previous one runs. The held call is released only after the submission returned,
+    so a submission that waited for it would leave ``wait_for`` to time out (False)."""
+    dp4, _ = groups
+    dp4.declare(1)
+    release = tmp_path / "release"
+    held = dp4.wait_for(str(release))
+    generated = dp4.generate(prompts(8))
+    release.touch()
+    assert held.get() == [True] * 4
+    assert torch.equal(generated.get()["tokens"], expected_tokens(list(range(8))))
+
+
+def test_a_method_that_changes_the_layout_without_declares_layout_fails_naming_itself(groups):
+    dp4, _ = groups
+    dp4.declare(1)
+    with pytest.raises(WorkerError, match=r"StageWorker.redeclare_unflagged declared a new layout .*declares_layout=True"):
+        dp4.redeclare_unflagged()
+    dp4.declare(1)
+    assert dp4.passthrough(prompts(4))["prompt_id"].tolist() == [0, 1, 2, 3]

@@ -61,7 +61,7 @@ def _scenario() -> dict:
             dist.all_reduce(ones)
             return ones.item()
 
-        @register("ONE_TO_ALL")
+        @register("ONE_TO_ALL", declares_layout=True)
         def declare(self, tp: int) -> None:
             self.set_parallel_layout(ParallelLayout.for_world(self.world_size, tp_size=tp))
 

@@ -153,7 +153,7 @@ class ProbeWorker(Worker):
         return DataProto.from_dict({"x": batch["x"].clone(),
                                     "rank": torch.full((len(batch),), self.rank + self.offset)})
 
-    @register("ONE_TO_ALL")
+    @register("ONE_TO_ALL", declares_layout=True)
     def declare(self, pp: int, tp: int, gen_pp: int | None = None, gen_tp: int | None = None) -> None:
         layout = ParallelLayout.for_world(self.world_size, pp_size=pp, tp_size=tp)
         generation = None if gen_pp is None else GenerationLayout(train=layout, pp_size=gen_pp, tp_size=gen_tp)

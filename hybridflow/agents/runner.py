@@ -174,10 +174,11 @@ class EpisodeRunner:
         return True
 
     def _submit_wave(self, ready: list[_Pending]) -> None:
-        """The next turn of every ready episode, as requests that share one seed (one decode batch)."""
+        """The next turn of every ready episode, as requests that share one seed (one decode batch), in episode order:
+        a wave's batch does not depend on which of its environment steps returned first."""
         options = self._next_wave_options()
         now = time.perf_counter()
-        for pending in ready:
+        for pending in sorted(ready, key=lambda pending: pending.episode.index):
             episode = pending.episode
             room = self._budget - episode.length
             request_options = (options if room >= options.max_new_tokens

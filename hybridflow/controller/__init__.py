@@ -3,7 +3,6 @@
 from hybridflow.controller.errors import WorkerError, WorkerLostError, WorkerTimeoutError
 from hybridflow.controller.future import (
     DRIVER_ACTIVITY,
-    DRIVER_CHECKS,
     DriverFetchStats,
     Future,
     driver_fetch_stats,
@@ -28,7 +27,7 @@ from hybridflow.controller.worker import Worker
 from hybridflow.controller.worker_group import WorkerGroup
 
 __all__ = [
-    "DRIVER_ACTIVITY", "DRIVER_CHECKS",
+    "DRIVER_ACTIVITY",
     "Dispatch", "DriverFetchStats", "Future", "GroupMesh", "LivenessMonitor", "Protocol", "ResourcePool", "Worker",
     "WorkerError", "WorkerGroup", "WorkerLostError", "WorkerTimeoutError", "broadcast", "driver_fetch_stats",
     "get_protocol", "lazy_fetch_stats",

@@ -14,12 +14,13 @@ returns a fixed multiple of its input rows (n samples per prompt).
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import ray
 import torch
@@ -37,9 +38,27 @@ WATCHDOG_INTERVAL_S = 120.0
 logger = logging.getLogger("hybridflow.controller")
 DRIVER_ACTIVITY: contextvars.ContextVar = contextvars.ContextVar("hybridflow_driver_activity", default=None)
 """A callable returning what the driver is doing (a trainer's current phase, or None): the watchdog names it."""
-DRIVER_CHECKS: list[Callable[[], None]] = []
-"""Callables the driver runs at every poll while it waits on any worker call: a ``LivenessMonitor`` raises from its
-check when a process it watches is lost, so the driver learns it within seconds whatever call it waits on."""
+_DRIVER_CHECKS: contextvars.ContextVar = contextvars.ContextVar("hybridflow_driver_checks", default=())
+"""The checks the driver runs at every poll while it waits on any worker call (``watching``): a ``LivenessMonitor``
+raises from its check when a process it watches is lost, so the driver learns it within seconds whatever call it
+waits on."""
+
+
+@contextlib.contextmanager
+def watching(check: Callable[..., None]) -> Iterator[None]:
+    """Within this block, every wait of the driver on a worker call runs ``check()`` at each poll (and
+    ``check(force=True)`` before it reports a call that failed, so a lost process is named as the cause)."""
+    token = _DRIVER_CHECKS.set((*_DRIVER_CHECKS.get(), check))
+    try:
+        yield
+    finally:
+        _DRIVER_CHECKS.reset(token)
+
+
+def run_driver_checks(*, force: bool = False) -> None:
+    """Run the checks of the ``watching`` blocks the driver is in (``force``: whatever their own interval)."""
+    for check in _DRIVER_CHECKS.get():
+        check(force=force)
 
 
 # ---------------------------------------------------------------- driver fetch accounting
@@ -106,63 +125,91 @@ def gather(refs: dict[int, ray.ObjectRef], *, role: str, method: str, timeout_s:
 
     Every ``watchdog_s`` seconds of waiting, a warning names the role, method, the ranks (and
     pids) not yet done and how long the driver has waited, so a frozen worker never goes unnoticed.
-    Every poll runs the ``DRIVER_CHECKS`` (a lost process of another group is raised from there).
+    Every poll runs the driver's checks (``watching``: a lost process of another group is raised from there).
     ``pids`` and ``nodes`` (Ray node ids), per rank, name a dead rank's process.
     """
-    start = time.monotonic()
-    deadline = None if timeout_s is None else start + timeout_s
-    next_report = None if watchdog_s is None else start + watchdog_s
     rank_of = {ref: rank for rank, ref in refs.items()}
-    pending = list(refs.values())
     values: dict[int, Any] = {}
-    while pending:
-        now = time.monotonic()
-        # wait for all, but look at what finished every poll interval: a failed rank is reported
-        # at once even when its peers now hang in a collective waiting for it
-        poll = FAIL_FAST_POLL_S
-        for moment in (deadline, next_report):
-            if moment is not None:
-                poll = min(poll, moment - now)
-        ready, pending = ray.wait(pending, num_returns=len(pending), timeout=max(poll, 0.0))
+
+    def fetch(ready: list[ray.ObjectRef]) -> None:
         for ref in ready:
             rank = rank_of[ref]
-            values[rank] = fetch_one(ref, role=role, rank=rank, method=method, pid=_item(pids, rank),
-                                     node=_item(nodes, rank))
-        if not pending:
-            break
-        for check in tuple(DRIVER_CHECKS):
-            check()
-        now = time.monotonic()
+            try:
+                values[rank] = fetch_one(ref, role=role, rank=rank, method=method, pid=_item(pids, rank),
+                                         node=_item(nodes, rank))
+            except WorkerLostError:
+                raise
+            except WorkerError as error:  # it may have failed because a process it needed died: name that one
+                _raise_lost_cause(error)
+                raise
+
+    def report(pending: list[ray.ObjectRef], waited_s: float, left_s: float | None) -> None:
+        describe = DRIVER_ACTIVITY.get()
+        activity = describe() if describe is not None else None
+        logger.warning("%s.%s: still waiting for %s after %.0f s (%s)%s", role, method,
+                       _describe_ranks(sorted(rank_of[ref] for ref in pending), pids), waited_s,
+                       "no timeout" if left_s is None else f"timeout in {left_s:.0f} s",
+                       f"; the driver is at: {activity}" if activity else "")
+
+    pending = wait_all(list(refs.values()), timeout_s, on_ready=fetch, watchdog_s=watchdog_s, on_watchdog=report)
+    if pending:
         pending_ranks = sorted(rank_of[ref] for ref in pending)
-        if deadline is not None and now >= deadline:
-            raise WorkerTimeoutError(role=role, method=method, timeout_s=timeout_s, pending_ranks=pending_ranks,
-                                     pids=_pids_of(pending_ranks, pids))
-        if next_report is not None and now >= next_report:
-            left = "no timeout" if deadline is None else f"timeout in {deadline - now:.0f} s"
-            describe = DRIVER_ACTIVITY.get()
-            activity = describe() if describe is not None else None
-            logger.warning("%s.%s: still waiting for %s after %.0f s (%s)%s", role, method,
-                           _describe_ranks(pending_ranks, pids), now - start, left,
-                           f"; the driver is at: {activity}" if activity else "")
-            next_report += watchdog_s
+        raise WorkerTimeoutError(role=role, method=method, timeout_s=timeout_s, pending_ranks=pending_ranks,
+                                 pids=_pids_of(pending_ranks, pids))
     if count:
         _count_fetched(list(values.values()))
     return values
 
 
-def wait_all(refs: list[ray.ObjectRef], timeout_s: float | None) -> list[ray.ObjectRef]:
-    """Wait until every reference is ready or ``timeout_s`` passed, running the ``DRIVER_CHECKS`` at every poll;
-    returns the references not ready (fetches nothing, so a failed call is left to whoever collects it)."""
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    not_ready = list(refs)
-    while not_ready:
-        poll = FAIL_FAST_POLL_S if deadline is None else min(FAIL_FAST_POLL_S, deadline - time.monotonic())
-        _, not_ready = ray.wait(not_ready, num_returns=len(not_ready), timeout=max(poll, 0.0))
-        if not not_ready or (deadline is not None and time.monotonic() >= deadline):
+def wait_all(refs: list[ray.ObjectRef], timeout_s: float | None, *,
+             on_ready: Callable[[list[ray.ObjectRef]], None] = lambda ready: None, watchdog_s: float | None = None,
+             on_watchdog: Callable[[list[ray.ObjectRef], float, float | None], None] | None = None,
+             ) -> list[ray.ObjectRef]:
+    """Wait until every reference is ready or ``timeout_s`` passed; returns the references not ready.
+
+    The driver's one poll loop: it looks at what finished every ``FAIL_FAST_POLL_S`` (``on_ready(ready)``, so a
+    caller reports a failed rank at once even when its peers now hang in a collective waiting for it), runs the
+    driver's checks (``watching``) and every ``watchdog_s`` calls ``on_watchdog(pending, waited_s, left_s)``.
+    Fetches nothing itself: a failed call is left to whoever collects it."""
+    start = time.monotonic()
+    deadline = None if timeout_s is None else start + timeout_s
+    next_report = None if watchdog_s is None or on_watchdog is None else start + watchdog_s
+    pending = list(refs)
+    while pending:
+        poll = min([FAIL_FAST_POLL_S] + [moment - time.monotonic() for moment in (deadline, next_report)
+                                         if moment is not None])
+        ready, pending = ray.wait(pending, num_returns=len(pending), timeout=max(poll, 0.0))
+        on_ready(ready)
+        if not pending:
             break
-        for check in tuple(DRIVER_CHECKS):
-            check()
-    return not_ready
+        run_driver_checks()
+        now = time.monotonic()
+        if deadline is not None and now >= deadline:
+            break
+        if next_report is not None and now >= next_report:
+            on_watchdog(pending, now - start, None if deadline is None else deadline - now)
+            next_report += watchdog_s
+    return pending
+
+
+LOST_CAUSE_GRACE_S = 5.0
+"""How long a call that failed reaching a dead process waits for the driver's checks to name that process."""
+
+
+def _raise_lost_cause(error: WorkerError) -> None:
+    """Raise the ``WorkerLostError`` of a watched process that died, when ``error`` may be its consequence: a worker
+    that could not fetch an argument from it (the weights of a sync, a batch passed as a future) fails with Ray's
+    actor error in its traceback; the driver may learn of the death a moment later than that worker did."""
+    if not _DRIVER_CHECKS.get():
+        return
+    consequence = any(name in error.remote_traceback for name in ("RayActorError", "ActorDiedError",
+                                                                 "ActorUnavailableError", "OwnerDiedError"))
+    deadline = time.monotonic() + (LOST_CAUSE_GRACE_S if consequence else 0.0)
+    while True:
+        run_driver_checks(force=True)
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(FAIL_FAST_POLL_S / 5)
 
 
 def _item(values: list | None, index: int) -> Any:

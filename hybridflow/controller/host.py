@@ -13,6 +13,7 @@ import torch
 from hybridflow.controller.batch import is_splittable, num_rows
 from hybridflow.controller.errors import WorkerError
 from hybridflow.controller.future import resolve_arguments
+from hybridflow.controller.register import declares_layout
 from hybridflow.controller.worker import (
     Worker,
     WorkerContext,
@@ -94,9 +95,14 @@ def build_roles(context: WorkerContext, roles: dict[str, RoleSpec]) -> dict[str,
 
 def run_method(worker: Worker, *, role: str, rank: int, method: str, args: tuple, kwargs: dict) -> tuple[Any, tuple]:
     """Call one method; returns (output, info) with info = (out_rows, in_rows, layout_version)."""
+    version = worker.layout_state()[2]
     try:
         args, kwargs = resolve_arguments(args, kwargs)
         output = getattr(worker, method)(*args, **kwargs)
+        if worker.layout_state()[2] != version and not declares_layout(type(worker), method):
+            raise RuntimeError(f"{type(worker).__name__}.{method} declared a new layout (set_parallel_layout) but is "
+                               f"not registered with declares_layout=True: calls submitted while it ran could be "
+                               f"split by the old layout; register it with @register(..., declares_layout=True)")
     except Exception as error:
         raise WorkerError(role=role, rank=rank, method=method, remote_traceback=traceback.format_exc()) from error
     in_rows = next((len(v) for v in list(args) + list(kwargs.values()) if is_splittable(v)), None)

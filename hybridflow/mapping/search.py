@@ -98,6 +98,9 @@ class SetResult:
 class Planner:
     """Searches the mappings of one dataflow, its models, a workload and a cluster."""
 
+    actor_generates = True
+    """Whether the actor generates on its own pool (False beside a rollout pool: hybridflow.mapping.overlap)."""
+
     def __init__(self, *, dataflow: Dataflow, models: Mapping[str, ModelSpec], workload: Workload,
                  cluster: Cluster, backend: str | RolloutBackend = "native",
                  kv_cache_gib: float | None = None, granularity: str = "node") -> None:
@@ -123,9 +126,10 @@ class Planner:
         self.granularity = granularity
         self.device_counts = cluster.device_counts(granularity)
         self.backend = rollout_backend(backend)
+        self.kv_cache_gib = kv_cache_gib
         self.kv_cache_bytes = None if kv_cache_gib is None else kv_cache_gib * GIB
         self._simulators: dict[float, Simulator] = {}
-        self.simulator = self._simulator(1.0)
+        self.simulator = self.simulator_for(1.0)
         self._candidates: dict[tuple, list[RoleCost]] = {}
         self._actor: dict[tuple, RoleCost | None] = {}
         self._actor_alone: dict[tuple, list[RoleCost]] = {}
@@ -158,7 +162,8 @@ class Planner:
                 if not even_prompts or workload.prompts_per_step % replicas == 0:
                     yield with_generation
 
-    def _simulator(self, compute_share: float) -> Simulator:
+    def simulator_for(self, compute_share: float) -> Simulator:
+        """The simulator of this planner's workload and cluster at a compute share (cached)."""
         if compute_share not in self._simulators:
             self._simulators[compute_share] = Simulator(workload=self.workload, cluster=self.cluster,
                                                         generation_passes=self.dataflow.generation_passes,
@@ -168,23 +173,27 @@ class Planner:
 
     def stage_shares(self, sets: Sequence[tuple[str, ...]], allocation: Sequence[int]) -> tuple[float, ...]:
         """Per stage, the device share of each busy process: only the pools working in a stage compete
-        for a CPU node's cores (all 1 on GPUs). Every role scores in preparation; generation runs on the
+        for a CPU node's cores (all 1 on GPUs)."""
+        busy = self.stage_busy(sets, allocation)
+        return tuple(self.cluster.compute_share(busy[stage]) for stage in STAGES)
+
+    def stage_busy(self, sets: Sequence[tuple[str, ...]], allocation: Sequence[int]) -> dict[str, int]:
+        """Per stage, the processes busy in it: every role scores in preparation; generation runs on the
         actor's pool; training on the pools of trained roles."""
         actor = self.dataflow.actor_role
-        busy = {
+        return {
             "generation": sum(count for roles, count in zip(sets, allocation) if actor in roles),
             "preparation": sum(allocation),
             "training": sum(count for roles, count in zip(sets, allocation)
                             if any(self.dataflow.roles[role] != "inference" for role in roles)),
         }
-        return tuple(self.cluster.compute_share(busy[stage]) for stage in STAGES)
 
     def _cost(self, role: str, strategy: RoleStrategy, num_devices: int, other_resident: float = 0.0,
               other_transient: float = 0.0, shares: tuple[float, ...] = NO_SHARING) -> RoleCost | None:
         """The role's cost with each stage simulated at that stage's compute share."""
         by_share = {}
         for share in sorted(set(shares)):
-            by_share[share] = self._simulator(share).role_cost(
+            by_share[share] = self.simulator_for(share).role_cost(
                 kind=self.dataflow.roles[role], spec=self.models[role], head=self.dataflow.head_of(role),
                 strategy=strategy, num_devices=num_devices, other_resident_bytes=other_resident,
                 other_transient_bytes=other_transient)
@@ -384,8 +393,9 @@ class Planner:
                     raise ValueError(f"role {role!r}: pp_size*tp_size = {strategy.model_parallel_size} must divide "
                                      f"its pool's {count} devices and tp_size {strategy.tp_size} must fit in a "
                                      f"node of {self.cluster.node_size}")
-                if (self.dataflow.roles[role] == "actor") != strategy.generates:
-                    raise ValueError(f"role {role!r}: generation sizes must be given for the actor and only for it")
+                if (self.dataflow.roles[role] == "actor" and self.actor_generates) != strategy.generates:
+                    raise ValueError(f"role {role!r}: generation sizes must be given for the actor and only for it"
+                                     + ("" if self.actor_generates else " (not beside a rollout pool)"))
                 if strategy.generates and not self.backend.supports(strategy.generation_pp_size,
                                                                     strategy.generation_tp_size):
                     raise ValueError(f"role {role!r}: actor.generation.backend={self.backend.name!r} generates with "
@@ -469,7 +479,7 @@ class Planner:
         trained = kind != "inference"
         need = simulator.resident_bytes(spec, head, strategy, num_devices, trained=trained)
         transient = simulator.transient_bytes(spec, head, strategy, trained=trained, num_devices=num_devices)
-        if kind != "actor":
+        if kind != "actor" or not strategy.generates:
             return need + transient
         kv_cache = simulator.kv_bytes_per_sequence(spec, strategy)
         if self.kv_cache_bytes is not None:
@@ -485,20 +495,28 @@ def resolve_models(models: Mapping[str, str | ModelSpec]) -> dict[str, ModelSpec
 
 def plan(dataflow: Dataflow | str, models: Mapping[str, str | ModelSpec], workload: Workload,
          cluster: Cluster, *, top: int = 10, backend: str | RolloutBackend = "native",
-         kv_cache_gib: float | None = None, granularity: str = "node") -> Plan:
+         kv_cache_gib: float | None = None, granularity: str = "node", max_staleness: int = 0) -> Plan:
     """The fastest plan, with up to ``top - 1`` other placements (ranked) as ``alternatives``, for the actor's
     rollout ``backend`` (``actor.generation.backend``: native or vllm; the plan records it), whose KV cache takes
     ``kv_cache_gib`` per device (vllm: ``actor.generation.vllm_kv_cache_gib``) or, if None, all memory left,
-    searching pool sizes of ``granularity`` (``node`` or ``divisor``: Planner)."""
+    searching pool sizes of ``granularity`` (``node`` or ``divisor``: Planner). ``max_staleness`` k >= 1 also
+    searches the splits with a rollout pool of their own (hybridflow.mapping.overlap), pipelined with staleness k
+    and synchronous (k = 0), beside the placements where the actor generates; 0 searches only the latter."""
+    from hybridflow.mapping.overlap import rollout_pool_plans
+
     flow = get_dataflow(dataflow)
     if not isinstance(top, int) or top < 1:
         raise ValueError(f"top must be a positive integer, got {top!r}")
-    ranked = Planner(dataflow=flow, models=resolve_models(models), workload=workload, cluster=cluster,
-                     backend=backend, kv_cache_gib=kv_cache_gib, granularity=granularity).search()
-    best = ranked[0]
-    return Plan(pools=best.pools, strategies=best.strategies, stage_seconds=best.stage_seconds,
-                pool_stage_seconds=best.pool_stage_seconds, role_stage_seconds=best.role_stage_seconds,
-                alternatives=tuple(ranked[1:top]), backend=best.backend)
+    if not isinstance(max_staleness, int) or isinstance(max_staleness, bool) or max_staleness < 0:
+        raise ValueError(f"max_staleness (async.max_staleness) must be an integer >= 0, got {max_staleness!r}")
+    planner = Planner(dataflow=flow, models=resolve_models(models), workload=workload, cluster=cluster,
+                      backend=backend, kv_cache_gib=kv_cache_gib, granularity=granularity)
+    ranked = planner.search()
+    if max_staleness:
+        # sorted is stable: on a tie the synchronous placement (listed first) wins
+        ranked = sorted(ranked + rollout_pool_plans(planner, (0, max_staleness)),
+                        key=lambda candidate: candidate.total_seconds)
+    return replace(ranked[0], alternatives=tuple(ranked[1:top]))
 
 
 def simulate_plan(layout: Plan, dataflow: Dataflow | str, models: Mapping[str, str | ModelSpec],
@@ -510,4 +528,8 @@ def simulate_plan(layout: Plan, dataflow: Dataflow | str, models: Mapping[str, s
     backend = backend if backend is not None else (layout.backend or "native")
     planner = Planner(dataflow=flow, models=resolve_models(models), workload=workload, cluster=cluster,
                       backend=backend, kv_cache_gib=kv_cache_gib)
+    if layout.rollout_pool is not None:
+        from hybridflow.mapping.overlap import simulate_with_rollout_pool
+
+        return simulate_with_rollout_pool(planner, layout)
     return planner.simulate(layout)

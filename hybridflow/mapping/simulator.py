@@ -330,7 +330,7 @@ class Simulator:
         if trained:
             stages["training"] = self.training_seconds(spec, head, strategy, num_devices)
         details: dict[str, float] = {}
-        if kind == "actor":
+        if kind == "actor" and strategy.generates:  # an actor beside a rollout pool does not generate
             generation_extra = self.generation_extra_bytes(spec, strategy)
             kv_budget = self.budget_bytes - other_resident_bytes - resident - generation_extra
             if self.kv_cache_bytes is not None:  # a fixed allocation: it fits whole or not at all

@@ -49,8 +49,9 @@ def planning_token_budget(micro_batch_tokens: int | str) -> int:
 
 def apply_plan(config: RLConfig, plan) -> RLConfig:
     """``config`` placed and laid out as ``plan`` says (a manual placement): pools, roles, engine sizes, the
-    actor's generation sizes. Refuses a plan made for another workload (padded training splits included) or
-    another rollout backend."""
+    actor's generation sizes, and the rollout pool with its ``async.max_staleness`` (0 for a plan without one,
+    whatever bound the config allowed the planner). Refuses a plan made for another workload (padded training
+    splits included) or another rollout backend."""
     # a plan whose generation replicas divide the prompts (pad_generation=False) runs here as well
     if plan.workload is not None and replace(plan.workload, pad_generation=True) != workload_of(config):
         raise ValueError(f"the plan was made for {plan.workload}, not this run's {workload_of(config)}; "
@@ -71,9 +72,11 @@ def apply_plan(config: RLConfig, plan) -> RLConfig:
     if "cost_critic" in sections:  # its section is cost.critic (RLConfig.section_key)
         sections["cost"] = replace(sections.get("cost", config.cost), critic=sections.pop("cost_critic"))
     placement = replace(config.placement, mapping="manual",
-                        pools={pool.name: list(pool.devices_per_node) for pool in plan.pools},
-                        roles={role: pool.name for pool in plan.pools for role in pool.roles})
-    return replace(config, placement=placement, **sections)  # one replace: validated once, as a whole
+                        pools={pool.name: list(pool.devices_per_node) for pool in plan.all_pools},
+                        roles={role: pool.name for pool in plan.all_pools for role in pool.roles})
+    asynchrony = replace(config.asynchrony, max_staleness=plan.max_staleness)
+    # one replace: validated once, as a whole
+    return replace(config, placement=placement, asynchrony=asynchrony, **sections)
 
 
 def hardware_of(config: RLConfig):
@@ -98,24 +101,34 @@ def hardware_of(config: RLConfig):
     return load_hardware(local)
 
 
-def resolve_auto_mapping(config: RLConfig):
-    """(the config with the auto-mapped placement, the Plan); the config itself when mapping is manual."""
-    if config.placement.mapping != "auto":
-        return config, None
+def planning_inputs(config: RLConfig) -> dict:
+    """What the planner needs to know of a run, as keyword arguments of ``hybridflow.mapping.plan`` and
+    ``simulate_plan``: its dataflow (active roles), models, workload, the cluster of all its pools' devices on the
+    ``placement.hardware`` profile, the rollout backend and its KV cache."""
     from hybridflow.engine.rollout import rollout_backend
-    from hybridflow.mapping import Cluster, Dataflow, plan
+    from hybridflow.mapping import Cluster, Dataflow
 
     roles = config.active_roles
     flow = Dataflow(name=config.algorithm.advantage_estimator, roles={role: ROLE_KINDS[role] for role in roles},
                     generation_passes=2 if config.algorithm.estimator.baseline_generation else 1)
-    workload = workload_of(config)
     devices_per_node = [count for counts in config.placement.pools.values() for count in counts]
     cluster = Cluster(num_devices=sum(devices_per_node), devices_per_node=max(devices_per_node),
                       hardware=hardware_of(config))
     generation = config.actor.generation
     # vLLM allocates exactly vllm_kv_cache_gib; the native engine's cache takes what is left
     kv_cache_gib = rollout_backend(generation.backend).kv_cache_gib(generation)
-    best = replace(plan(flow, {role: _model_of(config, role) for role in roles}, workload, cluster,
-                        backend=generation.backend, kv_cache_gib=kv_cache_gib), workload=workload)
-    return apply_plan(config, best), best
+    return {"dataflow": flow, "models": {role: _model_of(config, role) for role in roles},
+            "workload": workload_of(config), "cluster": cluster, "backend": generation.backend,
+            "kv_cache_gib": kv_cache_gib}
 
+
+def resolve_auto_mapping(config: RLConfig):
+    """(the config with the auto-mapped placement, the Plan); the config itself when mapping is manual."""
+    if config.placement.mapping != "auto":
+        return config, None
+    from hybridflow.mapping import plan
+
+    inputs = planning_inputs(config)
+    # async.max_staleness k >= 1 lets the planner weigh a rollout pool pipelined with staleness k (docs/async.md)
+    best = replace(plan(**inputs, max_staleness=config.asynchrony.max_staleness), workload=inputs["workload"])
+    return apply_plan(config, best), best

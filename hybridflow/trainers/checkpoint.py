@@ -135,6 +135,14 @@ class RunCheckpointer:
                 f"{f'{plain} ({detail})' if plain else detail}; {self._kept()}; "
                 f"{advice.format(dir=repr(str(self.directory)))}")
 
+    def remove_unfinished(self) -> list[str]:
+        """Delete the ``step_N.partial`` directories a stopped run left (a driver killed mid-checkpoint); the names.
+        Only for the run directory's holder: a live run's save writes one."""
+        unfinished = sorted(self.directory.glob("step_*.partial")) if self.directory.is_dir() else []
+        for path in unfinished:
+            shutil.rmtree(path, ignore_errors=True)
+        return [path.name for path in unfinished]
+
     def _step_dirs(self) -> dict[int, Path]:
         found = {}
         if self.directory.is_dir():

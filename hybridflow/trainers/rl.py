@@ -12,6 +12,7 @@ dynamic sampling draws more prompts). docs/ppo.md walks through the step and how
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections import defaultdict
@@ -24,6 +25,7 @@ import torch
 from hybridflow.algorithms import AdaptiveKLController, FixedKLController
 from hybridflow.controller import DRIVER_ACTIVITY, LivenessMonitor, WorkerLostError, WorkerTimeoutError
 from hybridflow.data import BatchLoader, PromptDataset, SFTDataset
+from hybridflow.engine.rollout import sampling_options
 from hybridflow.protocol import DataProto
 from hybridflow.rewards import RuleReward
 from hybridflow.trainers.advantage import AdvantageResult, compute_advantages, sequence_kl
@@ -42,6 +44,7 @@ from hybridflow.trainers.preflight import check_sequence_length, max_positions, 
 from hybridflow.trainers.run_dir import claim_run_directory, set_aside_later_metrics
 from hybridflow.trainers.sampling import EpisodeLossMask, build_sampling
 from hybridflow.trainers.scoring import RewardScorer
+from hybridflow.trainers.streaming import StreamingSampling
 from hybridflow.trainers.step import PhaseTimer, Experience, StepResults, first_rank, step_metrics
 
 
@@ -116,8 +119,9 @@ class RLTrainer:
             self.run_dir.release()
             raise
         self.episodes: list[tuple] = []  # the last step's sampled episodes, for the loggers' tables
-        if self.replica_monitor is not None:
-            self.replica_monitor.start()
+        # a worker process lost (killed, frozen) while the driver waits on another one stops the run within seconds
+        remote = [group for group in self.groups.values() if not group.is_local]
+        self.monitor = LivenessMonitor(remote, timeout_s=config.trainer.worker_timeout_s) if remote else None
 
     def _build_step(self, ptx_loader: BatchLoader | None) -> None:
         """The step's parts over the worker groups: the roles' scoring calls (issued as futures), the critics to
@@ -143,16 +147,26 @@ class RLTrainer:
                                        pad_token_id=generation.pad_token_id, episode_job=self.episode_job,
                                        current_step=lambda: self.step)
         self.pipeline = None  # a rollout pool of its own: generation runs ahead there (docs/async.md)
-        self.replica_monitor = None
         if "rollout" in self.groups:
             rollout = self.groups["rollout"]
-            self.sampling = self.pipeline = PipelinedSampling(
-                actor=self.actor, rollout=rollout, loader=self.loader, score=self.score,
-                max_staleness=self.config.asynchrony.max_staleness,
-                samples_per_prompt=self.config.batch.samples_per_prompt, run_seed=self.config.trainer.seed,
-                tis_cap=self.config.actor.loss.tis_cap)
-            if not rollout.is_local:  # a replica lost while the trainer trains stops the run within seconds
-                self.replica_monitor = LivenessMonitor(rollout, timeout_s=self.config.trainer.worker_timeout_s)
+            if self.config.asynchrony.streaming:
+                self.sampling = self.pipeline = self._streaming(rollout, generation)
+            else:
+                self.sampling = self.pipeline = PipelinedSampling(
+                    actor=self.actor, rollout=rollout, loader=self.loader, score=self.score,
+                    max_staleness=self.config.asynchrony.max_staleness,
+                    samples_per_prompt=self.config.batch.samples_per_prompt, run_seed=self.config.trainer.seed,
+                    tis_cap=self.config.actor.loss.tis_cap, episodes=self.sampling if self.episode_job else None)
+
+    def _streaming(self, rollout, generation) -> StreamingSampling:
+        """``async.mode: streaming``: requests in flight on the rollout pool, weights updated between decode steps."""
+        config = self.config
+        return StreamingSampling(
+            actor=self.actor, rollout=rollout, loader=self.loader, score=self.score,
+            options=sampling_options(generation), max_staleness=config.asynchrony.max_staleness,
+            prompts_per_step=config.batch.prompts_per_step, samples_per_prompt=config.batch.samples_per_prompt,
+            decode_tokens=config.asynchrony.stream_decode_tokens, run_seed=config.trainer.seed,
+            tis_cap=config.actor.loss.tis_cap)
 
     def _episode_job(self):
         """What the actor needs to run the step's episodes (``env``), or None for single-turn RL."""
@@ -188,7 +202,12 @@ class RLTrainer:
     # ------------------------------------------------------------------ the loop
     def fit(self, *, on_step=None) -> list[dict]:
         """Run from the current step to ``trainer.total_steps``, then export the trained models to
-        ``output_dir/final/<role>``; returns the logged history."""
+        ``output_dir/final/<role>``; returns the logged history. Under Ray the worker processes are watched
+        meanwhile (``LivenessMonitor``): one lost stops the run within seconds, whatever the driver waits on."""
+        with self.monitor if self.monitor is not None else contextlib.nullcontext():
+            return self._fit(on_step)
+
+    def _fit(self, on_step) -> list[dict]:
         trainer = self.config.trainer
         validates = bool(trainer.val_every) and self.val_data is not None
         reporter = StepReporter("rl", total=trainer.total_steps, initial=self.step, progress_bar=trainer.progress_bar,
@@ -408,6 +427,8 @@ class RLTrainer:
     def _check_resume(self) -> Path | None:
         """The checkpoint to resume from, announced with the config changes since it was written; a change beyond
         the loop and layout keys is refused unless ``trainer.allow_config_change``."""
+        for name in self.checkpointer.remove_unfinished():  # this run holds the directory: no save is under way
+            print(f"resume: removed {name}, a checkpoint the stopped run did not finish", flush=True)
         path = self.checkpointer.resume_point()
         if path is None:
             return None
@@ -445,8 +466,6 @@ class RLTrainer:
 
     def shutdown(self) -> None:
         """Stop the workers and give their devices back."""
-        if self.replica_monitor is not None:
-            self.replica_monitor.close()  # stopping them is no failure
         try:
             self.logger.close()
             for group in self.groups.values():

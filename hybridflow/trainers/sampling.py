@@ -79,14 +79,21 @@ class EpisodeSampling:
         self.job, self.env, self.path, self.current_step = job, env, Path(output_dir) / "episodes.jsonl", current_step
 
     def sample(self, prompts: DataProto, seed: int, generate_and_score) -> Experience:
+        batch = generate_and_score(self.prepare(prompts), seed=seed, first_uid=0)
+        return Experience(prompts=prompts, batch=batch, sampling_metrics=self.observe(batch))
+
+    def prepare(self, prompts: DataProto) -> DataProto:
+        """``prompts`` with the job a ``generate_episodes`` call runs (the actor's, or a rollout replica's)."""
+        prompts.meta_info["episode_job"] = self.job
+        return prompts
+
+    def observe(self, batch: DataProto) -> dict[str, float]:
+        """The ``agent/*`` metrics of a generated batch of episodes; a few of them recorded (``record``)."""
         from hybridflow.agents.episode_batch import episode_metrics
 
-        prompts.meta_info["episode_job"] = self.job
-        batch = generate_and_score(prompts, seed=seed, first_uid=0)
         records = list(batch["episode"])
         self.record(records)
-        return Experience(prompts=prompts, batch=batch, sampling_metrics=episode_metrics(
-            records, generation_seconds=float(batch.meta_info.get("episode_generation_s", 0.0))))
+        return episode_metrics(records, generation_seconds=float(batch.meta_info.get("episode_generation_s", 0.0)))
 
     def record(self, records: list[dict]) -> None:
         """Append the first ``env.record_episodes`` episodes to ``episodes.jsonl`` on every ``record_every``-th step."""

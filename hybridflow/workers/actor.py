@@ -36,6 +36,27 @@ WEIGHT_VERSION = "weight_version"
 GENERATION_OVERRIDES = ("greedy", "max_new_tokens")
 
 
+def generated_batch(prompts: DataProto, config, rollout: Rollout, tensors: dict, non_tensors: dict) -> DataProto:
+    """A rollout's output with what it was generated under (temperature, whether its log-probs are the training
+    engine's, weight version) in its meta_info: the batch of the actor's and of a rollout replica's generations."""
+    temperature = 1.0 if config.greedy else float(config.temperature)
+    return DataProto.from_dict(tensors={k: v.cpu() for k, v in tensors.items()}, non_tensors=non_tensors,
+                               meta_info={**prompts.meta_info, ROLLOUT_TEMPERATURE: temperature,
+                                          TRAINING_EXACT_LOGPROBS: rollout.logprobs_match_training,
+                                          WEIGHT_VERSION: rollout.version})
+
+
+def episodes_batch(prompts: DataProto, config, rollout: Rollout, result) -> DataProto:
+    """One replica's episodes (the ``EpisodeResult`` of ``EpisodeJob.run`` on ``rollout``) as its batch: rows
+    prompts x samples per prompt (prompt-major) with the prompts' fields, each episode's record (``episode``) and
+    the seconds the rollout generated (``meta_info["episode_generation_s"]``)."""
+    samples = config.samples_per_prompt
+    non_tensors = {key: np.repeat(values, samples) for key, values in prompts.non_tensor_batch.items()}
+    output = generated_batch(prompts, config, rollout, result.tensors, {**non_tensors, "episode": result.records})
+    output.meta_info["episode_generation_s"] = result.generation_seconds
+    return output
+
+
 def policy_loss_fn(spec: ActorSpec):
     """The per-micro-batch policy loss the training engine calls: the configured objective (x TIS weights),
     aggregated as configured, - entropy bonus + KL-to-reference loss (``spec.kl_loss_coef``).
@@ -156,7 +177,7 @@ class ActorWorker(ModelWorker):
             prompts["input_ids"], prompts["attention_mask"], config))
         samples = config.samples_per_prompt
         non_tensors = {key: np.repeat(values, samples) for key, values in prompts.non_tensor_batch.items()}
-        return self._generated(prompts, config, output, non_tensors)
+        return generated_batch(prompts, config, self.rollout, output, non_tensors)
 
     @register("3D_ALL_MICRO_DP")
     def generate_episodes(self, prompts: DataProto) -> DataProto:
@@ -168,11 +189,7 @@ class ActorWorker(ModelWorker):
         job = prompts.meta_info["episode_job"]
         result, self.last_transition = self._offloaded_rollout(prompts, config,
                                                                lambda rollout: job.run(rollout, prompts, config))
-        samples = config.samples_per_prompt
-        non_tensors = {key: np.repeat(values, samples) for key, values in prompts.non_tensor_batch.items()}
-        output = self._generated(prompts, config, result.tensors, {**non_tensors, "episode": result.records})
-        output.meta_info["episode_generation_s"] = result.generation_seconds
-        return output
+        return episodes_batch(prompts, config, self.rollout, result)
 
     def _call_config(self, meta: dict):
         """The sampling config of one generation call: the spec's defaults with ``meta``'s overrides."""
@@ -182,14 +199,6 @@ class ActorWorker(ModelWorker):
             self.actor_spec.tokens, seed=int(meta.get("seed", 0)) * 1_000_003 + self.hybrid.replica,
             samples_per_prompt=int(meta.get("samples_per_prompt", 1)))
         return dataclasses.replace(config, **overrides, record_routing=self.actor_spec.routing_replay)
-
-    def _generated(self, prompts: DataProto, config, tensors: dict, non_tensors: dict) -> DataProto:
-        """A rollout's output with what it was generated under (temperature, weight version) in its meta_info."""
-        temperature = 1.0 if config.greedy else float(config.temperature)
-        return DataProto.from_dict(tensors={k: v.cpu() for k, v in tensors.items()}, non_tensors=non_tensors,
-                                   meta_info={**prompts.meta_info, ROLLOUT_TEMPERATURE: temperature,
-                                              TRAINING_EXACT_LOGPROBS: self.rollout.logprobs_match_training,
-                                              WEIGHT_VERSION: self.rollout.version})
 
     def _offloaded_rollout(self, prompts: DataProto, config, produce):
         """``_rollout`` with the optimizer state offloaded around it (``actor.hybrid_engine.offload_optimizer``);

@@ -3,8 +3,11 @@
 With a ``rollout`` role in ``placement.roles`` the rollout replicas run in processes of their own (asynchronous
 RL, docs/async.md): each rank is one generation replica (pg = tg = 1) that holds the whole policy in the
 generation dtype, no optimizer and no gradients. Its weights arrive from the actor through ``sync_weights``
-(bucketed, with a version and per-tensor checksums: ``engine/weight_sync.py``); ``generate_sequences`` answers
-like the actor's, every output stamped with the version of the weights that generated it.
+(bucketed, with a version and per-tensor checksums: ``engine/weight_sync.py``); ``generate_sequences`` and
+``generate_episodes`` (multi-turn episodes, ``env``) answer like the actor's, every output stamped with the version
+of the weights that generated it. ``stream`` is streaming mode's poll (docs/async.md "Modes"): the replica keeps a
+set of requests in flight across calls and across weight syncs (continuous batching through the ``Rollout`` request
+API), each token stamped with the version that sampled it.
 """
 
 from __future__ import annotations
@@ -19,11 +22,11 @@ import torch
 from hybridflow.controller import Worker, register
 from hybridflow.controller.host import pin_num_threads
 from hybridflow.engine.generation_config import GenerationConfig, GenerationTokens
-from hybridflow.engine.rollout import GenerationShard, Rollout, rollout_class
+from hybridflow.engine.rollout import GenerationShard, Rollout, RolloutOutput, RolloutRequest, rollout_class
 from hybridflow.engine.weight_sync import WeightPayload, unpack_weights, verify_weights
 from hybridflow.parallel.layout import GenerationLayout, ParallelLayout
 from hybridflow.protocol import DataProto
-from hybridflow.workers.actor import GENERATION_OVERRIDES, TRAINING_EXACT_LOGPROBS, WEIGHT_VERSION
+from hybridflow.workers.actor import GENERATION_OVERRIDES, TRAINING_EXACT_LOGPROBS, WEIGHT_VERSION, episodes_batch
 from hybridflow.workers.base import ROLLOUT_TEMPERATURE
 from hybridflow.workers.spec import EngineSpec
 
@@ -40,6 +43,33 @@ class RolloutSpec:
     """EOS, pad and stop ids (the actor's)."""
     verify_weights: bool = True
     """Check every received tensor against the trainer's checksum (``async.verify_weights``)."""
+
+
+@dataclass(frozen=True)
+class StreamWork:
+    """One poll of a streaming replica (``RolloutWorker.stream``): requests to stop, requests to start, how far to
+    decode."""
+
+    submit: tuple[RolloutRequest, ...] = ()
+    abort: tuple[str, ...] = ()
+    """Request ids to drop (finished or unknown ids are ignored): their tokens so far are discarded."""
+    decode_tokens: int = 8
+    """Tokens each held request decodes per round of the poll."""
+    decode_seconds: float = 0.0
+    """Rounds go on while the poll has run for less than this and requests are held (0: one round)."""
+
+
+@dataclass(frozen=True)
+class StreamReport:
+    """What a poll returns: the requests that finished in it, and the replica's state after it."""
+
+    finished: list[RolloutOutput]
+    version: int | None
+    """The weight version the poll decoded with."""
+    pending: int
+    """Requests still held (in flight) after the poll."""
+    logprobs_match_training: bool
+    """The backend's ``Rollout.logprobs_match_training``."""
 
 
 class RolloutWorker(Worker):
@@ -95,15 +125,35 @@ class RolloutWorker(Worker):
         """The version of the weights this replica generates with (None before the first sync)."""
         return self.version
 
+    @register("ALL_TO_ALL")
+    def stream(self, work: StreamWork) -> StreamReport:
+        """Streaming mode's poll, one ``StreamWork`` per replica: drop ``work.abort``, queue ``work.submit`` beside
+        the requests held since earlier polls, decode every held request by up to ``work.decode_tokens`` tokens with
+        the weights of the last sync (again while the poll is younger than ``work.decode_seconds``), and return those
+        that finished. Requests outlive syncs: a sync between two polls changes the weights mid-sequence, and
+        ``RolloutOutput.versions`` records each token's version."""
+        if self.rollout is None:
+            raise RuntimeError("the rollout worker has no weights yet: the driver syncs them before streaming")
+        rollout = self.rollout
+        for request_id in work.abort:
+            rollout.abort(request_id)
+        for request in work.submit:
+            rollout.submit(request)
+        started, finished = time.perf_counter(), []
+        while rollout.pending():
+            finished += rollout.step(max_tokens=work.decode_tokens)
+            if time.perf_counter() - started >= work.decode_seconds:
+                break
+        return StreamReport(finished=finished, version=self.version, pending=rollout.pending(),
+                            logprobs_match_training=rollout.logprobs_match_training)
+
     @register("3D_ALL_MICRO_DP")
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """As ``ActorWorker.generate_sequences``, with the weights of the last sync."""
         if self.rollout is None:
             raise RuntimeError("the rollout worker has no weights yet: the driver syncs them before generating")
         meta = prompts.meta_info
-        config = self.spec.generation.for_call(self.spec.tokens, seed=int(meta.get("seed", 0)) * 1_000_003 + self.rank,
-                                               samples_per_prompt=int(meta.get("samples_per_prompt", 1)))
-        config = dataclasses.replace(config, **{key: meta[key] for key in GENERATION_OVERRIDES if key in meta})
+        config = self._call_config(meta)
         output = self.rollout.generate(prompts["input_ids"].to(self.device),
                                        prompts["attention_mask"].to(self.device), config)
         samples = config.samples_per_prompt
@@ -113,3 +163,22 @@ class RolloutWorker(Worker):
                                    meta_info={**meta, ROLLOUT_TEMPERATURE: temperature,
                                               TRAINING_EXACT_LOGPROBS: self.rollout.logprobs_match_training,
                                               WEIGHT_VERSION: self.version})
+
+    @register("3D_ALL_MICRO_DP")
+    def generate_episodes(self, prompts: DataProto) -> DataProto:
+        """As ``ActorWorker.generate_episodes``, with the weights of the last sync: the same ``EpisodeJob``
+        (``prompts.meta_info["episode_job"]``) runs this replica's episodes on its rollout's requests, the
+        environments and tools in this process; the batch is the actor's (token-exact ids, the loss mask 1 only on
+        sampled tokens, each episode's record), stamped with the version that generated it."""
+        if self.rollout is None:
+            raise RuntimeError("the rollout worker has no weights yet: the driver syncs them before generating")
+        config = self._call_config(prompts.meta_info)
+        result = prompts.meta_info["episode_job"].run(self.rollout, prompts, config)
+        return episodes_batch(prompts, config, self.rollout, result)
+
+    def _call_config(self, meta: dict):
+        """The sampling config of one generation call: the actor's defaults with ``meta``'s overrides; each replica
+        draws its own noise (the seed and the rank)."""
+        config = self.spec.generation.for_call(self.spec.tokens, seed=int(meta.get("seed", 0)) * 1_000_003 + self.rank,
+                                               samples_per_prompt=int(meta.get("samples_per_prompt", 1)))
+        return dataclasses.replace(config, **{key: meta[key] for key in GENERATION_OVERRIDES if key in meta})

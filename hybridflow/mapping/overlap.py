@@ -1,0 +1,188 @@
+"""Overlap: split placements with a rollout pool of their own, generating while the trainer trains.
+
+The pipelined asynchronous step (``async.max_staleness`` k, docs/async.md) runs two loops on disjoint devices:
+- the **rollout pool** (R devices, one generation replica each, pg = tg = 1, the whole policy in the
+  generation dtype) receives the weights of the last update and generates the next batch;
+- the **training pools** (the other N - R devices; any placement of the dataflow's roles, searched like the
+  synchronous one, with an actor that does not generate and so needs no KV cache nor resharding) gather and
+  send the weights, score the batch (log-probs, reference, critic, reward) and train.
+
+With k >= 1 the two loops overlap and a step takes, in steady state, the slower of the two:
+``max(receive + generation, send + preparation + training)``; with k = 0 they take turns (the sum).
+The colocated synchronous step is the synchronous search's sum of stages (with the 3D-HybridEngine's
+resharding). On CPU profiles, processes busy at once share the node's cores: while the loops overlap every
+process of both pools is busy, so each stage is costed at the share of all N processes.
+
+The weight sync (``ActorWorker.generation_weights`` then ``RolloutWorker.sync_weights``) is costed as the
+trainer's all-gather of the policy over the actor's pool and ``PAYLOAD_PASSES`` over the payload on rank 0 (send:
+on the trainer's timeline); the payload's transfer, through Ray's object store, once to each node of the rollout
+pool other than the trainer's (in turn, each over one node's share of the inter-node links; the replicas of a
+node read its one copy), and ``PAYLOAD_PASSES`` on each replica (receive: on the rollout pool's timeline).
+Not modeled: the driver's own work between calls (rewards, advantages) and the per-call costs of the single
+controller (docs/mapping.md, "Limits").
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Iterator, Sequence
+
+from hybridflow.mapping.cluster import Cluster
+from hybridflow.mapping.dataflow import STAGES
+from hybridflow.mapping.model_spec import ModelSpec
+from hybridflow.mapping.plan import ROLLOUT_ROLE, OverlapSeconds, Plan, PoolPlan
+from hybridflow.mapping.search import Planner
+from hybridflow.mapping.simulator import Simulator
+from hybridflow.mapping.strategy import RoleStrategy
+
+REPLICA = RoleStrategy(layout="fsdp", generation_pp_size=1, generation_tp_size=1)
+"""A rollout replica's layout: the whole model on one device (workers/rollout.py runs pg = tg = 1)."""
+PAYLOAD_PASSES = 3
+"""Memory passes over the payload on each side of a sync. Trainer: the cast-and-pack copy into buckets, the
+checksums, the copy into the object store. Replica: the unpack copy, the verifying checksums, the load."""
+
+
+class TrainingPoolPlanner(Planner):
+    """The Planner of the training side of a split with a rollout pool: the actor scores and trains but does not
+    generate, and on CPU the ``busy_elsewhere`` processes of the rollout pool compete for the node's cores (of
+    ``full_cluster``) in every stage."""
+
+    actor_generates = False
+
+    def __init__(self, *, full_cluster: Cluster, busy_elsewhere: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.full_cluster = full_cluster
+        self.busy_elsewhere = busy_elsewhere
+
+    def _strategies(self, role: str, num_devices: int) -> Iterator[RoleStrategy]:
+        seen = set()
+        for strategy in super()._strategies(role, num_devices):
+            plain = replace(strategy, generation_pp_size=0, generation_tp_size=0)
+            if plain not in seen:
+                seen.add(plain)
+                yield plain
+
+    def stage_shares(self, sets: Sequence[tuple[str, ...]], allocation: Sequence[int]) -> tuple[float, ...]:
+        busy = self.stage_busy(sets, allocation)
+        return tuple(self.full_cluster.compute_share(busy[stage] + self.busy_elsewhere) for stage in STAGES)
+
+
+def replica_generation_seconds(simulator: Simulator, spec: ModelSpec, num_devices: int) -> float | None:
+    """Seconds for ``num_devices`` replicas (one per device, the whole model each) to generate the step's samples;
+    None if a replica cannot hold the model and one sequence of KV cache."""
+    kv_budget = simulator.budget_bytes - simulator.generation_weight_bytes(spec, REPLICA)
+    if simulator.kv_cache_bytes is not None:  # a fixed allocation: it fits whole or not at all
+        if simulator.kv_cache_bytes > kv_budget:
+            return None
+        kv_budget = simulator.kv_cache_bytes
+    generated = simulator.generation_seconds(spec, REPLICA, num_devices, kv_budget)
+    return None if generated is None else generated[0]
+
+
+def weight_sync_seconds(simulator: Simulator, spec: ModelSpec, *, actor_devices: int,
+                        remote_nodes: int) -> tuple[float, float]:
+    """(send, receive) seconds of one weight sync of ``spec`` in the generation dtype: the all-gather over the
+    actor's ``actor_devices`` and ``PAYLOAD_PASSES`` over the payload on rank 0; its transfer to each of the
+    rollout pool's ``remote_nodes`` nodes in turn (0: the pools share the trainer's node and its object store) and
+    ``PAYLOAD_PASSES`` on every replica (in parallel)."""
+    payload = spec.num_params(head="lm") * simulator.element_bytes_of(spec)
+    passes = PAYLOAD_PASSES * payload / simulator.memory_bandwidth
+    send = simulator.all_gather_seconds(payload, actor_devices, actor_devices) + passes
+    bandwidth, latency = simulator.link(True)  # per device: a node's transfer has the links of its devices
+    node_bandwidth = bandwidth * simulator.cluster.node_size
+    receive = remote_nodes * (latency + payload / node_bandwidth) + passes
+    return send, receive
+
+
+def training_planner(planner: Planner, *, training_devices: int, rollout_devices: int,
+                     max_staleness: int) -> TrainingPoolPlanner:
+    """The planner of ``training_devices`` beside a rollout pool of ``rollout_devices`` on ``planner``'s cluster
+    (ValueError if they do not form a cluster: more than a node and not whole nodes)."""
+    cluster = planner.cluster
+    return TrainingPoolPlanner(
+        dataflow=planner.dataflow, models=planner.models, workload=planner.workload,
+        cluster=Cluster(num_devices=training_devices, devices_per_node=min(cluster.node_size, training_devices),
+                        hardware=cluster.hardware),
+        backend=planner.backend, kv_cache_gib=planner.kv_cache_gib, granularity=planner.granularity,
+        full_cluster=cluster, busy_elsewhere=rollout_devices if max_staleness else 0)
+
+
+def with_rollout_pool(planner: Planner, training: Plan, rollout_pool: PoolPlan, max_staleness: int) -> Plan | None:
+    """``training`` (a simulated plan of the training pools, the actor not generating) beside ``rollout_pool``,
+    pipelined with staleness ``max_staleness``: the plan with both sides' predicted seconds (``OverlapSeconds``);
+    None if a replica cannot hold the model and one sequence of KV cache."""
+    cluster = planner.cluster
+    total, rollout = cluster.num_devices, rollout_pool.num_devices
+    actor = planner.dataflow.actor_role
+    spec = planner.models[actor]
+    simulator = planner.simulator_for(cluster.compute_share(total if max_staleness else rollout))
+    generation = replica_generation_seconds(simulator, spec, rollout)
+    if generation is None:
+        return None
+    remote_nodes = 0 if total <= cluster.node_size else len(rollout_pool.devices_per_node)
+    send, receive = weight_sync_seconds(simulator, spec, actor_devices=training.pool_of(actor).num_devices,
+                                        remote_nodes=remote_nodes)
+    assert training.stage_seconds is not None and training.pool_stage_seconds is not None
+    overlap = OverlapSeconds(receive=receive, generation=generation, send=send,
+                             preparation=training.stage_seconds["preparation"],
+                             training=training.stage_seconds["training"])
+    pool_stage_seconds = dict(training.pool_stage_seconds,
+                              **{rollout_pool.name: {"generation": generation, "preparation": 0.0, "training": 0.0}})
+    return replace(training, rollout_pool=rollout_pool, max_staleness=max_staleness, overlap=overlap,
+                   stage_seconds=dict(training.stage_seconds, generation=generation),
+                   pool_stage_seconds=pool_stage_seconds, backend=planner.backend.name)
+
+
+def rollout_pool_plans(planner: Planner, staleness_values: Sequence[int]) -> list[Plan]:
+    """For every rollout pool size R (a pool size of the planner's granularity leaving a valid training
+    cluster) and every k of ``staleness_values``, the fastest training placement on the other devices beside R
+    generation replicas, as a plan with ``async.max_staleness`` k, fastest first. Empty for a dataflow that
+    generates more than once per step (the pipelined schedule generates one batch per step)."""
+    if planner.dataflow.generation_passes != 1:
+        return []
+    cluster = planner.cluster
+    total, node = cluster.num_devices, cluster.node_size
+    shares_cores = cluster.hardware.compute_units_per_node > 0
+    plans = []
+    for rollout in cluster.device_counts(planner.granularity):
+        rest = total - rollout
+        if rest < 1 or (rest > node and rest % node) or not cluster.fits_nodes([rollout, rest]):
+            continue
+        pool = PoolPlan(name=ROLLOUT_ROLE, roles=(ROLLOUT_ROLE,), devices_per_node=tuple(cluster.pool_nodes(rollout)))
+        searched: dict[bool, Plan | None] = {}  # overlapping or not -> the training side (the same without cores)
+        for max_staleness in staleness_values:
+            overlapping = bool(max_staleness) and shares_cores
+            if overlapping not in searched:
+                trainer = training_planner(planner, training_devices=rest, rollout_devices=rollout,
+                                           max_staleness=int(overlapping))
+                try:
+                    searched[overlapping] = trainer.search()[0]
+                except ValueError:  # the roles do not fit the devices left
+                    searched[overlapping] = None
+            training = searched[overlapping]
+            candidate = None if training is None else with_rollout_pool(planner, training, pool, max_staleness)
+            if candidate is not None:
+                plans.append(candidate)
+    return sorted(plans, key=lambda plan: plan.total_seconds)
+
+
+def simulate_with_rollout_pool(planner: Planner, layout: Plan) -> Plan:
+    """Predicted times of a given layout with a rollout pool (e.g. a hand-written config with
+    ``placement.roles.rollout``); ValueError if it does not fit."""
+    assert layout.rollout_pool is not None
+    if planner.dataflow.generation_passes != 1:
+        raise ValueError(f"{planner.dataflow.name!r} generates {planner.dataflow.generation_passes} times per step; a "
+                         f"rollout pool generates one batch per step")
+    rollout = layout.rollout_pool.num_devices
+    training_devices = sum(pool.num_devices for pool in layout.pools)
+    if training_devices + rollout > planner.cluster.num_devices:
+        raise ValueError(f"the plan's pools use {training_devices + rollout} devices; the cluster has "
+                         f"{planner.cluster.num_devices}")
+    trainer = training_planner(planner, training_devices=training_devices, rollout_devices=rollout,
+                               max_staleness=layout.max_staleness)
+    training = trainer.simulate(replace(layout, rollout_pool=None, max_staleness=0))
+    result = with_rollout_pool(planner, training, layout.rollout_pool, layout.max_staleness)
+    if result is None:
+        raise ValueError(f"rollout pool {layout.rollout_pool.name!r}: a replica cannot hold the actor and one "
+                         f"sequence of KV cache on a device of {planner._usable_text()}")
+    return result
