@@ -140,11 +140,12 @@ def _check_sizes(args: argparse.Namespace) -> None:
     """ValueError naming the flag for a count below its bound, and for a --hardware file that does not exist."""
     for names, bound in ((POSITIVE_FLAGS, 1), (NON_NEGATIVE_FLAGS, 0)):
         for name in names:
-            if getattr(args, name) < bound:
-                raise ValueError(f"--{name.replace('_', '-')} got {getattr(args, name)}; allowed: an integer >= {bound}")
+            value = getattr(args, name)
+            if value < bound:
+                raise ValueError(f"--{name.replace('_', '-')} got {value}; allowed: an integer >= {bound}")
     if args.devices > args.per_node and args.devices % args.per_node:
-        raise ValueError(f"--devices got {args.devices}; allowed: at most --per-node ({args.per_node}) or a multiple of "
-                         f"it (whole nodes)")
+        raise ValueError(f"--devices got {args.devices}; allowed: at most --per-node ({args.per_node}) or a multiple "
+                         f"of it (whole nodes)")
     hardware = args.hardware
     if (hardware.endswith(".json") or os.sep in hardware) and not Path(hardware).is_file():
         raise ValueError(f"--hardware {hardware!r}: the profile file "

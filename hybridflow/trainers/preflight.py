@@ -70,8 +70,8 @@ def check_sequence_length(config: RLConfig, longest_prompt: int) -> None:
     if limit is not None and longest_prompt >= limit:  # no max_new_tokens can fit: the prompts must be shorter
         raise ValueError(
             f"config key data.max_prompt_tokens got {config.data.max_prompt_tokens}; allowed: at most "
-            f"{limit - max_new_tokens}: the longest prompt kept has {longest_prompt} tokens, which alone fill the actor "
-            f"model's max_position_embeddings = {limit}; with actor.generation.max_new_tokens={max_new_tokens}, "
+            f"{limit - max_new_tokens}: the longest prompt kept has {longest_prompt} tokens, which alone fill the "
+            f"actor model's max_position_embeddings = {limit}; with actor.generation.max_new_tokens={max_new_tokens}, "
             f"data.max_prompt_tokens={limit - max_new_tokens} drops the prompts that cannot fit")
     if limit is not None and longest_prompt + max_new_tokens > limit:
         raise ValueError(
