@@ -141,8 +141,13 @@ def test_export_plan_and_data_answer_bad_arguments_in_one_line(tmp_path, capsys)
     assert capsys.readouterr().err == (f"hybridflow data: error: --out {str(tmp_path / 'file')!r} is a file, not a "
                                        f"directory\n")
     assert main(["export", str(tmp_path / "nowhere")]) == 2
+    assert capsys.readouterr().err == (f"hybridflow export: error: run directory {str(tmp_path / 'nowhere')!r} does "
+                                       f"not exist; give a `hybridflow train` trainer.output_dir (it holds "
+                                       f"checkpoints/)\n")
+    (tmp_path / "empty_run").mkdir()
+    assert main(["export", str(tmp_path / "empty_run")]) == 2
     assert capsys.readouterr().err == (f"hybridflow export: error: no checkpoint under "
-                                       f"{tmp_path / 'nowhere' / 'checkpoints'}; steps saved: none (set "
+                                       f"{tmp_path / 'empty_run' / 'checkpoints'}; steps saved: none (set "
                                        f"trainer.save_every)\n")
     assert main(["plan", "--actor", "llama-7b", "--devices", "8", "--prompt-len", "10", "--response-len", "10",
                  "--batch", "8", "--hardware", str(tmp_path / "file")]) == 2

@@ -42,11 +42,11 @@ def test_plan_for_an_algorithm_without_critic_defaults_reference_and_reward_to_t
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--devices", "12"], "Cluster.num_devices 12 must be a multiple of devices_per_node 8"),
+    (["--devices", "12"], "--devices got 12; allowed: at most --per-node (8) or a multiple of it (whole nodes)"),
     (["--devices", "8", "--hardware", "tpu"],
      "unknown hardware 'tpu'; known: a100-80g, h100-80g, h200, cpu-local, cuda-local"),
     (["--devices", "8", "--reward", "gpt-9"], "unknown model 'gpt-9'"),
-    (["--devices", "8", "--batch", "0"], "Workload.prompts_per_step must be a positive integer, got 0"),
+    (["--devices", "8", "--batch", "0"], "--batch got 0; allowed: an integer >= 1"),
 ])
 def test_plan_reports_bad_input_on_stderr_with_exit_code_2(extra, message, capsys):
     assert plan_main(TINY_PPO + extra) == 2

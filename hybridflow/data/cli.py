@@ -36,6 +36,9 @@ def data_main(argv: list[str]) -> int:
                                     reverse_answer=args.reverse_answer)
     except ValueError as error:
         parser.error(str(error))
+    if not args.out.strip():  # Path("") is the current directory
+        print("hybridflow data: error: --out got ''; allowed: a directory path", file=sys.stderr)
+        return 2
     out = Path(args.out)
     for folder in (out, *out.parents):
         if folder.exists() and not folder.is_dir():
@@ -43,7 +46,12 @@ def data_main(argv: list[str]) -> int:
                   if folder == out else f"hybridflow data: error: --out {str(args.out)!r}: {str(folder)!r} is a file",
                   file=sys.stderr)
             return 2
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        print(f"hybridflow data: error: --out {str(args.out)!r} cannot be created: {error.strerror or error}",
+              file=sys.stderr)
+        return 2
     files = {"train.jsonl": prompt_rows(args.train, split="train", seed=args.seed, config=task),
              "eval.jsonl": prompt_rows(args.eval, split="eval", seed=args.seed, config=task)}
     if args.sft:
@@ -51,6 +59,11 @@ def data_main(argv: list[str]) -> int:
     if args.pairs:
         files["pairs.jsonl"] = preference_rows(args.pairs, split="train", seed=args.seed, config=task)
     for name, rows in files.items():
-        write_jsonl(out / name, rows)
+        try:
+            write_jsonl(out / name, rows)
+        except OSError as error:  # the file is written beside and renamed: nothing half-written stays
+            print(f"hybridflow data: error: could not write {str(out / name)!r}: {error.strerror or error}; nothing "
+                  f"was written under that name", file=sys.stderr)
+            return 2
         print(f"wrote {len(rows)} rows to {out / name}")
     return 0

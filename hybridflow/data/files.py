@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -90,10 +91,15 @@ def _read_by_suffix(path: Path, suffix: str) -> list[dict]:
     return rows
 
 
+UTF8_BOM = b"\xef\xbb\xbf"
+
+
 def _read_jsonl(path: Path) -> list[dict]:
     rows = []
     with path.open("rb") as handle:
         for line_number, raw_line in enumerate(handle, start=1):
+            if line_number == 1 and raw_line.startswith(UTF8_BOM):  # Windows editors start UTF-8 files with one
+                raw_line = raw_line[len(UTF8_BOM):]
             try:
                 line = raw_line.decode("utf-8")
             except UnicodeDecodeError as error:
@@ -120,9 +126,16 @@ def write_jsonl(path: str | Path, rows: Sequence[dict]) -> Path:
     """Write rows as jsonl (creating parent directories) and return the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as handle:
-        for row in rows:
-            handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+    # written beside and renamed: a full disk or a Ctrl-C never leaves a truncated file under the real name
+    partial = path.with_name(f".{path.name}.partial")
+    try:
+        with partial.open("w", encoding="utf-8") as handle:
+            for row in rows:
+                handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
     return path
 
 
@@ -140,8 +153,10 @@ def load_rows(source: str | Path | Sequence[dict], *, description: str = "datase
 
 def require_field(row: dict, field: str, *, row_index: int, source_name: str) -> object:
     """row[field], or a ValueError naming the field, the source and the fields the row has."""
-    if field not in row or row[field] is None:
+    if field not in row:
         raise ValueError(
             f"row {row_index} of {source_name} has no field {field!r}; fields present: {sorted(row)}"
         )
+    if row[field] is None:
+        raise ValueError(f"row {row_index} of {source_name}: field {field!r} is null; give it a value or drop the row")
     return row[field]

@@ -88,6 +88,7 @@ def plan_main(argv: list[str]) -> int:
             raise ValueError(f"--backend (actor.generation.backend) must be one of {', '.join(ROLLOUT_BACKENDS)}, "
                              f"got {args.backend!r}")
         check_granularity(args.granularity)
+        _check_sizes(args)
         if args.write:
             _check_writable(args.write)
         workload = Workload(prompts_per_step=args.batch, prompt_length=args.prompt_len,
@@ -127,6 +128,28 @@ def _workload_text(workload: Workload) -> str:
             f"{workload.prompt_length} + response {workload.response_length} tokens, mini-batch "
             f"{workload.samples_per_update} samples, {workload.ppo_epochs} epoch(s), micro-batch tokens "
             f"{workload.micro_batch_tokens or workload.sequence_length}")
+
+
+# flags that count something: the error names the flag, not the planner's field it becomes
+POSITIVE_FLAGS = ("devices", "per_node", "prompt_len", "response_len", "batch", "samples_per_prompt", "ppo_epochs",
+                  "top")
+NON_NEGATIVE_FLAGS = ("mini_batch", "micro_batch_tokens")
+
+
+def _check_sizes(args: argparse.Namespace) -> None:
+    """ValueError naming the flag for a count below its bound, and for a --hardware file that does not exist."""
+    for names, bound in ((POSITIVE_FLAGS, 1), (NON_NEGATIVE_FLAGS, 0)):
+        for name in names:
+            value = getattr(args, name)
+            if value < bound:
+                raise ValueError(f"--{name.replace('_', '-')} got {value}; allowed: an integer >= {bound}")
+    if args.devices > args.per_node and args.devices % args.per_node:
+        raise ValueError(f"--devices got {args.devices}; allowed: at most --per-node ({args.per_node}) or a multiple "
+                         f"of it (whole nodes)")
+    hardware = args.hardware
+    if (hardware.endswith(".json") or os.sep in hardware) and not Path(hardware).is_file():
+        raise ValueError(f"--hardware {hardware!r}: the profile file "
+                         f"{'is a directory' if Path(hardware).is_dir() else 'does not exist'}")
 
 
 def _check_writable(path: str) -> None:

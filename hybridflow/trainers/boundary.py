@@ -10,6 +10,7 @@ with one line (exit code 128 + the signal number); a hard ``os._exit`` in the dr
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
 import sys
@@ -17,6 +18,34 @@ import tempfile
 import traceback
 from pathlib import Path
 from typing import Callable, Iterator
+
+# errno -> (the cause in plain words, what to do); the text forms are those a worker's traceback carries
+CAUSES = {errno.ENOSPC: ("no space left on the device", "free disk space under {dir}"),
+          errno.EDQUOT: ("the disk quota is exceeded", "free disk space under {dir}"),
+          errno.EACCES: ("permission denied", "make {dir} writable"),
+          errno.EPERM: ("permission denied", "make {dir} writable"),
+          errno.EROFS: ("the file system is read-only", "make {dir} writable"),
+          errno.EIO: ("an I/O error of the disk", "check the disk holding {dir}"),
+          errno.ENOTDIR: ("a path on the way is a file, not a directory", "make {dir} a writable directory")}
+CAUSE_TEXTS = {os.strerror(number): number for number in CAUSES}
+
+
+def failure_cause(error: BaseException) -> tuple[str, str] | None:
+    """(the cause in plain words, advice with ``{dir}``) of a save failure: an OSError's errno anywhere in the
+    exception's chain, or its text in a worker's traceback; None when neither names a known cause."""
+    seen = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in CAUSES:
+            return CAUSES[current.errno]
+        current = current.__cause__ or current.__context__
+    text = str(error)
+    for message, number in CAUSE_TEXTS.items():
+        if message in text:
+            return CAUSES[number]
+    return None
+
 
 # the errors whose message is written for a user: printed as they are
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError,)
@@ -54,7 +83,7 @@ def write_traceback(directory: Path, prog: str, error: BaseException) -> Path:
     return Path("(unwritable)")
 
 
-def one_line(error: BaseException, errors_dir: Path, prog: str) -> str:
+def one_line(error: BaseException, errors_dir: Path, prog: str, note: str = "") -> str:
     """The message of ``error`` for a user: its own text for known errors, else type + first line + traceback file."""
     if isinstance(error, USER_ERRORS):  # before any import: a config error answers without torch
         return str(error)
@@ -72,7 +101,13 @@ def one_line(error: BaseException, errors_dir: Path, prog: str) -> str:
         return str(error)
     lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
     path = write_traceback(errors_dir, prog, error)
-    return f"{type(error).__name__}{': ' + lines[0] if lines else ''} (full traceback: {path})"
+    summary = f"{type(error).__name__}{': ' + lines[0] if lines else ''}"
+    cause = failure_cause(error) if isinstance(error, OSError) else None
+    if cause is not None:  # a full disk, a read-only or unwritable directory: said in words, with what to do
+        where = getattr(error, "filename", None) or (errors_dir.parent if errors_dir.name == "errors" else Path.cwd())
+        advice = cause[1].format(dir=repr(str(where)))
+        return f"{cause[0]} ({summary}){'; ' + note if note else ''}; {advice} (full traceback: {path})"
+    return f"{summary} (full traceback: {path})"
 
 
 def _loaded_classes(*names: tuple[str, str]) -> tuple[type, ...]:
@@ -80,8 +115,9 @@ def _loaded_classes(*names: tuple[str, str]) -> tuple[type, ...]:
 
 
 def run_guarded(prog: str, body: Callable[[], int], *, errors_dir: Callable[[], Path],
-                interrupted: Callable[[RunInterrupted], str] = lambda error: "") -> int:
-    """``body()``'s exit code, or 2 after printing any failure as one line (128 + N after signal N)."""
+                interrupted: Callable[[RunInterrupted | None], str] = lambda error: "") -> int:
+    """``body()``'s exit code, or 2 after printing any failure as one line (128 + N after signal N); ``interrupted``
+    says where the run stands (after a signal, and after a disk error: None)."""
     try:
         try:
             return body()
@@ -99,7 +135,8 @@ def run_guarded(prog: str, body: Callable[[], int], *, errors_dir: Callable[[], 
         print(f"{prog}: stopped by SIGINT", file=sys.stderr, flush=True)
         return 128 + signal.SIGINT
     except Exception as error:
-        print(f"{prog}: error: {one_line(error, errors_dir(), prog)}", file=sys.stderr, flush=True)
+        note = interrupted(None) if isinstance(error, OSError) else ""  # where the run stands, as after a signal
+        print(f"{prog}: error: {one_line(error, errors_dir(), prog, note)}", file=sys.stderr, flush=True)
         return 2
 
 

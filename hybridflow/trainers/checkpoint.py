@@ -18,40 +18,17 @@ from pathlib import Path
 
 from hybridflow.controller.errors import WorkerLostError
 from hybridflow.engine.generation_config import unset_before_it_was_optional
+from hybridflow.trainers.boundary import CAUSES, failure_cause
 
 
 class CheckpointSaveError(RuntimeError):
     """A checkpoint could not be written (disk full, unwritable directory, ...); the previous one is untouched."""
 
 
-# errno -> (the cause in plain words, what to do); the text forms are those a worker's traceback carries
-CAUSES = {errno.ENOSPC: ("no space left on the device", "free disk space under {dir}"),
-          errno.EDQUOT: ("the disk quota is exceeded", "free disk space under {dir}"),
-          errno.EACCES: ("permission denied", "make {dir} writable"),
-          errno.EPERM: ("permission denied", "make {dir} writable"),
-          errno.EROFS: ("the file system is read-only", "make {dir} writable"),
-          errno.EIO: ("an I/O error of the disk", "check the disk holding {dir}"),
-          errno.ENOTDIR: ("a path on the way is a file, not a directory", "make {dir} a writable directory")}
-CAUSE_TEXTS = {os.strerror(number): number for number in CAUSES}
 # a file system with less free space than this after a failed save is taken to be full
 FULL_BELOW_BYTES = 1 << 20
-
-
-def failure_cause(error: BaseException) -> tuple[str, str] | None:
-    """(the cause in plain words, advice with ``{dir}``) of a save failure: an OSError's errno anywhere in the
-    exception's chain, or its text in a worker's traceback; None when neither names a known cause."""
-    seen = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if isinstance(current, OSError) and current.errno in CAUSES:
-            return CAUSES[current.errno]
-        current = current.__cause__ or current.__context__
-    text = str(error)
-    for message, number in CAUSE_TEXTS.items():
-        if message in text:
-            return CAUSES[number]
-    return None
+# the record an engine writes next to its weights (hybridflow.engine.checkpoint.ENGINE_FILE; not imported: torch)
+ENGINE_FILE = "engine.json"
 
 
 def directory_bytes(path: Path) -> int:
@@ -185,7 +162,27 @@ class RunCheckpointer:
             json.loads(driver.read_text())["step"]
         except (ValueError, KeyError, TypeError, UnicodeDecodeError):
             return "its driver state driver.json is unreadable"
+        for role in sorted(child for child in path.iterdir() if child.is_dir()):
+            problem = RunCheckpointer._role_problem(role)
+            if problem is not None:
+                return f"{role.name}/{problem}"
         return None  # a role directory deleted by hand is named when its engine loads the checkpoint
+
+    @staticmethod
+    def _role_problem(role: Path) -> str | None:
+        """What is missing from an engine's checkpoint directory (``.metadata`` and ``engine.json`` are written with
+        its weights); None for a complete one or for a directory that is no engine's."""
+        if not any(role.glob("*.distcp")) and not (role / ENGINE_FILE).exists():
+            return None
+        if not (role / ".metadata").is_file():
+            return ".metadata is missing (the index of its weight files)"
+        try:
+            json.loads((role / ENGINE_FILE).read_text())["step"]
+        except FileNotFoundError:
+            return f"{ENGINE_FILE} is missing"
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+            return f"{ENGINE_FILE} is unreadable"
+        return None
 
     def steps(self) -> dict[int, Path]:
         """Every complete checkpoint by step, oldest first."""
@@ -224,6 +221,10 @@ class RunCheckpointer:
         """The checkpoint of ``step`` (None: the latest); ValueError listing the steps there are."""
         steps = self.steps()
         path = self.latest() if step is None else steps.get(step)
+        broken = self._step_dirs().get(step) if step is not None else None
+        if path is None and broken is not None:
+            raise ValueError(f"checkpoint {str(broken)!r} is incomplete: {self.problem(broken)}; complete steps: "
+                             f"{list(steps) or 'none'}")
         if path is None:
             raise ValueError(f"no checkpoint {'' if step is None else f'of step {step} '}under {self.directory}; "
                              f"steps saved: {list(steps) or 'none (set trainer.save_every)'}")

@@ -42,6 +42,10 @@ def parse_job_args(prog: str, description: str, argv: list[str]) -> argparse.Nam
     if args.config is not None and "=" in args.config:  # no file, only overrides
         args.overrides.insert(0, args.config)
         args.config = None
+    for extra in args.overrides:
+        if "=" not in extra and extra.endswith((".yaml", ".yml")):
+            parser.error(f"a second config file {extra!r} after {args.config!r}: one config file is read; merge them, "
+                         f"or give the second one's keys as key.path=value overrides")
     return args
 
 
@@ -58,12 +62,50 @@ def _read_config_file(path: str | None) -> None:
         return
     from hybridflow.trainers.config.loader import load_yaml
 
+    _check_utf8(path)
     try:
         load_yaml(path)
     except ValueError:
         raise
     except Exception as error:  # yaml's parser errors carry the line and column
         raise ValueError(f"config file {path!r}: {error}") from None
+
+
+def _check_utf8(path: str) -> None:
+    """A config file that is not UTF-8 (a Latin-1 editor's) named with its line, not as a codec's byte offset."""
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read()
+    except OSError:
+        return  # load_yaml names a missing file or a directory
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = raw[:error.start].count(b"\n") + 1
+        raise ValueError(f"config file {path!r} line {line} is not UTF-8 text (byte {raw[error.start]:#04x}); "
+                         f"re-save the file as UTF-8") from None
+
+
+def check_ray_address(environ=None, *, timeout_s: float = 3.0) -> None:
+    """ValueError when RAY_ADDRESS names a ``host:port`` where nothing listens: ``ray.init`` would otherwise retry
+    for minutes, printing only its own connection warnings."""
+    import os
+    import socket
+
+    address = (os.environ if environ is None else environ).get("RAY_ADDRESS", "").strip()
+    if not address or address in ("auto", "local") or "://" in address or ":" not in address:
+        return
+    host, _, port = address.rpartition(":")
+    if not port.isdigit():
+        raise ValueError(f"environment variable RAY_ADDRESS={address!r}: the port {port!r} is not a number; allowed: "
+                         f"host:port of a running Ray cluster's head, or unset it")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as error:
+        reason = error.strerror or str(error)
+        raise ValueError(f"environment variable RAY_ADDRESS={address!r}: nothing answers there ({reason}); start the "
+                         f"cluster (`ray start --head`), fix the address, unset RAY_ADDRESS, or run with --local") \
+            from None
 
 
 def _last_checkpoint_note(trainer) -> str:
@@ -110,6 +152,8 @@ def train_main(argv: list[str]) -> int:
 
         if args.local:
             warn_local_pools(config)
+        else:
+            check_ray_address()
         with signals_stop_the_run(graceful=lambda: config.trainer.save_on_signal and run["trainer"] is not None) \
                 as request, hard_exits_reported(prog, lambda: _last_checkpoint_note(run["trainer"])):
             trainer = run["trainer"] = RLTrainer(config, mode="local" if args.local else None)
@@ -150,14 +194,18 @@ def _supervised_main(kind: str, argv: list[str]) -> int:
             return 0
         from hybridflow.trainers.supervised import run_supervised
 
+        if not args.local:
+            check_ray_address()
+
         with signals_stop_the_run(), hard_exits_reported(prog):
             result = run_supervised(config, mode="local" if args.local else None)
         print(f"{kind} finished: {json.dumps(result['final'])}; model in {result['model_dir']}")
         return 0
 
     return run_guarded(prog, body, errors_dir=lambda: errors_directory(run["output_dir"]),
-                       interrupted=lambda error: f"{kind} runs keep no checkpoint: run it again to train from the "
-                                                 f"start")
+                       interrupted=lambda error: f"{kind} runs keep no checkpoint: run it again with overwrite=true "
+                                                 f"to train from the start (its output_dir now holds this run's "
+                                                 f"metrics)")
 
 
 def sft_main(argv: list[str]) -> int:

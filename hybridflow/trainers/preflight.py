@@ -67,6 +67,12 @@ def check_sequence_length(config: RLConfig, longest_prompt: int) -> None:
     """Raise unless the longest kept prompt plus ``max_new_tokens`` fits the actor's positions."""
     limit = max_positions(config.actor.model)
     max_new_tokens = config.actor.generation.max_new_tokens
+    if limit is not None and longest_prompt >= limit:  # no max_new_tokens can fit: the prompts must be shorter
+        raise ValueError(
+            f"config key data.max_prompt_tokens got {config.data.max_prompt_tokens}; allowed: at most "
+            f"{limit - max_new_tokens}: the longest prompt kept has {longest_prompt} tokens, which alone fill the "
+            f"actor model's max_position_embeddings = {limit}; with actor.generation.max_new_tokens={max_new_tokens}, "
+            f"data.max_prompt_tokens={limit - max_new_tokens} drops the prompts that cannot fit")
     if limit is not None and longest_prompt + max_new_tokens > limit:
         raise ValueError(
             f"config key actor.generation.max_new_tokens got {max_new_tokens}; allowed: at most "
@@ -137,6 +143,9 @@ def check_model(key: str, model: ModelConfig, *, needs_tokenizer: bool) -> None:
     headers and (``needs_tokenizer``) tokenizer files."""
     if model.path is not None:
         directory = Path(model.path)
+        if directory.is_file():
+            raise ValueError(f"config key {key}.path: {model.path!r} is a file, not a model directory; give the "
+                             f"directory holding it ({str(directory.parent)!r})")
         if not directory.is_dir():
             raise ValueError(f"config key {key}.path: model directory {model.path!r} does not exist (a local Hugging "
                              f"Face directory is expected; nothing is downloaded)")
@@ -149,6 +158,7 @@ def check_model(key: str, model: ModelConfig, *, needs_tokenizer: bool) -> None:
             raise ValueError(f"config key {key}.path: {str(config_file)!r} is not valid JSON: {error}") from None
         for weights in sorted(directory.glob("*.safetensors")):
             _check_safetensors_header(key, weights)
+        _check_shard_files(key, directory)
         problem = weights_vs_config(directory)
         if problem is not None:
             raise ValueError(f"config key {key}.path: model directory {model.path!r}: {problem}; re-export the "
@@ -157,6 +167,9 @@ def check_model(key: str, model: ModelConfig, *, needs_tokenizer: bool) -> None:
     if needs_tokenizer and tokenizer_dir is not None:
         tokenizer_key = f"{key}.tokenizer_path" if model.tokenizer_path is not None else f"{key}.path"
         directory = Path(tokenizer_dir)
+        if directory.is_file():
+            raise ValueError(f"config key {tokenizer_key}: {tokenizer_dir!r} is a file, not a tokenizer directory; "
+                             f"give the directory holding it ({str(directory.parent)!r})")
         if not directory.is_dir():
             raise ValueError(f"config key {tokenizer_key}: tokenizer directory {tokenizer_dir!r} does not exist")
         if not any((directory / name).is_file() for name in TOKENIZER_FILES):
@@ -182,6 +195,22 @@ def _check_vocabulary(key: str, tokenizer_key: str, model: ModelConfig) -> None:
         raise ValueError(f"config key {tokenizer_key}: the tokenizer has token ids up to {tokens - 1} but the model "
                          f"in {key}.path has vocab_size={vocab_size} (config.json): ids >= {vocab_size} have no "
                          f"embedding; use the model's own tokenizer")
+
+
+def _check_shard_files(key: str, directory: Path) -> None:
+    """Every shard that ``model.safetensors.index.json`` maps a tensor to must be in the directory (a missing one
+    would otherwise surface as tensors "lacking" from a correct checkpoint)."""
+    index = directory / "model.safetensors.index.json"
+    if not index.is_file():
+        return
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map") or {}
+    except (ValueError, UnicodeDecodeError, AttributeError) as error:
+        raise ValueError(f"config key {key}.path: {str(index)!r} is not a valid index ({error})") from None
+    missing = sorted({name for name in weight_map.values() if not (directory / name).is_file()})
+    if missing:
+        raise ValueError(f"config key {key}.path: {str(index)!r} names shard files that are not in the directory: "
+                         f"{', '.join(missing)}; copy every shard of the model")
 
 
 def _check_safetensors_header(key: str, path: Path) -> None:

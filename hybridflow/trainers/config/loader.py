@@ -93,7 +93,10 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], cls: type | None
     ``{path: DIR}``. Two alternatives both given as overrides stay both (the section's own check
     then names the conflict).
     """
-    if isinstance(overrides, (str, bytes)) or not all(isinstance(item, str) for item in overrides):
+    # a str or a dict would iterate as characters or keys: "override 't' must look like ..." says nothing useful
+    if not isinstance(overrides, (str, bytes, dict)):
+        overrides = list(overrides)
+    if not isinstance(overrides, list) or not all(isinstance(item, str) for item in overrides):
         raise ValueError(f"overrides must be a list of 'key.path=value' strings, got {overrides!r}")
     result = _deep_copy(data)
     set_by_override: set[tuple[str, ...]] = set()

@@ -670,4 +670,4 @@ class RLConfig:
 def load_rl_config(path: str | Path | None, overrides: list[str] = ()) -> RLConfig:
     """Build an :class:`RLConfig` from a YAML file (or nothing) and ``key=value`` overrides."""
     data = load_yaml(path) if path is not None else {}
-    return build_dataclass(RLConfig, apply_overrides(data, list(overrides), RLConfig))
+    return build_dataclass(RLConfig, apply_overrides(data, overrides, RLConfig))

@@ -138,4 +138,4 @@ class RMConfig(SupervisedRun):
 def load_supervised_config(cls, path: str | None, overrides: list[str] = ()):
     """An SFTConfig or RMConfig from YAML and ``key=value`` overrides."""
     data = load_yaml(path) if path is not None else {}
-    return build_dataclass(cls, apply_overrides(data, list(overrides), cls))
+    return build_dataclass(cls, apply_overrides(data, overrides, cls))
