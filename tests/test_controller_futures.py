@@ -230,7 +230,8 @@ def test_a_layout_driven_call_is_submitted_while_an_earlier_call_still_runs(grou
 def test_a_method_that_changes_the_layout_without_declares_layout_fails_naming_itself(groups):
     dp4, _ = groups
     dp4.declare(1)
-    with pytest.raises(WorkerError, match=r"StageWorker.redeclare_unflagged declared a new layout .*declares_layout=True"):
+    with pytest.raises(WorkerError,
+                       match=r"StageWorker.redeclare_unflagged declared a new layout .*declares_layout=True"):
         dp4.redeclare_unflagged()
     dp4.declare(1)
     assert dp4.passthrough(prompts(4))["prompt_id"].tolist() == [0, 1, 2, 3]

@@ -277,3 +277,79 @@ def test_a_ray_address_where_nothing_listens_is_refused_at_once_not_retried_for_
         server.bind(("127.0.0.1", 0))
         server.listen()
         check_ray_address({"RAY_ADDRESS": f"127.0.0.1:{server.getsockname()[1]}"})
+
+
+# -- the new-user pass's leftovers, fixed by the lead (#16, #107, #111, #116, #117, #119, #127) -------------------
+
+
+def test_an_unknown_builtin_model_is_named_with_its_key_when_the_config_loads():
+    from hybridflow.trainers.config.rl import load_rl_config
+
+    with pytest.raises(ValueError, match=r"^config key actor.model.builtin got 'gpt5'; allowed: arithmetic$"):
+        load_rl_config(None, ["actor.model.builtin=gpt5", "data.train_path=x.jsonl", "reward.function=arithmetic"])
+
+
+def _huge(prompt, response):
+    return 1e300
+
+
+def _interrupting(prompt, response):
+    raise KeyboardInterrupt
+
+
+async def _async_reward(prompt, response):
+    return 1.0
+
+
+def test_a_reward_beyond_float32_is_refused_naming_the_sample_not_stored_as_inf():
+    from hybridflow.rewards.plugin import RewardError, RuleReward
+
+    with pytest.raises(RewardError, match=r"returned 1e\+300 on sample 0 .*finite in float32"):
+        RuleReward(_huge).score_batch(["1+1="], ["2"])
+
+
+def test_a_reward_raising_keyboardinterrupt_is_a_reward_error_not_a_sigint():
+    from hybridflow.rewards.plugin import RewardError, RuleReward
+
+    with pytest.raises(RewardError, match=r"raised KeyboardInterrupt on sample 0"):
+        RuleReward(_interrupting).score_batch(["1+1="], ["2"])
+
+
+def test_an_async_def_reward_is_refused_where_it_is_named(tmp_path):
+    from hybridflow.rewards.plugin import RuleReward
+
+    with pytest.raises(ValueError, match=r"is an async def; allowed: a plain def returning a float"):
+        RuleReward(_async_reward)
+    (tmp_path / "areward.py").write_text("async def reward(prompt, response):\n    return 1.0\n")
+    with pytest.raises(ValueError, match=r"areward.py:reward' is an async def"):
+        RuleReward(f"{tmp_path / 'areward.py'}:reward")
+
+
+def test_run_supervised_given_a_dict_names_the_config_it_needs():
+    from hybridflow.trainers.supervised import run_supervised
+
+    with pytest.raises(ValueError, match=r"run_supervised needs an SFTConfig or RMConfig .* got a dict"):
+        run_supervised({"model": {"builtin": "arithmetic"}})
+
+
+def test_fit_after_shutdown_is_refused_and_a_finished_run_says_no_step_runs(tmp_path, capsys):
+    from hybridflow.data.builtin import ArithmeticTaskConfig, prompt_rows
+    from hybridflow.trainers.config.rl import load_rl_config
+    from hybridflow.trainers.rl import RLTrainer
+
+    rows = prompt_rows(8, split="train", seed=0, config=ArithmeticTaskConfig(max_digits=1))
+    write_jsonl(tmp_path / "train.jsonl", rows)
+    overrides = [f"data.train_path={tmp_path / 'train.jsonl'}", "actor.model.builtin=arithmetic",
+                 "reward.function=arithmetic", "algorithm.advantage_estimator=grpo",
+                 "actor.generation.max_new_tokens=3",
+                 "batch.prompts_per_step=2", "batch.samples_per_prompt=2", "batch.mini_batch_size=4",
+                 "trainer.progress_bar=false", "trainer.save_every=1", f"trainer.output_dir={tmp_path / 'run'}"]
+    trainer = RLTrainer(load_rl_config(None, [*overrides, "trainer.total_steps=2"]), mode="local", tensorboard=False)
+    trainer.fit()
+    trainer.shutdown()
+    with pytest.raises(ValueError, match=r"this RLTrainer was shut down .* build a new RLTrainer"):
+        trainer.fit()
+    capsys.readouterr()
+    again = RLTrainer(load_rl_config(None, [*overrides, "trainer.total_steps=1"]), mode="local", tensorboard=False)
+    again.shutdown()
+    assert "(step 2 of 1); trainer.total_steps=1 is reached already, so no step runs" in capsys.readouterr().out

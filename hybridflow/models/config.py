@@ -17,6 +17,10 @@ DTYPES = ("auto", "float32", "bfloat16")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
 
 
+BUILTIN_MODELS = ("arithmetic",)
+"""Names ``ModelConfig.builtin`` accepts."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """Where a role's model comes from and how it is built. Exactly one of ``path``, ``tiny`` and ``builtin`` is
@@ -58,6 +62,8 @@ class ModelConfig:
         if len(given) != 1:
             raise ValueError(f"config key path needs exactly one of path, tiny and builtin; got "
                              f"path={self.path!r}, tiny={self.tiny!r}, builtin={self.builtin!r}")
+        if self.builtin is not None and self.builtin not in BUILTIN_MODELS:
+            raise ValueError(f"config key builtin got {self.builtin!r}; allowed: {', '.join(BUILTIN_MODELS)}")
         if self.path is not None and (not isinstance(self.path, str) or not self.path):
             raise ValueError(f"ModelConfig.path must be a non-empty string, got {self.path!r}")
         if self.tiny is not None:

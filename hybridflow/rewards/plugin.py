@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -38,6 +39,10 @@ BUILTIN_REWARDS = {
 _PROMPT_EXCERPT_CHARS = 80
 DEFAULT_REWARD_TIMEOUT_S = 300.0
 """How long one batch may take to score before the reward function is reported as hung."""
+
+
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+"""The largest reward a float32 score tensor holds (a larger one would be stored as inf)."""
 
 
 class RewardError(ValueError):
@@ -55,8 +60,16 @@ def load_reward_function(spec: str) -> Callable[..., float]:
     target = import_named(spec, f"reward function {spec!r}", module_prefix="hybridflow_user_reward_")
     if not callable(target):
         raise ValueError(f"reward function {spec!r} names a {type(target).__name__}, not a function")
+    _refuse_async(target, spec)
     _check_signature(target, spec)
     return target
+
+
+def _refuse_async(function: Callable, name: str) -> None:
+    """An ``async def`` reward would return a coroutine, never a number: refused where it is named."""
+    if inspect.iscoroutinefunction(function) or inspect.iscoroutinefunction(getattr(function, "__call__", None)):
+        raise ValueError(f"reward function {name!r} is an async def; allowed: a plain def returning a float (the "
+                         f"scorer calls it from threads; run an async client with asyncio.run inside it)")
 
 
 def import_named(spec: str, what: str, *, module_prefix: str) -> Any:
@@ -168,6 +181,7 @@ class RuleReward:
             self.function = load_reward_function(function)
         else:
             self.name = f"{getattr(function, '__module__', '?')}:{getattr(function, '__qualname__', repr(function))}"
+            _refuse_async(function, self.name)
             self.function = function
         self.binding = _Binding(self.function)
         self.num_workers = num_workers
@@ -197,6 +211,13 @@ class RuleReward:
                 f"reward function {self.name!r} raised {type(error).__name__} on sample {index} "
                 f"(prompt {_excerpt(prompt)}): {error}"
             ) from error
+        except KeyboardInterrupt:
+            if threading.current_thread() is threading.main_thread():
+                raise  # Ctrl-C while this sample scored: the run stops as for any SIGINT
+            raise RewardError(
+                f"reward function {self.name!r} raised KeyboardInterrupt on sample {index} (prompt "
+                f"{_excerpt(prompt)}) in a scoring thread, where no Ctrl-C arrives; a reward function must return a "
+                f"float") from None
         except SystemExit as error:
             raise RewardError(
                 f"reward function {self.name!r} called sys.exit({error.code!r}) on sample {index} "
@@ -209,10 +230,11 @@ class RuleReward:
                 f"reward function {self.name!r} returned a {type(value).__name__} ({value!r:.80}) on sample {index} "
                 f"(prompt {_excerpt(prompt)}); it must return a float"
             )
-        if not math.isfinite(float(value)):
+        if not math.isfinite(float(value)) or abs(float(value)) > FLOAT32_MAX:
             raise RewardError(
                 f"reward function {self.name!r} returned {float(value)} on sample {index} "
-                f"(prompt {_excerpt(prompt)}); rewards must be finite"
+                f"(prompt {_excerpt(prompt)}); rewards must be finite in float32 (|r| <= {FLOAT32_MAX:.4g}: the "
+                f"scores are float32 tensors)"
             )
         return float(value)
 

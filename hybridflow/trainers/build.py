@@ -9,7 +9,7 @@ from pathlib import Path
 from hybridflow.controller import ResourcePool, WorkerGroup, runtime_mode
 from hybridflow.engine.config import EngineConfig
 from hybridflow.engine.generation_config import GenerationConfig, GenerationTokens
-from hybridflow.models.config import ModelConfig
+from hybridflow.models.config import BUILTIN_MODELS, ModelConfig
 from hybridflow.trainers.config.rl import CriticSection, RLConfig
 from hybridflow.workers import (ActorSpec, ActorWorker, AdapterReferenceWorker, CostWorker, CriticSpec, CriticWorker,
                                 EngineSpec, ReferenceWorker, RewardSpec, RewardWorker, TokenizerSource, UpdateSizes)
@@ -18,7 +18,6 @@ from hybridflow.workers.rollout import RolloutSpec, RolloutWorker
 # Tensor-name prefix of the cost critic (Safe-RLHF): it returns ``cost_values`` and trains on ``cost_returns``.
 COST_CRITIC_PREFIX = "cost_"
 
-BUILTIN_MODELS = ("arithmetic",)
 # Fields of the built-in task's config.json that make up its tiny model.
 _BUILTIN_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                    "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps",

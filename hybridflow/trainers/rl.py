@@ -60,6 +60,7 @@ class RLTrainer:
             raise ValueError(f"RLTrainer needs an RLConfig (load_rl_config(path, overrides) builds one), got a "
                              f"{type(config).__name__}")
         self.user_config = config
+        self.stopped = False
         preflight(config)  # data files, model directories, reward function: before anything is built
         config, self.plan = resolve_auto_mapping(config)
         if self.plan is not None:
@@ -204,6 +205,9 @@ class RLTrainer:
         """Run from the current step to ``trainer.total_steps``, then export the trained models to
         ``output_dir/final/<role>``; returns the logged history. Under Ray the worker processes are watched
         meanwhile (``LivenessMonitor``): one lost stops the run within seconds, whatever the driver waits on."""
+        if self.stopped:
+            raise ValueError("this RLTrainer was shut down (shutdown() stopped its workers); build a new RLTrainer "
+                             "from the same config to go on: it resumes from the last checkpoint")
         with self.monitor if self.monitor is not None else contextlib.nullcontext():
             return self._fit(on_step)
 
@@ -442,7 +446,10 @@ class RLTrainer:
                 f"run with a different config:\n  " + "\n  ".join(refused) + "\nallowed: the same config, "
                 "trainer.allow_config_change=true to resume anyway, or trainer.overwrite=true (deletes this run) or "
                 "another trainer.output_dir to start a new run")
-        print(f"resuming from {path} (step {state['step']} of {self.config.trainer.total_steps})", flush=True)
+        total = self.config.trainer.total_steps
+        done = "" if state["step"] < total else (f"; trainer.total_steps={total} is reached already, so no step runs "
+                                                 f"(raise trainer.total_steps to train on)")
+        print(f"resuming from {path} (step {state['step']} of {total}){done}", flush=True)
         if reported or refused:
             print("config changes since that checkpoint:\n  " + "\n  ".join(reported + refused), flush=True)
         return path
@@ -465,7 +472,8 @@ class RLTrainer:
         return int(state["step"])
 
     def shutdown(self) -> None:
-        """Stop the workers and give their devices back."""
+        """Stop the workers and give their devices back; the trainer cannot ``fit`` again afterwards."""
+        self.stopped = True
         try:
             self.logger.close()
             for group in self.groups.values():

@@ -84,6 +84,9 @@ def run_supervised(config: SFTConfig | RMConfig, *, mode: str | None = None, ten
     from hybridflow.trainers.preflight import check_model
     from hybridflow.trainers.run_dir import claim_run_directory
 
+    if not isinstance(config, (SFTConfig, RMConfig)):
+        raise ValueError(f"run_supervised needs an SFTConfig or RMConfig (load_supervised_config(SFTConfig, path, "
+                         f"overrides) builds one), got a {type(config).__name__}")
     check_model("model", config.model, needs_tokenizer=True)  # before the tokenizer and the model load
     # one writer per directory and never two runs in it (there is no resume: a previous run needs `overwrite`)
     run_dir = claim_run_directory(config.output_dir, key="output_dir", overwrite_key="overwrite",
