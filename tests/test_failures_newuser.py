@@ -353,3 +353,25 @@ def test_fit_after_shutdown_is_refused_and_a_finished_run_says_no_step_runs(tmp_
     again = RLTrainer(load_rl_config(None, [*overrides, "trainer.total_steps=1"]), mode="local", tensorboard=False)
     again.shutdown()
     assert "(step 2 of 1); trainer.total_steps=1 is reached already, so no step runs" in capsys.readouterr().out
+
+
+def test_preference_pairs_whose_two_responses_are_equal_are_counted_in_a_warning():
+    from hybridflow.data import PreferenceDataset
+    from hybridflow.data.builtin import builtin_tokenizer
+
+    rows = [{"prompt": "1+1=", "chosen": "2", "rejected": "3"}, {"prompt": "2+2=", "chosen": "4", "rejected": "4"}]
+    with pytest.warns(UserWarning, match=r"1 of 2 pairs of .* have the same chosen and rejected response \(first: "
+                                         r"row 1\)"):
+        PreferenceDataset(rows, builtin_tokenizer(), max_prompt_tokens=16, max_response_tokens=4)
+
+
+def test_sft_with_a_val_function_that_does_not_load_names_the_key(tmp_path):
+    from hybridflow.trainers.config.supervised import SFTConfig, load_supervised_config
+    from hybridflow.trainers.supervised import run_supervised
+
+    write_jsonl(tmp_path / "sft.jsonl", [{"prompt": "1+1=", "response": "2"}])
+    config = load_supervised_config(SFTConfig, None, [
+        "model.builtin=arithmetic", f"data.train_path={tmp_path / 'sft.jsonl'}", f"data.val_path={tmp_path / 'sft.jsonl'}",
+        "val_function=nosuch_module_xyz:f", f"output_dir={tmp_path / 'run'}"])
+    with pytest.raises(ValueError, match=r"^config key val_function: reward function 'nosuch_module_xyz:f'"):
+        run_supervised(config, mode="local", tensorboard=False)

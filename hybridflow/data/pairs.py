@@ -152,6 +152,12 @@ class PreferenceDataset(_PairDataset):
             messages_key=messages_key, chat_template=chat_template, system_prompt=system_prompt,
             response_prefix=response_prefix,
         )
+        tied = [pair.row_index for pair in self.pairs if pair.response_ids[0] == pair.response_ids[1]]
+        if tied:
+            warnings.warn(
+                f"{len(tied)} of {len(self.pairs)} pairs of {self.source_name} have the same chosen and rejected "
+                f"response (first: row {tied[0]}); such a pair teaches nothing (its loss is log 2 whatever the "
+                f"model): fix or drop those rows", stacklevel=2)
 
     def batch(self, indices: Sequence[int]):
         """A DataProto whose rows are pairs: for side in (chosen, rejected) the tensors

@@ -97,8 +97,21 @@ def run_supervised(config: SFTConfig | RMConfig, *, mode: str | None = None, ten
         run_dir.release()
 
 
+def _validation_reward(config: SFTConfig):
+    """The ``val_function`` scorer (None without one); ValueError naming the key when it cannot be loaded."""
+    if config.val_function is None:
+        return None
+    from hybridflow.rewards import RuleReward
+
+    try:
+        return RuleReward(config.val_function)
+    except ValueError as error:
+        raise ValueError(f"config key val_function: {error}") from None
+
+
 def _train_and_export(config: SFTConfig | RMConfig, *, mode: str | None, tensorboard: bool) -> dict:
     is_sft = isinstance(config, SFTConfig)
+    rule = _validation_reward(config) if is_sft else None  # a bad val_function is named before anything loads
     tokenizer = tokenizer_of(config.model).load()
     train_data, val_data = _datasets(config, tokenizer)
     if config.batch_size > len(train_data):
@@ -118,11 +131,6 @@ def _train_and_export(config: SFTConfig | RMConfig, *, mode: str | None, tensorb
     loader = BatchLoader(train_data, batch_size=config.batch_size, seed=config.seed)
     output_dir = Path(config.output_dir)
     logger = MetricsLogger(output_dir, tensorboard=tensorboard)
-    rule = None
-    if is_sft and config.val_function is not None:
-        from hybridflow.rewards import RuleReward
-
-        rule = RuleReward(config.val_function)
 
     def evaluate() -> dict[str, float]:
         started = time.perf_counter()
