@@ -371,7 +371,7 @@ def test_sft_with_a_val_function_that_does_not_load_names_the_key(tmp_path):
 
     write_jsonl(tmp_path / "sft.jsonl", [{"prompt": "1+1=", "response": "2"}])
     config = load_supervised_config(SFTConfig, None, [
-        "model.builtin=arithmetic", f"data.train_path={tmp_path / 'sft.jsonl'}", f"data.val_path={tmp_path / 'sft.jsonl'}",
-        "val_function=nosuch_module_xyz:f", f"output_dir={tmp_path / 'run'}"])
+        "model.builtin=arithmetic", f"data.train_path={tmp_path / 'sft.jsonl'}",
+        f"data.val_path={tmp_path / 'sft.jsonl'}", "val_function=nosuch_module_xyz:f", f"output_dir={tmp_path / 'run'}"])
     with pytest.raises(ValueError, match=r"^config key val_function: reward function 'nosuch_module_xyz:f'"):
         run_supervised(config, mode="local", tensorboard=False)
