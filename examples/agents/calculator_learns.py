@@ -186,10 +186,28 @@ def sft_rows(rows: list[dict], tokenizer, *, tool_share: float, seed: int, envir
     return out
 
 
+def greedy_turns(model, prompts: list[list[int]], *, max_new_tokens: int, end: int, pad: int) -> list[list[int]]:
+    """One greedy turn for each of ``prompts`` (token ids), generated together with left padding: each turn's ids
+    up to and including its first ``end``, or ``max_new_tokens`` ids when it did not end."""
+    import torch
+
+    width = max(len(ids) for ids in prompts)
+    input_ids_bt = torch.tensor([[pad] * (width - len(ids)) + ids for ids in prompts])
+    mask_bt = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts])
+    with torch.no_grad():
+        output_bt = model.generate(input_ids=input_ids_bt, attention_mask=mask_bt, max_new_tokens=max_new_tokens,
+                                   do_sample=False, eos_token_id=end, pad_token_id=pad)
+    turns = []
+    for sampled in output_bt[:, width:].tolist():
+        turns.append(sampled[:sampled.index(end) + 1] if end in sampled else sampled)
+    return turns
+
+
 def evaluate(model_dir: str | Path, rows: list[dict], *, max_new_tokens: int, max_turns: int = 3,
-             environment=None) -> dict:
-    """Greedy episodes of ``rows`` with ``environment`` (by default ``CalculatorEnvironment``): ``tool_call_rate``
-    (episodes that called the calculator at least once), ``accuracy`` (mean reward) and ``turns_mean``."""
+             environment=None, batch_size: int = 32) -> dict:
+    """Greedy episodes of ``rows`` with ``environment`` (by default ``CalculatorEnvironment``), each turn of up to
+    ``batch_size`` episodes generated together: ``tool_call_rate`` (episodes that called the calculator at least
+    once), ``accuracy`` (mean reward) and ``turns_mean``."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -201,32 +219,37 @@ def evaluate(model_dir: str | Path, rows: list[dict], *, max_new_tokens: int, ma
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     chat, parser, end = ChatTokens(tokenizer), HermesParser(), tokenizer.convert_tokens_to_ids("<|im_end|>")
-    called, rewards, turns = [], [], []
+    pad = end if tokenizer.pad_token_id is None else tokenizer.pad_token_id
+    episodes = []
     for row in rows:
         episode_env = make_environment(environment)
         opening = checked_start(episode_env, row)
         tools = [tool.schema for tool in opening.tools]
-        ids, reward, used_tool, turn = chat.prompt_ids(opening.messages, tools), 0.0, False, 0
-        for turn in range(max_turns):
-            with torch.no_grad():
-                output = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                                        eos_token_id=end, pad_token_id=tokenizer.pad_token_id)
-            sampled = output[0, len(ids):].tolist()
-            text = tokenizer.decode(sampled, skip_special_tokens=True)
-            parsed = parser.parse(text, id_prefix=f"turn{turn}")
-            used_tool = used_tool or bool(parsed.calls)
-            result = checked_step(episode_env, AssistantTurn(text, parsed.calls, parsed.errors, turn))
-            # an EnvironmentFailure (no done, no reward) ends the episode with reward 0, as on_env_error: zero_reward
-            if getattr(result, "done", True) or turn + 1 == max_turns:
-                reward = float(getattr(result, "reward", None) or 0.0)
-                break
-            closed = "<|im_end|>" if sampled and sampled[-1] == end else None
-            ids = ids + sampled + chat.observation_ids(result.messages, tools, closed_by=closed)
-        called.append(used_tool)
-        rewards.append(reward)
-        turns.append(turn + 1)
+        episodes.append({"env": episode_env, "tools": tools, "ids": chat.prompt_ids(opening.messages, tools),
+                         "called": False, "reward": 0.0, "turns": 0, "done": False})
+    for turn in range(max_turns):
+        live = [episode for episode in episodes if not episode["done"]]
+        for first in range(0, len(live), batch_size):
+            chunk = live[first:first + batch_size]
+            outputs = greedy_turns(model, [episode["ids"] for episode in chunk], max_new_tokens=max_new_tokens,
+                                   end=end, pad=pad)
+            for episode, sampled in zip(chunk, outputs):
+                text = tokenizer.decode(sampled, skip_special_tokens=True)
+                parsed = parser.parse(text, id_prefix=f"turn{turn}")
+                episode["called"] = episode["called"] or bool(parsed.calls)
+                episode["turns"] = turn + 1
+                result = checked_step(episode["env"], AssistantTurn(text, parsed.calls, parsed.errors, turn))
+                # an EnvironmentFailure (no done, no reward) ends it with reward 0, as on_env_error: zero_reward
+                if getattr(result, "done", True) or turn + 1 == max_turns:
+                    episode["reward"], episode["done"] = float(getattr(result, "reward", None) or 0.0), True
+                    continue
+                closed = "<|im_end|>" if sampled and sampled[-1] == end else None
+                episode["ids"] = episode["ids"] + sampled + chat.observation_ids(result.messages, episode["tools"],
+                                                                                 closed_by=closed)
     count = len(rows)
-    return {"tool_call_rate": sum(called) / count, "accuracy": sum(rewards) / count, "turns_mean": sum(turns) / count}
+    return {"tool_call_rate": sum(episode["called"] for episode in episodes) / count,
+            "accuracy": sum(episode["reward"] for episode in episodes) / count,
+            "turns_mean": sum(episode["turns"] for episode in episodes) / count}
 
 
 def train_sft(config: LearnsConfig, data_file: Path, base_dir: Path, output_dir: Path) -> Path:
@@ -254,7 +277,7 @@ def train_grpo(config: LearnsConfig, files: dict[str, Path], policy_dir: Path, o
         "actor.engine.dtype=float32", "reference.engine.dtype=float32",
         f"actor.generation.max_new_tokens={config.max_new_tokens}", f"env.class={env_spec}", "env.max_turns=3",
         "env.max_episode_tokens=768", "env.tool_timeout_s=5", f"env.record_every={config.val_every}",
-        "env.decode_chunk_tokens=32",
+        "env.decode_chunk_tokens=32", "env.tool_format=hermes",  # the demonstrations' and evaluate's format
         "algorithm.advantage_estimator=grpo", f"algorithm.kl_mode={config.kl_mode}",
         f"batch.prompts_per_step={config.prompts_per_step}",
         f"batch.samples_per_prompt={config.samples_per_prompt}",
