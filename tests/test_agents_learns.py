@@ -1,5 +1,6 @@
-"""The calculator example that learns (examples/agents/calculator_learns.py): its SFT rows are the runner's ids,
-and, in a short form, SFT -> GRPO with the calculator environment runs and measures the held-out episodes."""
+"""The calculator example that learns (examples/agents/calculator_learns.py): its SFT rows are the runner's ids
+(the tiny model's template renders the tools; SmolLM2's does not, so they go into the system prompt), and, in a
+short form, SFT -> GRPO with the calculator environment runs and measures the held-out episodes."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 from hybridflow.agents import checked_start, make_environment
 from hybridflow.agents.episode import ChatTokens
 from hybridflow.data.encoding import PromptEncoder
+from hybridflow.models import smollm2_path
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "agents" / "calculator_learns.py"
 
@@ -26,18 +28,15 @@ def base_dir(learns, tmp_path_factory):
     return learns["build_base"](tmp_path_factory.mktemp("calclearn") / "base", 0)
 
 
-def test_sft_rows_are_the_token_ids_the_episode_runner_samples_after(learns, base_dir):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(base_dir))
-    calculator_env, _ = learns["_examples"]()
-    rows = calculator_env.make_rows(6, seed=3)
-    demos = learns["sft_rows"](rows, tokenizer, tool_share=1.0, seed=0)
+def assert_sft_rows_are_runner_ids(learns, tokenizer, environment, rows):
+    """Each tool-using demonstration's two SFT rows encode to the runner's prompt ids, then (after the call and
+    its end of turn) the tool result's observation ids."""
+    demos = learns["sft_rows"](rows, tokenizer, tool_share=1.0, seed=0, environment=environment)
     assert len(demos) == 2 * len(rows)
     encoder, chat = PromptEncoder(tokenizer, chat_template="never"), ChatTokens(tokenizer)
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     for index, row in enumerate(rows):
-        opening = checked_start(make_environment(calculator_env.CalculatorEnvironment), row)
+        opening = checked_start(make_environment(environment), row)
         tools = [tool.schema for tool in opening.tools]
         call, answer = demos[2 * index], demos[2 * index + 1]
         prompt_ids = chat.prompt_ids(opening.messages, tools)
@@ -49,13 +48,50 @@ def test_sft_rows_are_the_token_ids_the_episode_runner_samples_after(learns, bas
         observation = chat.observation_ids([result], tools, closed_by="<|im_end|>")
         assert encoder.encode_prompts([answer["prompt"]])[0] == prompt_ids + call_ids + observation
         assert answer["response"] == f"Answer: {row['answer']}"
-    direct = learns["sft_rows"](rows, tokenizer, tool_share=0.0, seed=0)
+    direct = learns["sft_rows"](rows, tokenizer, tool_share=0.0, seed=0, environment=environment)
     assert [row["response"] for row in direct] == [f"Answer: {row['answer']}" for row in rows]
 
 
-def test_the_config_refuses_a_tool_share_outside_zero_to_one(learns):
+def test_sft_rows_are_the_token_ids_the_episode_runner_samples_after(learns, base_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(base_dir))
+    calculator_env, _ = learns["_examples"]()
+    environment = learns["environment_for"](tokenizer)
+    assert environment is calculator_env.CalculatorEnvironment  # the tiny template renders tools=
+    assert_sft_rows_are_runner_ids(learns, tokenizer, environment, calculator_env.make_rows(6, seed=3))
+
+
+@pytest.mark.needs_smollm2
+@pytest.mark.skipif(smollm2_path() is None, reason="SmolLM2-135M not converted; run `python scripts/get_smollm2.py`")
+def test_smollm2_gets_the_tools_in_its_system_prompt_and_its_sft_rows_are_the_runner_ids(learns):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path())
+    prompted = learns["_prompted"]()
+    assert not prompted.template_renders_tools(tokenizer)
+    environment = learns["environment_for"](tokenizer)
+    assert environment is prompted.PromptedCalculatorEnvironment
+    assert learns["environment_spec"](environment).endswith("calculator_smollm2.py:PromptedCalculatorEnvironment")
+    rows = prompted.product_rows(6, seed=3)
+    assert all(10 <= int(a) <= 99 and 10 <= int(b) <= 99 and int(row["answer"]) == int(a) * int(b)
+               for row in rows for a, b in [row["expression"].split(" * ")])
+    opening = checked_start(make_environment(environment), rows[0])
+    prompt_ids = ChatTokens(tokenizer).prompt_ids(opening.messages, [tool.schema for tool in opening.tools])
+    rendered = tokenizer.decode(prompt_ids)
+    assert "- calculator(expression: string): Evaluate an arithmetic expression" in rendered
+    assert '<tool_call>{"name": <tool name>, "arguments": <arguments as JSON>}</tool_call>' in rendered
+    assert rendered.count("<|im_start|>system") == 1 and rendered.endswith("<|im_start|>assistant\n")
+    assert_sft_rows_are_runner_ids(learns, tokenizer, environment, rows)
+
+
+def test_the_config_refuses_a_tool_share_outside_zero_to_one_an_unknown_task_and_model(learns, tmp_path):
     with pytest.raises(ValueError, match="tool_share"):
         learns["LearnsConfig"](tool_share=1.5)
+    with pytest.raises(ValueError, match="task got 'division'"):
+        learns["LearnsConfig"](task="division")
+    with pytest.raises(ValueError, match="model got .*a Hugging Face directory"):
+        learns["LearnsConfig"](model=str(tmp_path))
 
 
 @pytest.mark.slow

@@ -3,6 +3,7 @@ environment, and the held-out tool-call rate and accuracy (greedy episodes) befo
 
     python examples/agents/calculator_learns.py runs/calclearn            # the defaults, measured in docs/agents.md
     python examples/agents/calculator_learns.py runs/calclearn --grpo-steps 2 --sft-steps 20   # a smoke run
+    python examples/agents/calculator_learns.py runs/calcsmol --model smollm2 --task product ...  # docs/agents.md
 
 Stages (all on CPU, nothing downloaded):
 0. the tiny chat model of ``examples/episodes/make_chat_model.py`` (character tokenizer, ChatML with tools,
@@ -16,6 +17,12 @@ Stages (all on CPU, nothing downloaded):
 3. greedy episodes on held-out questions, run here with ``transformers`` through the same prompt and observation
    ids as the episode runner (``ChatTokens``), before and after GRPO: the share of episodes that called the
    calculator and the share answered right. ``summary.json`` holds them with the run's times.
+
+``--model smollm2`` (the converted checkpoint of ``scripts/get_smollm2.py``) or ``--model DIR`` (a Hugging Face
+directory with a chat template whose end of turn is ``<|im_end|>``) starts stage 1 from that model instead. A chat
+template that renders no ``tools=`` (SmolLM2's) gets the tools in the system prompt
+(``calculator_smollm2.PromptedCalculatorEnvironment``), everywhere: SFT rows, GRPO episodes and evaluation.
+``--task product`` asks for products of two 2-digit numbers instead of the mixed two-to-four-operand questions.
 """
 
 from __future__ import annotations
@@ -29,7 +36,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ENV_SPEC = f"{HERE / 'calculator_env.py'}:CalculatorEnvironment"
+MODELS = ("tiny", "smollm2")
+"""Named starting points of ``--model`` (anything else is a Hugging Face directory)."""
+TASKS = ("mixed", "product")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,6 +47,11 @@ class LearnsConfig:
 
     output_dir: str = "runs/calclearn"
     seed: int = 0
+    model: str = "tiny"
+    """"tiny" (the random tiny chat model), "smollm2" (SmolLM2-135M-Instruct) or a Hugging Face directory."""
+    task: str = "mixed"
+    """"mixed": two to four operands of 1-99 with + - * (``make_rows``); "product": a * b of 10-99
+    (``calculator_smollm2.product_rows``)."""
     num_train: int = 256
     """Calculator questions for SFT and GRPO (the same questions; the held-out ones are never trained on)."""
     num_val: int = 64
@@ -51,6 +65,8 @@ class LearnsConfig:
     sft_batch_size: int = 16
     grpo_steps: int = 30
     grpo_lr: float = 3e-4
+    kl_mode: str = "auto"
+    """``algorithm.kl_mode`` of GRPO ("none" builds no reference model: a faster step)."""
     prompts_per_step: int = 8
     samples_per_prompt: int = 4
     val_every: int = 10
@@ -60,6 +76,10 @@ class LearnsConfig:
     def __post_init__(self) -> None:
         if not 0.0 <= self.tool_share <= 1.0:
             raise ValueError(f"tool_share got {self.tool_share!r}; allowed: a number in [0, 1]")
+        if self.task not in TASKS:
+            raise ValueError(f"task got {self.task!r}; allowed: {', '.join(TASKS)}")
+        if self.model not in MODELS and not (Path(self.model) / "config.json").is_file():
+            raise ValueError(f"model got {self.model!r}; allowed: {', '.join(MODELS)} or a Hugging Face directory")
         for name in ("num_train", "num_val", "sft_steps", "grpo_steps", "prompts_per_step", "samples_per_prompt"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} got {getattr(self, name)!r}; allowed: an integer >= 1")
@@ -72,6 +92,41 @@ def _examples():
     import make_chat_model
 
     return calculator_env, make_chat_model
+
+
+def _prompted():
+    """``calculator_smollm2.py`` beside this file: the tools-in-the-system-prompt environment and the products."""
+    _examples()
+    import calculator_smollm2
+
+    return calculator_smollm2
+
+
+def environment_for(tokenizer):
+    """The environment class for ``tokenizer``'s chat template: ``CalculatorEnvironment`` where the template renders
+    ``tools=``, else ``PromptedCalculatorEnvironment`` (the tools in the system prompt)."""
+    prompted = _prompted()
+    return prompted.CalculatorEnvironment if prompted.template_renders_tools(tokenizer) \
+        else prompted.PromptedCalculatorEnvironment
+
+
+def environment_spec(environment) -> str:
+    """``env.class`` of an environment class defined in this directory."""
+    return f"{HERE / (environment.__module__ + '.py')}:{environment.__name__}"
+
+
+def base_model(config: "LearnsConfig", root: Path) -> Path:
+    """Where stage 1 starts: the tiny model built under ``root/base``, SmolLM2's converted checkpoint, or a path."""
+    if config.model == "tiny":
+        return build_base(root / "base", config.seed, config.hidden_size)
+    if config.model == "smollm2":
+        from hybridflow.models import smollm2_path
+
+        found = smollm2_path()
+        if found is None:
+            raise SystemExit("SmolLM2-135M-Instruct is not converted yet: run python scripts/get_smollm2.py")
+        return Path(found)
+    return Path(config.model)
 
 
 def build_base(directory: Path, seed: int, hidden_size: int = 64) -> Path:
@@ -95,29 +150,33 @@ def build_base(directory: Path, seed: int, hidden_size: int = 64) -> Path:
 def split_rows(config: LearnsConfig) -> tuple[list[dict], list[dict]]:
     """(training questions, held-out questions), disjoint by expression."""
     calculator_env, _ = _examples()
-    train = calculator_env.make_rows(config.num_train, seed=config.seed)
+    make_rows = calculator_env.make_rows if config.task == "mixed" else _prompted().product_rows
+    train = make_rows(config.num_train, seed=config.seed)
     seen = {row["expression"] for row in train}
-    candidates = calculator_env.make_rows(4 * config.num_val, seed=config.seed + 1)
+    candidates = make_rows(4 * config.num_val, seed=config.seed + 1)
     val = [row for row in candidates if row["expression"] not in seen][:config.num_val]
     return train, val
 
 
-def sft_rows(rows: list[dict], tokenizer, *, tool_share: float, seed: int) -> list[dict]:
-    """Prompt/response rows of the demonstrations, prompts rendered as the episode runner renders them.
+def sft_rows(rows: list[dict], tokenizer, *, tool_share: float, seed: int, environment=None) -> list[dict]:
+    """Prompt/response rows of the demonstrations, prompts rendered as the episode runner renders them (the
+    opening of ``environment``, by default ``CalculatorEnvironment``, with its tools).
 
     A tool-using demonstration gives two rows (the call after the opening; the answer after the call and its
     result), so only the assistant's turns carry loss; a direct one gives one row (the answer after the opening).
     """
-    from hybridflow.agents import calculator
+    from hybridflow.agents import checked_start, make_environment
     from hybridflow.agents.episode import ChatTokens
 
     calculator_env, _ = _examples()
-    chat, tools = ChatTokens(tokenizer), [calculator.schema]
-    generator = random.Random(seed)
-    out = []
+    environment = environment or calculator_env.CalculatorEnvironment
+    chat, generator, out = ChatTokens(tokenizer), random.Random(seed), []
     for row in rows:
-        system, user, call, result, answer = calculator_env.demonstration(row)
-        opening = tokenizer.apply_chat_template([system, user], tools=tools, tokenize=False, add_generation_prompt=True)
+        start = checked_start(make_environment(environment), row)
+        tools = [tool.schema for tool in start.tools]
+        _, _, call, result, answer = calculator_env.demonstration(row)
+        opening = chat.tokenizer.apply_chat_template(start.messages, tools=tools, tokenize=False,
+                                                     add_generation_prompt=True)
         if generator.random() < tool_share:
             after_call = opening + call["content"] + chat.observation_text([result], tools)
             out += [{"prompt": opening, "response": call["content"]},
@@ -127,9 +186,28 @@ def sft_rows(rows: list[dict], tokenizer, *, tool_share: float, seed: int) -> li
     return out
 
 
-def evaluate(model_dir: str | Path, rows: list[dict], *, max_new_tokens: int, max_turns: int = 3) -> dict:
-    """Greedy episodes of ``rows`` with the calculator environment: ``tool_call_rate`` (episodes that called the
-    calculator at least once), ``accuracy`` (mean reward) and ``turns_mean``."""
+def greedy_turns(model, prompts: list[list[int]], *, max_new_tokens: int, end: int, pad: int) -> list[list[int]]:
+    """One greedy turn for each of ``prompts`` (token ids), generated together with left padding: each turn's ids
+    up to and including its first ``end``, or ``max_new_tokens`` ids when it did not end."""
+    import torch
+
+    width = max(len(ids) for ids in prompts)
+    input_ids_bt = torch.tensor([[pad] * (width - len(ids)) + ids for ids in prompts])
+    mask_bt = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts])
+    with torch.no_grad():
+        output_bt = model.generate(input_ids=input_ids_bt, attention_mask=mask_bt, max_new_tokens=max_new_tokens,
+                                   do_sample=False, eos_token_id=end, pad_token_id=pad)
+    turns = []
+    for sampled in output_bt[:, width:].tolist():
+        turns.append(sampled[:sampled.index(end) + 1] if end in sampled else sampled)
+    return turns
+
+
+def evaluate(model_dir: str | Path, rows: list[dict], *, max_new_tokens: int, max_turns: int = 3,
+             environment=None, batch_size: int = 32) -> dict:
+    """Greedy episodes of ``rows`` with ``environment`` (by default ``CalculatorEnvironment``), each turn of up to
+    ``batch_size`` episodes generated together: ``tool_call_rate`` (episodes that called the calculator at least
+    once), ``accuracy`` (mean reward) and ``turns_mean``."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -137,35 +215,41 @@ def evaluate(model_dir: str | Path, rows: list[dict], *, max_new_tokens: int, ma
     from hybridflow.agents.episode import ChatTokens
 
     calculator_env, _ = _examples()
+    environment = environment or calculator_env.CalculatorEnvironment
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     chat, parser, end = ChatTokens(tokenizer), HermesParser(), tokenizer.convert_tokens_to_ids("<|im_end|>")
-    called, rewards, turns = [], [], []
+    pad = end if tokenizer.pad_token_id is None else tokenizer.pad_token_id
+    episodes = []
     for row in rows:
-        environment = make_environment(calculator_env.CalculatorEnvironment)
-        opening = checked_start(environment, row)
+        episode_env = make_environment(environment)
+        opening = checked_start(episode_env, row)
         tools = [tool.schema for tool in opening.tools]
-        ids, reward, used_tool, turn = chat.prompt_ids(opening.messages, tools), 0.0, False, 0
-        for turn in range(max_turns):
-            with torch.no_grad():
-                output = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                                        eos_token_id=end, pad_token_id=tokenizer.pad_token_id)
-            sampled = output[0, len(ids):].tolist()
-            text = tokenizer.decode(sampled, skip_special_tokens=True)
-            parsed = parser.parse(text, id_prefix=f"turn{turn}")
-            used_tool = used_tool or bool(parsed.calls)
-            result = checked_step(environment, AssistantTurn(text, parsed.calls, parsed.errors, turn))
-            # an EnvironmentFailure (no done, no reward) ends the episode with reward 0, as on_env_error: zero_reward
-            if getattr(result, "done", True) or turn + 1 == max_turns:
-                reward = float(getattr(result, "reward", None) or 0.0)
-                break
-            closed = "<|im_end|>" if sampled and sampled[-1] == end else None
-            ids = ids + sampled + chat.observation_ids(result.messages, tools, closed_by=closed)
-        called.append(used_tool)
-        rewards.append(reward)
-        turns.append(turn + 1)
+        episodes.append({"env": episode_env, "tools": tools, "ids": chat.prompt_ids(opening.messages, tools),
+                         "called": False, "reward": 0.0, "turns": 0, "done": False})
+    for turn in range(max_turns):
+        live = [episode for episode in episodes if not episode["done"]]
+        for first in range(0, len(live), batch_size):
+            chunk = live[first:first + batch_size]
+            outputs = greedy_turns(model, [episode["ids"] for episode in chunk], max_new_tokens=max_new_tokens,
+                                   end=end, pad=pad)
+            for episode, sampled in zip(chunk, outputs):
+                text = tokenizer.decode(sampled, skip_special_tokens=True)
+                parsed = parser.parse(text, id_prefix=f"turn{turn}")
+                episode["called"] = episode["called"] or bool(parsed.calls)
+                episode["turns"] = turn + 1
+                result = checked_step(episode["env"], AssistantTurn(text, parsed.calls, parsed.errors, turn))
+                # an EnvironmentFailure (no done, no reward) ends it with reward 0, as on_env_error: zero_reward
+                if getattr(result, "done", True) or turn + 1 == max_turns:
+                    episode["reward"], episode["done"] = float(getattr(result, "reward", None) or 0.0), True
+                    continue
+                closed = "<|im_end|>" if sampled and sampled[-1] == end else None
+                episode["ids"] = episode["ids"] + sampled + chat.observation_ids(result.messages, episode["tools"],
+                                                                                 closed_by=closed)
     count = len(rows)
-    return {"tool_call_rate": sum(called) / count, "accuracy": sum(rewards) / count, "turns_mean": sum(turns) / count}
+    return {"tool_call_rate": sum(episode["called"] for episode in episodes) / count,
+            "accuracy": sum(episode["reward"] for episode in episodes) / count,
+            "turns_mean": sum(episode["turns"] for episode in episodes) / count}
 
 
 def train_sft(config: LearnsConfig, data_file: Path, base_dir: Path, output_dir: Path) -> Path:
@@ -181,7 +265,8 @@ def train_sft(config: LearnsConfig, data_file: Path, base_dir: Path, output_dir:
     return output_dir / "model"
 
 
-def train_grpo(config: LearnsConfig, files: dict[str, Path], policy_dir: Path, output_dir: Path) -> list[dict]:
+def train_grpo(config: LearnsConfig, files: dict[str, Path], policy_dir: Path, output_dir: Path,
+               env_spec: str) -> list[dict]:
     from hybridflow.controller import local_mode
     from hybridflow.trainers.config.rl import load_rl_config
     from hybridflow.trainers.rl import RLTrainer
@@ -190,10 +275,11 @@ def train_grpo(config: LearnsConfig, files: dict[str, Path], policy_dir: Path, o
         f"data.train_path={files['train']}", f"data.val_path={files['val']}", "data.max_prompt_tokens=512",
         f"actor.model.path={policy_dir}", f"actor.engine.optim.lr={config.grpo_lr}",
         "actor.engine.dtype=float32", "reference.engine.dtype=float32",
-        f"actor.generation.max_new_tokens={config.max_new_tokens}", f"env.class={ENV_SPEC}", "env.max_turns=3",
+        f"actor.generation.max_new_tokens={config.max_new_tokens}", f"env.class={env_spec}", "env.max_turns=3",
         "env.max_episode_tokens=768", "env.tool_timeout_s=5", f"env.record_every={config.val_every}",
-        "env.decode_chunk_tokens=32",
-        "algorithm.advantage_estimator=grpo", f"batch.prompts_per_step={config.prompts_per_step}",
+        "env.decode_chunk_tokens=32", "env.tool_format=hermes",  # the demonstrations' and evaluate's format
+        "algorithm.advantage_estimator=grpo", f"algorithm.kl_mode={config.kl_mode}",
+        f"batch.prompts_per_step={config.prompts_per_step}",
         f"batch.samples_per_prompt={config.samples_per_prompt}",
         f"batch.mini_batch_size={config.prompts_per_step * config.samples_per_prompt}",
         f"trainer.total_steps={config.grpo_steps}", f"trainer.val_every={config.val_every}",
@@ -216,20 +302,22 @@ def run(config: LearnsConfig) -> dict:
     root = Path(config.output_dir)
     root.mkdir(parents=True, exist_ok=True)
     started, times = time.perf_counter(), {}
-    base_dir = build_base(root / "base", config.seed, config.hidden_size)
+    base_dir = base_model(config, root)
+    tokenizer = AutoTokenizer.from_pretrained(str(base_dir))
+    environment = environment_for(tokenizer)
     train, val = split_rows(config)
     files = {"train": write_jsonl(root / "train.jsonl", train), "val": write_jsonl(root / "val.jsonl", val)}
-    demos = sft_rows(train, AutoTokenizer.from_pretrained(str(base_dir)), tool_share=config.tool_share,
-                     seed=config.seed)
+    demos = sft_rows(train, tokenizer, tool_share=config.tool_share, seed=config.seed, environment=environment)
     files["sft"] = write_jsonl(root / "sft.jsonl", demos)
     policy_dir = train_sft(config, files["sft"], base_dir, root / "sft")
     times["sft_s"] = time.perf_counter() - started
-    before = evaluate(policy_dir, val, max_new_tokens=config.max_new_tokens)
+    before = evaluate(policy_dir, val, max_new_tokens=config.max_new_tokens, environment=environment)
     print(f"after SFT ({len(demos)} demonstration rows, {config.sft_steps} steps): {before}", flush=True)
     mark = time.perf_counter()
-    history = train_grpo(config, files, policy_dir, root / "grpo")
+    history = train_grpo(config, files, policy_dir, root / "grpo", environment_spec(environment))
     times["grpo_s"] = time.perf_counter() - mark
-    after = evaluate(root / "grpo" / "final" / "actor", val, max_new_tokens=config.max_new_tokens)
+    after = evaluate(root / "grpo" / "final" / "actor", val, max_new_tokens=config.max_new_tokens,
+                     environment=environment)
     print(f"after GRPO ({config.grpo_steps} steps): {after}", flush=True)
     times["total_s"] = time.perf_counter() - started
     curve = [{key: record[key] for key in ("step", "reward/score_mean", "agent/tool_calls_per_episode",
