@@ -16,6 +16,10 @@ SKIPPED = {
         "installs a fresh .venv and runs the whole test suite (CI's .ci/run runs it)",
     ("docs/lora.md", "from peft import PeftModel"):
         "needs a finished LoRA run and its base model; tests/test_lora.py loads the exported adapter with PEFT this way",
+    ("docs/agents.md", "python examples/agents/calculator_learns.py runs/calcsmol5 --model smollm2 --task product "
+                       "--tool-share 0.3 \\"):
+        "needs the converted SmolLM2 checkpoint and tens of minutes of this 2-core CPU; tests/test_agents_learns.py "
+        "checks its rendering",
 }
 
 
