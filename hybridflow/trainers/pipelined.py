@@ -92,6 +92,19 @@ class WeightSync:
                         "async/sync_verify_s": received["verify_s"]}
 
 
+class SingleResponses:
+    """What the rollout pool generates without ``env``: one response per sample, with no job and no metrics of its
+    own (``EpisodeSampling`` is the multi-turn counterpart: the same three members)."""
+
+    rollout_method = "generate_sequences"
+
+    def prepare(self, prompts: DataProto) -> DataProto:
+        return prompts
+
+    def observe(self, batch: DataProto) -> dict[str, float]:
+        return {}
+
+
 class PipelinedSampling:
     """Generates on the rollout pool k batches ahead (a sampling strategy: ``sample(prompts, seed, ...)``)."""
 
@@ -101,7 +114,8 @@ class PipelinedSampling:
         the run's ``EpisodeSampling`` (``env``), whose job the replicas run (``generate_episodes``) in place of
         single responses, on the same schedule."""
         self.actor, self.rollout, self.loader, self.score = actor, rollout, loader, score
-        self.episodes = episodes
+        self.generated = episodes if episodes is not None else SingleResponses()
+        """What the replicas generate: ``rollout_method``, ``prepare(prompts)``, ``observe(batch)`` metrics."""
         self.max_staleness, self.samples_per_prompt, self.run_seed = max_staleness, samples_per_prompt, run_seed
         self.queue: list[InFlight] = []
         self.step = 0
@@ -136,10 +150,9 @@ class PipelinedSampling:
         batch.meta_info[TRAINING_EXACT_LOGPROBS] = bool(batch.meta_info.get(TRAINING_EXACT_LOGPROBS)) and staleness == 0
         batch["policy_version"] = np.full(len(batch), head.version)
         batch = self.score(batch)
-        episode_metrics = self.episodes.observe(batch) if self.episodes is not None else {}
         return Experience(prompts=head.prompts, batch=batch,
                           sampling_metrics={**staleness_metrics(batch, trained_version=self.step - 1),
-                                            **self.weights.metrics, **episode_metrics,
+                                            **self.weights.metrics, **self.generated.observe(batch),
                                             "async/wait_generation_s": waited})
 
     def _next_index(self) -> int:
@@ -151,15 +164,13 @@ class PipelinedSampling:
         if not pending:
             return
         self.weights.sync(version)
-        generate = self.rollout.generate_sequences if self.episodes is None else self.rollout.generate_episodes
+        generate = getattr(self.rollout, self.generated.rollout_method)
         for item in pending:
             item.version = version
             item.prompts.meta_info.update(seed=self.run_seed * 1_000_003 + item.index,
                                           samples_per_prompt=self.samples_per_prompt)
             item.prompts["uid"] = np.arange(len(item.prompts))
-            if self.episodes is not None:
-                self.episodes.prepare(item.prompts)
-            item.future = generate.future(item.prompts)
+            item.future = generate.future(self.generated.prepare(item.prompts))
 
     # ----- checkpoints ------------------------------------------------------------------------------
     def save(self, directory: Path) -> None:

@@ -82,6 +82,9 @@ class EpisodeSampling:
         batch = generate_and_score(self.prepare(prompts), seed=seed, first_uid=0)
         return Experience(prompts=prompts, batch=batch, sampling_metrics=self.observe(batch))
 
+    rollout_method = "generate_episodes"
+    """The rollout replicas' method that generates what ``prepare`` describes (``PipelinedSampling``)."""
+
     def prepare(self, prompts: DataProto) -> DataProto:
         """``prompts`` with the job a ``generate_episodes`` call runs (the actor's, or a rollout replica's)."""
         prompts.meta_info["episode_job"] = self.job
