@@ -4,10 +4,10 @@ rollout process, on Ray): `python benchmarks/bench_async.py [--steps 8] [--stale
 Both runs place the actor on pool ``trainer`` and the generation replica on pool ``gen`` (one CPU slot each);
 k = 0 syncs the weights and generates before every update (the processes take turns), k = 1 generates batch
 i + 1 while batch i trains. `--mode pipelined streaming` runs every k >= 1 in each mode (streaming: requests in
-flight, weights updated between decode rounds; k = 0 is the synchronous step, run once). Prints steps per second
-over steps 2..N (step 1 pays the workers' warm-up), the mean response length (`--free-lengths`: responses end at
-EOS instead of all being --new-tokens long) and the load average before and after each run (the numbers scale with
-what else the machine runs).
+flight, weights updated between decode rounds; k = 0 is the synchronous step, run once); `--backend vllm`: the
+replica generates with vLLM. Prints steps per second over steps 2..N (step 1 pays the workers' warm-up), the mean
+response length (`--free-lengths`: responses end at EOS instead of all being --new-tokens long) and the load average
+before and after each run (the numbers scale with what else the machine runs).
 
 `--checksum` instead times the weight-sync checksum (``tensor_checksum``) of a 16 M-value bf16 tensor against a
 plain copy of it (the cost docs/async.md states).
@@ -28,7 +28,7 @@ from hybridflow.trainers.rl import RLTrainer
 
 
 def run(staleness: int, *, steps: int, directory: Path, new_tokens: int, prompts: int,
-        mode: str = "pipelined", free_lengths: bool = False) -> dict[str, float]:
+        mode: str = "pipelined", free_lengths: bool = False, backend: str = "native") -> dict[str, float]:
     config = load_rl_config(None, [
         f"data.train_path={directory / 'train.jsonl'}", "actor.model.builtin=arithmetic", "reward.function=arithmetic",
         f"actor.generation.max_new_tokens={new_tokens}",
@@ -38,7 +38,8 @@ def run(staleness: int, *, steps: int, directory: Path, new_tokens: int, prompts
         "trainer.progress_bar=false", f"trainer.output_dir={directory / f'{mode}-k{staleness}'}",
         "actor.loss.tis_cap=2.0", "placement.pools={trainer: [1], gen: [1]}",
         "placement.roles={actor: trainer, rollout: gen}", "placement.runtime=ray",
-        f"async.max_staleness={staleness}", f"async.mode={mode}"])
+        f"async.max_staleness={staleness}", f"async.mode={mode}", f"actor.generation.backend={backend}",
+        *(["actor.generation.vllm_kv_cache_gib=0.125"] if backend == "vllm" else [])])
     load_before = os.getloadavg()[0]
     trainer = RLTrainer(config, tensorboard=False)
     stamps = []
@@ -87,6 +88,7 @@ def main() -> None:
     parser.add_argument("--free-lengths", action="store_true",
                         help="responses end at EOS (lengths vary) instead of all --new-tokens long")
     parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--backend", default="native", help="actor.generation.backend of the rollout replica")
     parser.add_argument("--checksum", action="store_true", help="time the weight checksum against a copy")
     args = parser.parse_args()
     if args.checksum:
@@ -99,7 +101,7 @@ def main() -> None:
                 for mode in (args.mode if staleness else ["pipelined"])]
         for staleness, mode in runs:
             result = run(staleness, steps=args.steps, directory=directory, new_tokens=args.new_tokens,
-                         prompts=args.prompts, mode=mode, free_lengths=args.free_lengths)
+                         prompts=args.prompts, mode=mode, free_lengths=args.free_lengths, backend=args.backend)
             print(" | ".join(f"{key} {value:.3f}" if isinstance(value, float) else f"{key} {value}"
                              for key, value in result.items()), flush=True)
 

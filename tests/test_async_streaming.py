@@ -4,6 +4,7 @@ resume (docs/async.md "Modes")."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 
@@ -226,14 +227,19 @@ def test_a_stopped_streaming_run_resumed_trains_every_prompt_of_the_epoch_exactl
     assert all(metrics["async/staleness_max"] <= 1 for metrics in after_history)
 
 
-def test_streaming_needs_staleness_and_a_backend_that_takes_weights_in_flight(data_dir, tmp_path):
+def test_streaming_needs_staleness_and_a_backend_that_takes_weights_in_flight(data_dir, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="async.max_staleness got 0"):
         _config(data_dir, tmp_path, "async.max_staleness=0")
     with pytest.raises(ValueError, match="async.stream_decode_tokens got 0"):
         _config(data_dir, tmp_path, "async.stream_decode_tokens=0")
-    with pytest.raises(ValueError, match="actor.generation.backend got 'vllm'; allowed: a backend that takes new "
-                                         "weights between decode steps with async.mode=streaming: native"):
-        _config(data_dir, tmp_path, "actor.generation.backend=vllm")
+    from hybridflow.engine.rollout import ROLLOUT_BACKENDS
+
+    # a backend with requests whose loads do not reach the requests in flight
+    monkeypatch.setitem(ROLLOUT_BACKENDS, "frozen", dataclasses.replace(ROLLOUT_BACKENDS["native"],
+                                                                         in_flight_weights=False))
+    with pytest.raises(ValueError, match="actor.generation.backend got 'frozen'; allowed: a backend that takes new "
+                                         "weights between decode steps with async.mode=streaming: native, vllm"):
+        _config(data_dir, tmp_path, "actor.generation.backend=frozen")
 
 
 @pytest.mark.slow

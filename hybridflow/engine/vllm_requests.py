@@ -5,7 +5,9 @@ Each request becomes one vLLM request (``LLMEngine.add_request``) with its own `
 its own seed) and delta outputs; ``step(max_tokens=k)`` runs k engine steps (each decodes one token of every
 running request) and collects what came back. A stop sequence (token ids) is checked on the tokens as they arrive:
 the request is cut after it and aborted in the engine. ``abort`` finishes a request with its tokens so far;
-``continue_request`` resumes one from them (the prefix is part of the new vLLM request's prompt).
+``continue_request`` resumes one from them (the prefix is part of the new vLLM request's prompt). Weights loaded
+between two ``step`` calls reach the requests queued: vLLM recomputes their keys and values with the new weights,
+and the tokens of every later step are stamped with the new ``version`` (``vllm_rollout.IN_FLIGHT_NOTE``).
 """
 
 from __future__ import annotations

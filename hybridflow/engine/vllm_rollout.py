@@ -53,6 +53,16 @@ from hybridflow.models.families import causal_lm_class_name
 from hybridflow.models.moe import ROUTED_EXPERTS, ROUTING_PAD
 from hybridflow.parallel.sharding import tp_shard_dim
 
+IN_FLIGHT_NOTE = """Weights loaded between two ``step`` calls reach the requests in flight (``async.mode: streaming``):
+their tokens so far are kept, each stamped with the version that sampled it, and every later token is sampled by
+the new weights from keys and values the new weights recomputed over the prompt and those tokens (vLLM's
+``reset_prefix_cache(reset_running_requests=True)``: the running requests are preempted and re-prefilled on their
+next step, their per-request random generators kept). The keys and values the old weights computed are never
+reused: keeping them (as PipelineRL does) would make a token's distribution neither the old policy's nor the new
+one's, so its recorded log-prob would not be the log-prob of any policy the trainer knows. The native backend
+recomputes them too (it prefills afresh every round). The cost is one prefill of every request in flight per
+sync."""
+
 WEIGHTS_NOTE = ("vLLM's CPU build prepacks linear weights for its GEMM kernels and frees the tensors; the rollout "
                 "engine keeps plain tensors of its own instead so every update is an in-place copy")
 
@@ -362,13 +372,21 @@ class VllmRollout(VllmRequests, Rollout):
             for slot in slots:
                 target = param.data.narrow(0, slot.offset, slot.rows)
                 stats.bytes_loaded += copy_pieces(target, slot.hf_name, weights[slot.hf_name])
-        # cached prefixes were computed with the old weights
-        self.llm.reset_prefix_cache()
+        self._forget_old_kv()
         stats.param_bytes = storage_bytes(self.params.values())
         stats.kv_cache_bytes = storage_bytes(self._kv_caches())
         stats.load_seconds = time.perf_counter() - start
         self.stats = stats
         return stats
+
+    def _forget_old_kv(self) -> None:
+        """After new weights (or a new adapter) no key or value the old ones computed is read again
+        (``IN_FLIGHT_NOTE``): vLLM's prefix cache is emptied and the requests in flight are preempted, so that the
+        next ``step`` recomputes the keys and values of their prompt and tokens so far with the new weights before
+        it samples their next token, as the native backend's fresh prefill each round does."""
+        if not self.llm.reset_prefix_cache(reset_running_requests=True):
+            raise RuntimeError("vLLM kept key/value blocks computed with the old weights after a weight load "
+                               "(reset_prefix_cache failed with every running request preempted)")
 
     # ----- a LoRA adapter of its own (actor.lora.vllm_sync: adapter) --------------------------------------
     @property
@@ -394,7 +412,7 @@ class VllmRollout(VllmRequests, Rollout):
         start = time.perf_counter()
         self.resume()
         stats = RolloutStats(bytes_loaded=self.adapter.load(self.llm, adapter))
-        self.llm.reset_prefix_cache()  # cached prefixes were computed with the old adapter
+        self._forget_old_kv()
         stats.param_bytes = storage_bytes(self.params.values())
         stats.kv_cache_bytes = storage_bytes(self._kv_caches())
         stats.load_seconds = time.perf_counter() - start

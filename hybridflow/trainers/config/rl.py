@@ -348,7 +348,7 @@ class AsyncSection:
     ``streaming``: the replicas keep k x ``batch.prompts_per_step`` prompts in flight as requests, take
     new weights between decode rounds (a response may span versions), and a prompt's group is trained once all
     its samples finished, if its oldest token is at most k versions old (else it is generated again); not
-    reproducible from the seed. Needs k >= 1 and a backend that takes weights in flight (native)."""
+    reproducible from the seed. Needs k >= 1 and a backend that takes weights in flight (native, vllm)."""
     stream_decode_tokens: int = 8
     """``streaming``: tokens each request in flight decodes per round on its replica; new requests join and new
     weights arrive between rounds (smaller: fresher weights and finer admission, more calls and prefills)."""
