@@ -320,7 +320,7 @@ class WorkerGroup:
         return Future(value=value, role=self.role, method=method, timeout_s=self._hosts.timeout_s,
                       on_infos=lambda fetched: self._note_versions(infos, fetched),
                       watchdog_s=self._hosts.watchdog_s, pids=self._hosts.pids, nodes=self._hosts.nodes,
-                      on_lost=self._died_in)
+                      on_lost=self.died_in)
 
     def _run_local(self, method: str, protocol: Protocol, mesh: GroupMesh, dispatch: Dispatch) -> Future:
         call_args, call_kwargs = dispatch.calls[0]
@@ -388,7 +388,7 @@ class WorkerGroup:
                 continue
             del self._pending_infos[ref]
 
-    def _died_in(self, error: WorkerLostError) -> WorkerLostError:
+    def died_in(self, error: WorkerLostError) -> WorkerLostError:
         """``error`` (a call of this group whose process died) naming the call that process died in: a rank runs its
         calls in order, so that is the rank's oldest call not finished (the failed call, or one submitted before it
         and not collected yet: a weight sync under the poll queued behind it, say)."""
