@@ -113,6 +113,25 @@ def test_a_call_failing_because_the_process_holding_its_argument_died_names_that
         pool.release()
 
 
+def test_a_call_queued_behind_the_one_its_process_died_in_names_that_one(ray_session):
+    """A rank runs its calls in order: killed in the first of two calls, the second one's future (collected first,
+    as a streaming driver collects the poll queued behind a weight sync) names the first, not itself."""
+    pool = ResourcePool([1], name="queued")
+    group = WorkerGroup(pool, SleepyWorker, name="rollout", timeout_s=300)
+    try:
+        pid = group.pid()[0]
+        running = group.sleep.future(60)
+        queued = group.take.future(1)
+        os.kill(pid, signal.SIGKILL)
+        for future in (queued, running):
+            with pytest.raises(WorkerLostError) as info:
+                future.get()
+            assert (info.value.role, info.value.method, info.value.pid) == ("rollout", "sleep", pid)
+    finally:
+        group.shutdown()
+        pool.release()
+
+
 def test_a_replica_killed_mid_call_is_reported_within_seconds_while_the_driver_waits_on_another_group(groups):
     busy, watched = groups
     pids = watched.pid()
@@ -135,13 +154,20 @@ def test_a_replica_killed_mid_call_is_reported_within_seconds_while_the_driver_w
     assert monitor.spent  # reported once
 
 
-def _record_learns(trainer: RLTrainer, before_learn=lambda: None) -> list[str]:
-    """The prompts of every batch the trainer's ``learn`` gets, from now on (``before_learn()`` runs after each)."""
-    trained: list[str] = []
+def identify(batch) -> list[str]:
+    """What a learn's batch trained, one entry per sample: its prompt (the pipelined runs' record; a ``suite`` of
+    ``_driver_main`` names its own)."""
+    return [str(prompt) for prompt in batch["raw_prompt"]]
+
+
+def _record_learns(trainer: RLTrainer, before_learn=lambda: None, identify=identify) -> list:
+    """``identify(batch)`` of every batch the trainer's ``learn`` gets, from now on (``before_learn()`` runs after
+    each)."""
+    trained: list = []
     learn = trainer.learn
 
     def recording_learn(experience, **kwargs):
-        trained.extend(str(prompt) for prompt in experience.batch["raw_prompt"])
+        trained.extend(identify(experience.batch))
         before_learn()
         return learn(experience, **kwargs)
 
@@ -300,15 +326,17 @@ verifying version 3 in step 4's sync; the actor in DCP's save of step 4's checkp
 the metadata not."""
 
 
-def _run_killed(config, point: str, marker: Path) -> tuple[list[str], WorkerLostError, float, dict]:
-    """Run ``config`` (resuming) with the hook of ``point`` in the process it kills; the prompts each learn got, the
-    error the run ended with, the seconds from the kill to the error, what the hook recorded."""
-    role, _, hook_role, target, nth, describe = KILL_POINTS[point]
+def _run_killed(config, point: str, marker: Path, *, points=KILL_POINTS,
+                identify=identify) -> tuple[list, WorkerLostError, float, dict]:
+    """Run ``config`` (resuming) with the hook of ``point`` (one of ``points``, laid out as KILL_POINTS) in the
+    process it kills; ``identify`` of each learn's batch, the error the run ended with, the seconds from the kill to
+    the error, what the hook recorded."""
+    role, _, hook_role, target, nth, describe = points[point]
     trainer = RLTrainer(config, tensorboard=False)
     try:
         host = trainer.groups[role]._hosts.actors[0]  # the process behind rank 0 (a test's reach into the group)
         ray.get(host.__ray_call__.remote(_kill_at_call, hook_role, target, nth, str(marker), describe))
-        trained = _record_learns(trainer)
+        trained = _record_learns(trainer, identify=identify)
         with pytest.raises(WorkerLostError) as info:
             trainer.fit()
         noticed = time.time()
@@ -360,34 +388,47 @@ def json_of(directory: Path, point: str):
 
 # ---------------------------------------------------------------- the driver killed
 
-def _driver_main(data_dir: str, output_dir: str, trained_path: str, kill: str) -> None:
-    """The driver of a RAY_RUN in a process of its own (``python tests/test_async_failures.py ...``, joined to the
-    test session's Ray cluster through RAY_ADDRESS): prints its workers' pids, appends the prompts of every learn
-    to ``trained_path`` and SIGKILLs itself at ``kill``: ``generation:S``, as step S has submitted its sync and the
-    generation of batch S + 1 (the replica generating, the driver about to wait for batch S); ``checkpoint:S``, in
-    step S's checkpoint once the actor's part and the in-flight batches are written, before the driver's state."""
+def ray_config(data_dir: Path, output_dir: Path):
+    """The config of a RAY_RUN (what ``_driver_main`` runs for this suite)."""
+    return _config(data_dir, output_dir, *RAY_RUN)
+
+
+DRIVER_KILLS = {"generation": ("_submit_pending", lambda pipeline: True), "checkpoint": ("save", lambda pipeline: True)}
+"""``_driver_main``'s kill points of this suite (the pipelined mode): point -> (the ``trainer.pipeline`` method after
+whose return the driver kills itself, a condition on the pipeline that must hold too)."""
+
+
+def _driver_main(suite: str, data_dir: str, output_dir: str, trained_path: str, kill: str) -> None:
+    """The driver of a run in a process of its own (``python tests/test_async_failures.py SUITE ...``, joined to the
+    test session's Ray cluster through RAY_ADDRESS). ``suite``: the test module whose ``ray_config(data_dir,
+    output_dir)`` is run, whose ``identify(batch)`` says what a learn trained and whose ``DRIVER_KILLS`` places the
+    kill. Prints its workers' pids, appends ``identify`` of every learn's batch to ``trained_path`` and SIGKILLs
+    itself at ``kill`` (``POINT:S``: after the POINT's method returns in step S with its condition true). This
+    suite's points: ``generation:S``, as step S has submitted its sync and the generation of batch S + 1 (the
+    replica generating, the driver about to wait for batch S); ``checkpoint:S``, in step S's checkpoint once the
+    actor's part and the in-flight batches are written, before the driver's state."""
     import torch
 
     torch.set_num_threads(1)  # as conftest.py sets it for the in-process runs this one is compared with
-    config = _config(Path(data_dir), Path(output_dir), *RAY_RUN)
-    trainer = RLTrainer(config, tensorboard=False)
+    module = importlib.import_module(suite)
+    trainer = RLTrainer(module.ray_config(Path(data_dir), Path(output_dir)), tensorboard=False)
     print(json.dumps({"workers": [pid for group in trainer.groups.values() for pid in group.pids]}), flush=True)
     learn, pipeline = trainer.learn, trainer.pipeline
 
     def recording_learn(experience, **kwargs):
         with open(trained_path, "a") as handle:
-            handle.write(json.dumps([str(prompt) for prompt in experience.batch["raw_prompt"]]) + "\n")
+            handle.write(json.dumps(module.identify(experience.batch)) + "\n")
             handle.flush()
             os.fsync(handle.fileno())
         return learn(experience, **kwargs)
 
     point, step = kill.split(":")
-    name = {"generation": "_submit_pending", "checkpoint": "save"}[point]
+    name, condition = module.DRIVER_KILLS[point]
     hooked = getattr(pipeline, name)
 
     def killing(*args, **kwargs):
         result = hooked(*args, **kwargs)
-        if pipeline.step == int(step):
+        if pipeline.step == int(step) and condition(pipeline):
             os.kill(os.getpid(), signal.SIGKILL)
         return result
 
@@ -396,15 +437,16 @@ def _driver_main(data_dir: str, output_dir: str, trained_path: str, kill: str) -
     trainer.fit()
 
 
-def _run_driver_killed(data_dir: Path, output_dir: Path, kill: str, trained_path: Path, *,
-                       ray_address: str) -> tuple[list[str], list[int]]:
-    """Run ``_driver_main`` in a new process to its kill; the prompts each learn got, its workers' pids."""
+def _run_driver_killed(data_dir: Path, output_dir: Path, kill: str, trained_path: Path, *, ray_address: str,
+                       suite: str = __name__) -> tuple[list, list[int]]:
+    """Run ``_driver_main`` of ``suite`` (a test module's name) in a new process to its kill; the entries of
+    ``identify`` of each learn (its prompts in this suite, JSON values), its workers' pids."""
     import subprocess
 
     repo = Path(__file__).resolve().parents[1]
     env = {**os.environ, "RAY_ADDRESS": ray_address,
            "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, __file__, str(data_dir), str(output_dir), str(trained_path), kill],
+    done = subprocess.run([sys.executable, __file__, suite, str(data_dir), str(output_dir), str(trained_path), kill],
                           env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == -signal.SIGKILL, (kill, done.returncode, done.stderr[-4000:])
     workers = next(json.loads(line)["workers"] for line in done.stdout.splitlines() if line.startswith('{"workers"'))

@@ -72,9 +72,16 @@ class WorkerLostError(WorkerError):
 
     def with_note(self, note: str) -> "WorkerLostError":
         """The same error with ``note`` at the end of its line."""
-        return WorkerLostError(role=self.role, rank=self.rank, method=self.method,
-                               remote_traceback=self.remote_traceback, reason=self.reason, pid=self.pid,
-                               host=self.host, note=note)
+        return self._replaced(note=note)
+
+    def during(self, method: str) -> "WorkerLostError":
+        """The same error naming ``method`` as the call the process was in."""
+        return self._replaced(method=method)
+
+    def _replaced(self, **changes) -> "WorkerLostError":
+        fields = dict(role=self.role, rank=self.rank, method=self.method, remote_traceback=self.remote_traceback,
+                      reason=self.reason, pid=self.pid, host=self.host, note=self.note)
+        return WorkerLostError(**{**fields, **changes})
 
     def __reduce__(self):
         return (_rebuild_lost_error, (self.role, self.rank, self.method, self.remote_traceback, self.reason, self.pid,

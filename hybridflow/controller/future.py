@@ -442,8 +442,12 @@ class Future:
     def __init__(self, *, value: FutureValue | None, role: str, method: str, timeout_s: float | None,
                  local_result: Any = None, on_infos: Callable[[dict[int, OutputInfo]], None] | None = None,
                  watchdog_s: float | None = WATCHDOG_INTERVAL_S, pids: list[int] | None = None,
-                 nodes: list[str] | None = None) -> None:
+                 nodes: list[str] | None = None,
+                 on_lost: Callable[[WorkerLostError], WorkerLostError] | None = None) -> None:
+        """``on_infos(infos)``: runs once every rank's info is fetched; ``on_lost(error)``: the error to raise when a
+        rank's process died (its group names the call that process died in, which may be an earlier one)."""
         self._value = value
+        self._on_lost = on_lost
         self._nodes = nodes
         self._watchdog_s = watchdog_s
         self._pids = pids
@@ -479,15 +483,21 @@ class Future:
             return self._local_result
         timeout_s = self._timeout_s if timeout_s is None else timeout_s
         watchdog_s = self._watchdog_s if watchdog_s is None else watchdog_s
-        # wait on the tiny info objects of every rank first: a failing rank that the protocol does
-        # not collect from must still surface as an error
-        infos = gather(self._value.infos, role=self._role, method=self._method, timeout_s=timeout_s, count=False,
-                       watchdog_s=watchdog_s, pids=self._pids, nodes=self._nodes)
-        if self._on_infos is not None:
-            self._on_infos(infos)
-        ranks = self._value.source_ranks()
-        outputs = gather({r: self._value.refs[r] for r in ranks}, role=self._role, method=self._method,
-                         timeout_s=timeout_s, count=True, watchdog_s=watchdog_s, pids=self._pids, nodes=self._nodes)
+        try:
+            # wait on the tiny info objects of every rank first: a failing rank that the protocol does
+            # not collect from must still surface as an error
+            infos = gather(self._value.infos, role=self._role, method=self._method, timeout_s=timeout_s, count=False,
+                           watchdog_s=watchdog_s, pids=self._pids, nodes=self._nodes)
+            if self._on_infos is not None:
+                self._on_infos(infos)
+            ranks = self._value.source_ranks()
+            outputs = gather({r: self._value.refs[r] for r in ranks}, role=self._role, method=self._method,
+                             timeout_s=timeout_s, count=True, watchdog_s=watchdog_s, pids=self._pids,
+                             nodes=self._nodes)
+        except WorkerLostError as error:
+            if self._on_lost is None or error.role != self._role:  # another group's process: named by it already
+                raise
+            raise self._on_lost(error) from None
         return self._value.compute(outputs, infos)
 
     def __repr__(self) -> str:

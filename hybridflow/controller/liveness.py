@@ -144,8 +144,10 @@ class _Processes:
         except ray.exceptions.ActorUnavailableError:
             return  # reachable again soon, or reported dead later
         except ray.exceptions.RayActorError as error:
-            raise self._lost(role, rank, method, reason=DIED,
-                             detail=f"the worker process died or is unreachable: {error}") from None
+            lost = self._lost(role, rank, method, reason=DIED,
+                              detail=f"the worker process died or is unreachable: {error}")
+            view = next((view for view in self.views if view.role == role), None)
+            raise (view.died_in(lost) if view is not None else lost) from None
         except ray.exceptions.RayError:
             return  # the method raised: its future reports it
 

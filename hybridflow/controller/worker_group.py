@@ -319,7 +319,8 @@ class WorkerGroup:
         value = FutureValue(refs=refs, infos=infos, mesh=mesh, protocol=protocol, in_pad=dispatch.pad)
         return Future(value=value, role=self.role, method=method, timeout_s=self._hosts.timeout_s,
                       on_infos=lambda fetched: self._note_versions(infos, fetched),
-                      watchdog_s=self._hosts.watchdog_s, pids=self._hosts.pids, nodes=self._hosts.nodes)
+                      watchdog_s=self._hosts.watchdog_s, pids=self._hosts.pids, nodes=self._hosts.nodes,
+                      on_lost=self.died_in)
 
     def _run_local(self, method: str, protocol: Protocol, mesh: GroupMesh, dispatch: Dispatch) -> Future:
         call_args, call_kwargs = dispatch.calls[0]
@@ -387,6 +388,15 @@ class WorkerGroup:
                 continue
             del self._pending_infos[ref]
 
+    def died_in(self, error: WorkerLostError) -> WorkerLostError:
+        """``error`` (a call of this group whose process died) naming the call that process died in: a rank runs its
+        calls in order, so that is the rank's oldest call not finished (the failed call, or one submitted before it
+        and not collected yet: a weight sync under the poll queued behind it, say)."""
+        for ref, (rank, method) in self._pending_infos.items():  # in the order they were submitted
+            if rank == error.rank and not _finished(ref):
+                return error if method == error.method else error.during(method)
+        return error
+
     def _raise_if_lost(self, refs: list[ray.ObjectRef]) -> None:
         """The ``WorkerLostError`` of the first of these finished calls whose process died, naming that call."""
         for ref in refs:
@@ -415,6 +425,20 @@ class WorkerGroup:
         self._mesh_versions = [state[2] for state in states]
         self._mesh_stale = False
         return GroupMesh(layout=layout, generation=generation)
+
+
+def _finished(ref: ray.ObjectRef) -> bool:
+    """Whether the call behind info reference ``ref`` has run to its end (returned or raised), not lost with its
+    process (or still running)."""
+    if not ray.wait([ref], timeout=0)[0]:
+        return False
+    try:
+        ray.get(ref, timeout=0)
+    except ray.exceptions.RayActorError:
+        return False
+    except ray.exceptions.RayError:
+        return True
+    return True
 
 
 @contextlib.contextmanager
