@@ -37,6 +37,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_async_placement import PLACEMENTS  # noqa: E402
 
+PHASES = ("async/wait_generation_s", "async/sync_s", "time/generate_s", "time/score_s", "time/update_s")
+"""Mean seconds per step (steps 2..N) kept per run: where a step's time goes, and so what overlap can hide."""
+
+
 def small_start_model(root: Path) -> Path:
     """The demo's SFT policy (docs/demo.md): the built-in model, base on correct additions, then SFT on the flawed
     demonstrator (its defaults: 2,000 + 300 steps). Built once under ``root``; ``hybridflow demo`` makes the same
@@ -105,6 +109,7 @@ def run_once(model: str, placement: str, seed: int, *, root: Path, steps: int, s
             "steps_per_s": (len(stamps) - 1) / (stamps[-1] - stamps[0]),
             "seconds": [stamp - stamps[0] for stamp in stamps],
             "reward": [record["reward/score_mean"] for record in history],
+            "phases": {name: statistics.mean(record.get(name, 0.0) for record in history[1:]) for name in PHASES},
             "load_before": load_before, "load_after": os.getloadavg()[0]}
 
 
@@ -112,7 +117,7 @@ def summarize(runs: list[dict]) -> list[str]:
     """Mean steps/s per placement over seeds, and k = 1 against the faster synchronous placement."""
     speed = {placement: statistics.mean(run["steps_per_s"] for run in runs if run["placement"] == placement)
              for placement in dict.fromkeys(run["placement"] for run in runs)}
-    lines = [f"{placement:<10} mean {value:.3f} steps/s over {sum(r['placement'] == placement for r in runs)} runs"
+    lines = [f"{placement:<10} mean {value:.4g} steps/s over {sum(r['placement'] == placement for r in runs)} runs"
              for placement, value in speed.items()]
     synchronous = {name: value for name, value in speed.items() if name != "split-k1"}
     if "split-k1" in speed and synchronous:
@@ -160,8 +165,11 @@ def main() -> None:
             run = run_once(args.model, placement, seed, root=root, steps=args.steps,
                            start_model=args.start_model)
             runs.append(run)
-            print(f"{args.model} {placement:<10} seed {seed} | steps_per_s {run['steps_per_s']:.3f} | load "
-                  f"{run['load_before']:.2f} -> {run['load_after']:.2f} | reward "
+            print(f"{args.model} {placement:<10} seed {seed} | steps_per_s {run['steps_per_s']:.4g} "
+                  f"({1 / run['steps_per_s']:.3g} s/step) | load "
+                  f"{run['load_before']:.2f} -> {run['load_after']:.2f} | "
+                  + " ".join(f"{name.split('/')[1]} {value:.3g}" for name, value in run["phases"].items() if value)
+                  + " | reward "
                   + " ".join(f"{value:.2f}" for value in run["reward"]), flush=True)
     for line in summarize(runs):
         print(line)
