@@ -103,7 +103,7 @@ def measure_layer_overhead(*, repeats: int = 5) -> float:
 
 
 # ---- fixed costs per call (what dominates a tiny model's stages) ---------------------------
-def _intercept(seconds_small: float, seconds_large: float, small: int, large: int) -> float:
+def intercept(seconds_small: float, seconds_large: float, small: int, large: int) -> float:
     """Seconds at 0 of the line through (small, seconds_small) and (large, seconds_large): the fixed part."""
     slope = (seconds_large - seconds_small) / (large - small)
     return seconds_small - slope * small
@@ -115,7 +115,7 @@ def _tiny_model_config():
     return ModelConfig(tiny={}, dtype="float32")  # TINY_DEFAULTS: 4 layers, 64 wide, vocabulary 256
 
 
-def measure_decode_overheads(*, layer_overhead_s: float, flops: float, bandwidth: float, batch: int = 32,
+def measure_decode_overheads(*, layer_overhead_s: float, flops: float, bandwidth: float, batch: int = 64,
                              new_tokens: int = 16, repeats: int = 5) -> tuple[float, float]:
     """(``decode_step_overhead_s``, ``decode_host_seconds_per_sequence``): one thread of the native engine
     sampling from the tiny model, a decode step being the difference of ``new_tokens`` + 1 and 1 new tokens.
@@ -199,9 +199,9 @@ def measure_engine_overheads(*, layer_overhead_s: float, link_latency_s: float, 
 
     single = run_distributed(engine_call_probe, 1, rows, repeats, timeout_s=300)[0]
     pair = run_distributed(engine_call_probe, 2, rows, repeats, timeout_s=300)
-    fixed = {kind: _intercept(*single[kind], *rows) for kind in ("forward", "update")}
+    fixed = {kind: intercept(*single[kind], *rows) for kind in ("forward", "update")}
     # a collective ends when its slower rank gets there
-    fixed_pair = {kind: max(_intercept(*result[kind], *rows) for result in pair) for kind in fixed}
+    fixed_pair = {kind: max(intercept(*result[kind], *rows) for result in pair) for kind in fixed}
     layers = int(single["layers"][0])
     inference = max(0.0, fixed["forward"] - layers * layer_overhead_s)
     update = max(0.0, fixed["update"] - 3 * layers * layer_overhead_s)

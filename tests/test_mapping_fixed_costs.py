@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridflow.calibrate import _intercept
+from hybridflow.calibrate import intercept
 from hybridflow.data.builtin import ASSETS_DIR
 from hybridflow.mapping import Cluster, Dataflow, Plan, Workload, load_hardware, model_spec, simulate_plan
 from hybridflow.mapping.hardware import FIXED_COST_FIELDS, builtin_profile_names
@@ -41,7 +41,8 @@ COLOCATED = {"placement": {"pools": {"cluster": [2]}, "roles": {"actor": "cluste
              "reference": {"engine": {"layout": "fsdp"}}}
 SPLIT = {"placement": {"pools": {"trainer": [1], "gen": [1]},
                        "roles": {"actor": "trainer", "reference": "trainer", "rollout": "gen"}},
-         "async": {"max_staleness": 1}, "actor": {"engine": {"layout": "fsdp"}}, "reference": {"engine": {"layout": "fsdp"}}}
+         "async": {"max_staleness": 1}, "actor": {"engine": {"layout": "fsdp"}},
+         "reference": {"engine": {"layout": "fsdp"}}}
 
 
 def test_every_built_in_gpu_profile_has_no_fixed_costs_so_the_papers_predictions_are_unchanged():
@@ -107,5 +108,5 @@ def test_every_stage_call_of_a_role_and_every_call_of_a_split_pays_the_controlle
 
 
 def test_calibrate_takes_the_fixed_cost_as_the_line_through_two_sizes_at_zero():
-    assert _intercept(0.03, 0.1, 2, 16) == pytest.approx(0.02)
-    assert _intercept(0.05, 0.05, 2, 16) == pytest.approx(0.05)
+    assert intercept(0.03, 0.1, 2, 16) == pytest.approx(0.02)
+    assert intercept(0.05, 0.05, 2, 16) == pytest.approx(0.05)
