@@ -211,37 +211,41 @@ def measure_engine_overheads(*, layer_overhead_s: float, link_latency_s: float, 
 
 
 def _call_probe_worker() -> type:
-    """A worker class with one no-op method (defined here so that importing this module does not import the
-    controller, torch and Ray; Ray ships the class to its processes by value)."""
+    """A worker class whose one method returns its slice of the batch (defined here so that importing this module
+    does not import the controller, torch and Ray; Ray ships the class to its processes by value)."""
     from hybridflow.controller import Worker, register
 
     class CallProbeWorker(Worker):
-        @register("ONE_TO_ALL")
-        def noop(self) -> None:
-            return None
+        @register("DP_PROTO")
+        def echo(self, batch):
+            return batch
 
     return CallProbeWorker
 
 
-def measure_controller_call(*, calls: int = 50) -> float:
-    """Median seconds of a no-op ONE_TO_ALL call on a 2-process worker group under Ray, as the driver sees it
-    (dispatch, serialization, the collect); starts Ray for it when the driver is not connected, and stops it."""
+def measure_controller_call(*, calls: int = 50, rows: int = 8) -> float:
+    """Median seconds of a call that does no work on a 2-process worker group under Ray, as the driver sees it:
+    a ``rows``-row batch of token ids split over the ranks (DP_PROTO), each rank's slice sent back and joined
+    (dispatch, serialization, the collect). Starts Ray for it when the driver is not connected, and stops it."""
     import statistics
 
     import ray
+    import torch
 
     from hybridflow.controller import ResourcePool, WorkerGroup
+    from hybridflow.protocol import DataProto
 
     started_here = not ray.is_initialized()
     pool = ResourcePool([2], name="calibrate-calls")
     group = WorkerGroup(pool, _call_probe_worker(), name="calibrate-calls")
+    batch = DataProto.from_dict({"input_ids": torch.zeros(rows, 32, dtype=torch.long)})
     try:
         for _ in range(5):
-            group.noop()
+            group.echo(batch)
         seconds = []
         for _ in range(calls):
             start = time.perf_counter()
-            group.noop()
+            group.echo(batch)
             seconds.append(time.perf_counter() - start)
     finally:
         group.shutdown()
