@@ -93,6 +93,11 @@ def test_calibrate_writes_a_profile_that_the_planner_loads_as_cpu_local(tmp_path
     # a 2-core VM does more than 1 GFLOP/s and 0.1 GB/s in one thread; gloo moves more than 1 MB/s
     assert profile.peak_flops > 1e9 and profile.memory_bandwidth > 1e8 and profile.intra_node_bandwidth > 1e6
     assert 0 < profile.intra_node_latency_s < 1.0
+    # the fixed costs per call: a no-op call through Ray takes some time, none of them a second
+    from hybridflow.mapping.hardware import FIXED_COST_FIELDS
+
+    assert profile.controller_call_overhead_s > 0
+    assert all(0 <= getattr(profile, field) < 1.0 for field in (*FIXED_COST_FIELDS, "decode_host_seconds_per_sequence"))
     from hybridflow.device import CPU_BF16_MIN_HIDDEN, cpu_has_native_bf16
 
     # the bf16 rate only where the cores multiply bf16 in hardware (where engine.dtype auto uses it)

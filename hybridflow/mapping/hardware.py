@@ -14,6 +14,9 @@ LOCAL_PROFILE_NAMES = {"cpu": "cpu-local", "cuda": "cuda-local"}
 LOCAL_PROFILE_NAME = LOCAL_PROFILE_NAMES["cpu"]
 
 GIB = 1024**3
+FIXED_COST_FIELDS = ("decode_step_overhead_s", "inference_call_overhead_s", "update_overhead_s",
+                     "fsdp_collective_overhead_s", "controller_call_overhead_s")
+"""Per-call host costs that do not scale with the work (what dominates a tiny model's stages); 0 (off) by default."""
 
 
 def local_profile_dir() -> Path:
@@ -79,6 +82,29 @@ class HardwareProfile:
     vLLM with ``enforce_eager: True``; hybridflow's native engine replays CUDA graphs only at tg = 1).
     Launches run ahead of the device, so a step takes max(device time, layers per stage x this): a floor
     that binds when a replica's batch is small. 0: no floor (not measured on any device type yet)."""
+    decode_step_overhead_s: float = 0.0
+    """Host seconds of one generation step (prefill or decode) that depend neither on the batch nor on the
+    depth: the embedding lookup, the output head's call, sampling and the decode loop's bookkeeping. A floor of
+    every step, serial with compute. CPU: measured by calibrate on the native engine at batch 1 (what its step
+    takes beyond the layers' ``layer_overhead_s`` and the roofline); 0 on GPUs (not measured there)."""
+    inference_call_overhead_s: float = 0.0
+    """Host seconds of one inference call of a training engine (log-probs, values, scores) beyond its layers'
+    work: packing the batch into micro-batches, the head's outputs, unpacking. CPU: measured by calibrate
+    (the intercept of a forward's seconds against its rows); 0 on GPUs (not measured there)."""
+    update_overhead_s: float = 0.0
+    """Host seconds of one optimizer update beyond its forward and backward: packing, gradient clipping,
+    the optimizer and LR steps, zeroing the gradients. CPU: measured by calibrate (the intercept of a train
+    step's seconds against its rows); 0 on GPUs (not measured there)."""
+    fsdp_collective_overhead_s: float = 0.0
+    """Host seconds FSDP2 adds to each of its collectives (one all-gather per unit and pass, one
+    reduce-scatter per unit and update) beyond the ring's latency and bytes: the hooks and the copies in and
+    out of the flat buffers, serial with compute. Paid with d >= 2 only. CPU: measured by calibrate (a 2-rank
+    minus a 1-rank FSDP step, per collective); 0 on GPUs (not measured there)."""
+    controller_call_overhead_s: float = 0.0
+    """Seconds of one call of the single controller on a worker group that does no work (Ray dispatch,
+    argument and result serialization, the collect): each role's call in each stage pays it, and each call of
+    a split's weight sync and generation. Measured by calibrate on CPU (a 2-rank group); 0 in the built-in GPU
+    profiles (where stages take seconds, milliseconds do not matter)."""
     cpu_bf16_peak_flops: float | None = None
     """CPU profiles of a host whose cores multiply bf16 in hardware (AVX512-BF16 or AMX): one thread's bf16 matmul
     FLOP/s. There ``engine.dtype: auto`` computes models at least ``cpu_bf16_min_hidden`` wide in bf16
@@ -103,7 +129,8 @@ class HardwareProfile:
             if not isinstance(value, (int, float)) or not 0 < value <= 1:
                 raise ValueError(f"HardwareProfile.{field_name} must be in (0, 1], got {value!r}")
         for field_name in ("intra_node_latency_s", "inter_node_latency_s", "layer_overhead_s",
-                           "decode_host_seconds_per_sequence", "decode_dispatch_seconds_per_layer"):
+                           "decode_host_seconds_per_sequence", "decode_dispatch_seconds_per_layer",
+                           *FIXED_COST_FIELDS):
             value = getattr(self, field_name)
             if not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"HardwareProfile.{field_name} must be >= 0 seconds, got {value!r}")

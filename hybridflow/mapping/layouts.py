@@ -120,16 +120,25 @@ class FsdpModel(LayoutModel):
         # each micro-batch gathers the parameters for forward (and again for backward), one collective per
         # FSDP unit (a decoder layer, plus the root); FSDP2 prefetches the next unit's while computing, so the
         # gathers hide behind compute
-        gathers = passes * micro_batches * (2 if backward else 1) * sim.all_gather_seconds(
+        collectives = passes * micro_batches * (2 if backward else 1)
+        gathers = collectives * sim.all_gather_seconds(
             spec.num_params(head=head) * sim.element_bytes_of(spec), num_devices, num_devices,
             num_collectives=spec.num_layers + 1)
-        return max(compute, gathers)
+        # FSDP2's host work around each collective (hooks, copies into and out of the flat buffers) is serial
+        # with compute and is not hidden by the prefetch
+        return max(compute, gathers) + collectives * self.host_seconds(sim, spec, num_devices)
 
     def gradient_sync_seconds(self, sim: "Simulator", spec: ModelSpec, head: str, strategy: "RoleStrategy",
                               num_devices: int) -> float:
         # one reduce-scatter of the fp32 gradients per unit and update (accumulated over micro-batches)
         return sim.all_gather_seconds(spec.num_params(head=head) * GRADIENT_BYTES, num_devices, num_devices,
-                                      num_collectives=spec.num_layers + 1)
+                                      num_collectives=spec.num_layers + 1) + self.host_seconds(sim, spec, num_devices)
+
+    @staticmethod
+    def host_seconds(sim: "Simulator", spec: ModelSpec, num_devices: int) -> float:
+        """FSDP2's host seconds around one collective per unit (a decoder layer, plus the root) on
+        ``num_devices`` ranks; none on one rank, where FSDP2 runs no collective."""
+        return (spec.num_layers + 1) * sim.fsdp_collective_overhead_s if num_devices > 1 else 0.0
 
     def generation_extra_bytes(self, sim: "Simulator", spec: ModelSpec, strategy: "RoleStrategy") -> float:
         return spec.num_params(head="lm") * sim.element_bytes_of(spec)  # a full compute-dtype copy

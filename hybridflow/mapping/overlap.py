@@ -18,8 +18,9 @@ trainer's all-gather of the policy over the actor's pool and ``PAYLOAD_PASSES`` 
 on the trainer's timeline); the payload's transfer, through Ray's object store, once to each node of the rollout
 pool other than the trainer's (in turn, each over one node's share of the inter-node links; the replicas of a
 node read its one copy), and ``PAYLOAD_PASSES`` on each replica (receive: on the rollout pool's timeline).
-Not modeled: the driver's own work between calls (rewards, advantages) and the per-call costs of the single
-controller (docs/mapping.md, "Limits").
+Each of these calls (the sync's two, the replicas' generation) pays the single controller's per-call cost
+(``controller_call_overhead_s``), as every stage's call of a role does in the simulator. Not modeled: the
+driver's own work between calls (rewards, advantages; docs/mapping.md, "Limits").
 """
 
 from __future__ import annotations
@@ -76,7 +77,8 @@ def replica_generation_seconds(simulator: Simulator, spec: ModelSpec, num_device
             return None
         kv_budget = simulator.kv_cache_bytes
     generated = simulator.generation_seconds(spec, REPLICA, num_devices, kv_budget)
-    return None if generated is None else generated[0]
+    # the driver's call of the replicas' generation method
+    return None if generated is None else generated[0] + simulator.controller_call_s
 
 
 def weight_sync_seconds(simulator: Simulator, spec: ModelSpec, *, actor_devices: int,
@@ -91,7 +93,8 @@ def weight_sync_seconds(simulator: Simulator, spec: ModelSpec, *, actor_devices:
     bandwidth, latency = simulator.link(True)  # per device: a node's transfer has the links of its devices
     node_bandwidth = bandwidth * simulator.cluster.node_size
     receive = remote_nodes * (latency + payload / node_bandwidth) + passes
-    return send, receive
+    # one call on each side: ActorWorker.generation_weights, then RolloutWorker.sync_weights
+    return send + simulator.controller_call_s, receive + simulator.controller_call_s
 
 
 def training_planner(planner: Planner, *, training_devices: int, rollout_devices: int,

@@ -102,6 +102,13 @@ class Simulator:
         # dispatch is host work: an oversubscribed core slows it down like compute
         self.layer_overhead_s = hardware.layer_overhead_s / compute_share
         self.decode_dispatch_s = hardware.decode_dispatch_seconds_per_layer / compute_share
+        # fixed host costs per call (0 unless calibrate measured them): host work, slowed like dispatch
+        self.decode_step_overhead_s = hardware.decode_step_overhead_s / compute_share
+        self.inference_call_overhead_s = hardware.inference_call_overhead_s / compute_share
+        self.update_overhead_s = hardware.update_overhead_s / compute_share
+        self.fsdp_collective_overhead_s = hardware.fsdp_collective_overhead_s / compute_share
+        # the driver's side of a call: its own process, not one of the run's devices
+        self.controller_call_s = hardware.controller_call_overhead_s
 
     def element_bytes_of(self, spec: ModelSpec) -> int:
         """Bytes of one of ``spec``'s compute elements: bf16 on a bf16 CPU for wide models (``cpu_bf16_for``)."""
@@ -208,6 +215,8 @@ class Simulator:
         streaming = passes * micro_batches * work_factor * shard_bytes / self.memory_bandwidth
         compute = max(compute, streaming)
         compute += passes * micro_batches * work_factor * spec.num_layers / strategy.pp_size * self.layer_overhead_s
+        # each pass is one engine call (an inference, or an update with its optimizer step)
+        compute += passes * (self.update_overhead_s if backward else self.inference_call_overhead_s)
         return layout.pass_seconds(self, spec, strategy, num_devices, compute=compute, passes=passes,
                                    micro_batches=micro_batches, backward=backward, head=head)
 
@@ -303,13 +312,17 @@ class Simulator:
             sends = (pg - 1) * self.send_seconds(new_tokens * h * e, tg * pg, num_devices) if pg > 1 else 0.0
             return pg * stage + sends
 
-        prefill = pass_seconds(batch * prompt_len, batch * prompt_len, batch * prompt_len * prompt_len / 2)
+        # every step (the prefill and each decode step) embeds, calls the head and samples once
+        step_overhead = self.decode_step_overhead_s
+        prefill = pass_seconds(batch * prompt_len, batch * prompt_len, batch * prompt_len * prompt_len / 2) \
+            + step_overhead
         mean_context = prompt_len + response_len / 2
         # between decode steps the rollout engine's host work (scheduling, sampling inputs, bookkeeping)
         # grows with the replica's batch and does not overlap the device: few large replicas (large tg)
         # pay more of it than many small ones
         host = batch * self.cluster.hardware.decode_host_seconds_per_sequence / self.compute_share
-        decode = response_len * (pass_seconds(batch, batch * mean_context, batch * mean_context) + host)
+        decode = response_len * (pass_seconds(batch, batch * mean_context, batch * mean_context) + host
+                                 + step_overhead)
         # a backend with its own weight copy loads it once per step (remax's second pass reuses it)
         weight_load = self.weight_load_seconds(spec, strategy)
         seconds = self.generation_passes * waves * (prefill + decode) + weight_load
@@ -326,9 +339,11 @@ class Simulator:
         transient = self.transient_bytes(spec, head, strategy, trained=trained, num_devices=num_devices)
         if other_resident_bytes + resident + max(transient, other_transient_bytes) > self.budget_bytes:
             return None
-        stages = {"preparation": self.inference_seconds(spec, head, strategy, num_devices)}
+        # every stage is one call of the driver on the role's worker group
+        call = self.controller_call_s
+        stages = {"preparation": self.inference_seconds(spec, head, strategy, num_devices) + call}
         if trained:
-            stages["training"] = self.training_seconds(spec, head, strategy, num_devices)
+            stages["training"] = self.training_seconds(spec, head, strategy, num_devices) + call
         details: dict[str, float] = {}
         if kind == "actor" and strategy.generates:  # an actor beside a rollout pool does not generate
             generation_extra = self.generation_extra_bytes(spec, strategy)
@@ -343,6 +358,6 @@ class Simulator:
             generation, details = generated
             transition = self.transition_seconds(spec, strategy, num_devices)
             details["transition_seconds"] = transition
-            stages["generation"] = generation + transition
+            stages["generation"] = generation + transition + call
         return RoleCost(strategy=strategy, stage_seconds=stages, resident_bytes=resident,
                         transient_bytes=transient, details=details)
