@@ -28,14 +28,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_async_placement import PLACEMENTS  # noqa: E402
+from bench_async_placement import PLACEMENTS, timed_fit  # noqa: E402
 
 PHASES = ("async/wait_generation_s", "async/sync_s", "time/generate_s", "time/score_s", "time/update_s")
 """Mean seconds per step (steps 2..N) kept per run: where a step's time goes, and so what overlap can hide."""
@@ -89,7 +87,6 @@ def model_overrides(model: str, root: Path, steps: int, start_model: Path | None
 
 def run_once(model: str, placement: str, seed: int, *, root: Path, steps: int, start_model: Path | None) -> dict:
     from hybridflow.trainers.config.rl import load_rl_config
-    from hybridflow.trainers.rl import RLTrainer
 
     config_path, workload = model_overrides(model, root, steps, start_model)
     config = load_rl_config(config_path, [
@@ -97,20 +94,13 @@ def run_once(model: str, placement: str, seed: int, *, root: Path, steps: int, s
         "trainer.save_every=0", "trainer.resume=false", "trainer.overwrite=true", "actor.loss.tis_cap=2.0",
         f"trainer.output_dir={root / 'runs' / f'{model}-{placement}-s{seed}'}", "placement.runtime=ray",
         *PLACEMENTS[placement]])
-    load_before = os.getloadavg()[0]
-    trainer = RLTrainer(config, tensorboard=False)
-    stamps: list[float] = []
-    try:
-        trainer.fit(on_step=lambda step, metrics: stamps.append(time.perf_counter()))
-        history = trainer.logger.history
-    finally:
-        trainer.shutdown()
+    history, stamps, load_before, load_after = timed_fit(config)
     return {"model": model, "placement": placement, "seed": seed,
             "steps_per_s": (len(stamps) - 1) / (stamps[-1] - stamps[0]),
             "seconds": [stamp - stamps[0] for stamp in stamps],
             "reward": [record["reward/score_mean"] for record in history],
             "phases": {name: statistics.mean(record.get(name, 0.0) for record in history[1:]) for name in PHASES},
-            "load_before": load_before, "load_after": os.getloadavg()[0]}
+            "load_before": load_before, "load_after": load_after}
 
 
 def summarize(runs: list[dict]) -> list[str]:

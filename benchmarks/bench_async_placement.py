@@ -62,7 +62,9 @@ def predicted_seconds(config: RLConfig) -> Plan:
     return simulate_plan(Plan.from_config_fragment(fragment), inputs.pop("dataflow"), **inputs)
 
 
-def measure(config: RLConfig) -> dict[str, float]:
+def timed_fit(config: RLConfig) -> tuple[list[dict], list[float], float, float]:
+    """Train ``config`` to its end: (metrics history, wall-clock stamp of every step's end, load average before,
+    load average after)."""
     from hybridflow.trainers.rl import RLTrainer
 
     load_before = os.getloadavg()[0]
@@ -73,13 +75,18 @@ def measure(config: RLConfig) -> dict[str, float]:
         history = trainer.logger.history
     finally:
         trainer.shutdown()
+    return history, stamps, load_before, os.getloadavg()[0]
+
+
+def measure(config: RLConfig) -> dict[str, float]:
+    history, stamps, load_before, load_after = timed_fit(config)
     wait = [metrics.get("async/wait_generation_s", 0.0) for metrics in history[1:]]
     phases = sorted(name for name in history[-1] if name.startswith("time/") and name.endswith("_s"))
     print("  measured phases (mean s, steps 2..N): " + ", ".join(
         f"{name[5:]} {sum(metrics.get(name, 0.0) for metrics in history[1:]) / (len(history) - 1):.3f}"
         for name in phases), flush=True)
     return {"steps_per_s": (len(stamps) - 1) / (stamps[-1] - stamps[0]), "wait_generation_s": sum(wait) / len(wait),
-            "load_before": load_before, "load_after": os.getloadavg()[0]}
+            "load_before": load_before, "load_after": load_after}
 
 
 def main() -> None:
