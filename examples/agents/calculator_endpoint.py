@@ -34,9 +34,12 @@ def run_tool(name: str, arguments: str) -> str:
         return f"error: {error}"
 
 
-async def solve(client, row: dict, *, model: str = "policy", max_calls: int = 4) -> float:
-    """One episode: up to ``max_calls`` completions; 1.0 if the final answer is right, else 0.0."""
-    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": row["prompt"]}]
+async def solve(client, row: dict, *, model: str = "policy", max_calls: int = 4,
+                system_prompt: str = SYSTEM_PROMPT) -> float:
+    """One episode: up to ``max_calls`` completions; 1.0 if the final answer is right, else 0.0. The calculator's
+    schema goes in ``tools=``; ``system_prompt`` opens the chat (a model whose template renders no tools gets them
+    described there: ``calculator_smollm2.PromptedCalculatorAgent``)."""
+    messages = [{"role": "system", "content": system_prompt}, {"role": "user", "content": row["prompt"]}]
     for _ in range(max_calls):
         response = await client.chat.completions.create(model=model, messages=messages, tools=[calculator.schema])
         reply = response.choices[0].message
@@ -51,12 +54,13 @@ async def solve(client, row: dict, *, model: str = "policy", max_calls: int = 4)
 
 
 class CalculatorAgent(OpenAIAgentEnvironment):
-    """``solve`` as a hybridflow environment: one call per allowed turn."""
+    """``solve`` as a hybridflow environment: one call per allowed turn (``env.max_turns`` overrides the class's)."""
 
     max_turns = 4
+    system_prompt = SYSTEM_PROMPT
 
     async def agent(self, client, row: dict) -> float:
-        return await solve(client, row, max_calls=self.max_turns)
+        return await solve(client, row, max_calls=self.max_turns, system_prompt=self.system_prompt)
 
 
 async def _main(base_url: str, model: str, rows: int) -> None:

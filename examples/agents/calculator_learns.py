@@ -23,6 +23,13 @@ directory with a chat template whose end of turn is ``<|im_end|>``) starts stage
 template that renders no ``tools=`` (SmolLM2's) gets the tools in the system prompt
 (``calculator_smollm2.PromptedCalculatorEnvironment``), everywhere: SFT rows, GRPO episodes and evaluation.
 ``--task product`` asks for products of two 2-digit numbers instead of the mixed two-to-four-operand questions.
+
+``--agent endpoint`` runs stage 2 through the OpenAI-compatible endpoint instead: the episodes are driven by an agent
+program written against the ``openai`` client (``calculator_endpoint.CalculatorAgent``, or
+``calculator_smollm2.PromptedCalculatorAgent`` where the template renders no tools: the program writes them into its
+system prompt), and the step trains the ids the endpoint recorded. Stages 1 and 3 are the same, so the two paths
+compare directly; the tools run in the agent program, which hybridflow does not see, so every episode is recorded
+(``grpo/episodes.jsonl``) and the curve counts the calls from the recorded replies (``endpoint/*``).
 """
 
 from __future__ import annotations
@@ -39,6 +46,9 @@ HERE = Path(__file__).resolve().parent
 MODELS = ("tiny", "smollm2")
 """Named starting points of ``--model`` (anything else is a Hugging Face directory)."""
 TASKS = ("mixed", "product")
+AGENTS = ("environment", "endpoint")
+"""How GRPO runs the episodes (``--agent``): stepping the in-process environment, or an ``openai``-client agent
+program through the OpenAI-compatible endpoint."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,12 +82,18 @@ class LearnsConfig:
     val_every: int = 10
     max_new_tokens: int = 96
     """Per turn: a calculator call of the longest questions is about 90 characters."""
+    agent: str = "environment"
+    """"environment": GRPO steps the calculator environment in process; "endpoint": an agent program written against
+    the ``openai`` client drives the GRPO episodes through the OpenAI-compatible endpoint (SFT and the held-out
+    evaluation are the same either way)."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.tool_share <= 1.0:
             raise ValueError(f"tool_share got {self.tool_share!r}; allowed: a number in [0, 1]")
         if self.task not in TASKS:
             raise ValueError(f"task got {self.task!r}; allowed: {', '.join(TASKS)}")
+        if self.agent not in AGENTS:
+            raise ValueError(f"agent got {self.agent!r}; allowed: {', '.join(AGENTS)}")
         if self.model not in MODELS and not (Path(self.model) / "config.json").is_file():
             raise ValueError(f"model got {self.model!r}; allowed: {', '.join(MODELS)} or a Hugging Face directory")
         for name in ("num_train", "num_val", "sft_steps", "grpo_steps", "prompts_per_step", "samples_per_prompt"):
@@ -108,6 +124,38 @@ def environment_for(tokenizer):
     prompted = _prompted()
     return prompted.CalculatorEnvironment if prompted.template_renders_tools(tokenizer) \
         else prompted.PromptedCalculatorEnvironment
+
+
+def endpoint_agent_for(tokenizer):
+    """The agent program that drives GRPO through the endpoint (``--agent endpoint``) for ``tokenizer``'s chat
+    template: ``CalculatorAgent`` (the tools in ``tools=``), else ``PromptedCalculatorAgent`` (also in its system
+    prompt); either sends the messages ``environment_for(tokenizer)`` opens with."""
+    prompted = _prompted()
+    return prompted.CalculatorAgent if prompted.template_renders_tools(tokenizer) \
+        else prompted.PromptedCalculatorAgent
+
+
+def endpoint_overrides(config: LearnsConfig) -> list[str]:
+    """The GRPO config of the endpoint path: every episode recorded (the agent runs the tools, so the records'
+    replies are where its calls are counted), and an agent time limit past the slowest CPU step measured."""
+    return ["env.record_every=1", f"env.record_episodes={config.prompts_per_step * config.samples_per_prompt}",
+            "env.agent_timeout_s=7200"]
+
+
+def recorded_calls(path: Path) -> dict[int, dict[str, float]]:
+    """Per step of an ``episodes.jsonl``: the chat-completion calls (turns) and the tool calls (of the replies,
+    as the endpoint parsed them) per recorded episode."""
+    steps: dict[int, list[dict]] = {}
+    for line in path.read_text().splitlines() if path.exists() else []:
+        record = json.loads(line)
+        steps.setdefault(record["step"], []).append(record)
+    counts = {}
+    for step, records in steps.items():
+        calls = [len(message.get("tool_calls") or []) for record in records for message in record["messages"]
+                 if message["role"] == "assistant"]
+        counts[step] = {"endpoint/calls_per_episode": sum(record["turns"] for record in records) / len(records),
+                        "endpoint/tool_calls_per_episode": sum(calls) / len(records)}
+    return counts
 
 
 def environment_spec(environment) -> str:
@@ -266,7 +314,8 @@ def train_sft(config: LearnsConfig, data_file: Path, base_dir: Path, output_dir:
 
 
 def train_grpo(config: LearnsConfig, files: dict[str, Path], policy_dir: Path, output_dir: Path,
-               env_spec: str) -> list[dict]:
+               env_spec: str, extra_overrides: list[str] | None = None) -> list[dict]:
+    """GRPO from ``policy_dir`` with ``env.class: env_spec``; ``extra_overrides`` come last (they win)."""
     from hybridflow.controller import local_mode
     from hybridflow.trainers.config.rl import load_rl_config
     from hybridflow.trainers.rl import RLTrainer
@@ -284,7 +333,7 @@ def train_grpo(config: LearnsConfig, files: dict[str, Path], policy_dir: Path, o
         f"batch.mini_batch_size={config.prompts_per_step * config.samples_per_prompt}",
         f"trainer.total_steps={config.grpo_steps}", f"trainer.val_every={config.val_every}",
         f"trainer.output_dir={output_dir}", f"trainer.seed={config.seed}", "trainer.resume=false",
-        "trainer.overwrite=true", "trainer.progress_bar=false"])
+        "trainer.overwrite=true", "trainer.progress_bar=false", *(extra_overrides or [])])
     with local_mode():
         trainer = RLTrainer(rl_config, tensorboard=False)
         try:
@@ -314,7 +363,10 @@ def run(config: LearnsConfig) -> dict:
     before = evaluate(policy_dir, val, max_new_tokens=config.max_new_tokens, environment=environment)
     print(f"after SFT ({len(demos)} demonstration rows, {config.sft_steps} steps): {before}", flush=True)
     mark = time.perf_counter()
-    history = train_grpo(config, files, policy_dir, root / "grpo", environment_spec(environment))
+    endpoint = config.agent == "endpoint"
+    trained = endpoint_agent_for(tokenizer) if endpoint else environment
+    history = train_grpo(config, files, policy_dir, root / "grpo", environment_spec(trained),
+                         endpoint_overrides(config) if endpoint else None)
     times["grpo_s"] = time.perf_counter() - mark
     after = evaluate(root / "grpo" / "final" / "actor", val, max_new_tokens=config.max_new_tokens,
                      environment=environment)
@@ -322,6 +374,10 @@ def run(config: LearnsConfig) -> dict:
     times["total_s"] = time.perf_counter() - started
     curve = [{key: record[key] for key in ("step", "reward/score_mean", "agent/tool_calls_per_episode",
                                              "val/score_mean") if key in record} for record in history]
+    if endpoint:  # agent/tool_calls_per_episode counts the tools hybridflow runs (none here): the records count
+        counts = recorded_calls(root / "grpo" / "episodes.jsonl")
+        curve = [{**{key: value for key, value in point.items() if key != "agent/tool_calls_per_episode"},
+                  **counts.get(point["step"], {})} for point in curve]
     summary = {"before": before, "after": after, "times": times, "curve": curve, "config": asdict(config)}
     (root / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary

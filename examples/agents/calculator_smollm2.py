@@ -4,7 +4,8 @@ questions are products of two 2-digit numbers, which the model cannot multiply (
 docs/agents.md) but can copy.
 
 Use it as ``env.class: examples/agents/calculator_smollm2.py:PromptedCalculatorEnvironment`` on rows of
-``product_rows``. The rendering choice is explicit: ``template_renders_tools(tokenizer)`` says whether the chat
+``product_rows``, or through the OpenAI-compatible endpoint as ``PromptedCalculatorAgent`` (the agent program of
+``calculator_endpoint.py`` with the same system prompt). The rendering choice is explicit: ``template_renders_tools(tokenizer)`` says whether the chat
 template writes the ``tools=`` it is given; where it does not, the episode runner still passes ``tools=`` (the
 template ignores it), and this environment's opening carries the tools instead, so the runner's prompt ids, the
 SFT rows' prompts and the held-out evaluation render the same text.
@@ -20,7 +21,8 @@ from pathlib import Path
 from hybridflow.agents import calculator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from calculator_env import SYSTEM_PROMPT, CalculatorEnvironment  # noqa: E402  (an example file beside this one)
+from calculator_endpoint import CalculatorAgent  # noqa: E402  (example files beside this one)
+from calculator_env import SYSTEM_PROMPT, CalculatorEnvironment  # noqa: E402
 
 
 def tools_system_prompt(instruction: str, schemas: list[dict]) -> str:
@@ -59,7 +61,19 @@ def product_rows(count: int, *, seed: int = 0) -> list[dict]:
     return rows
 
 
+PROMPTED_SYSTEM_PROMPT = tools_system_prompt(SYSTEM_PROMPT, [calculator.schema])
+"""The calculator task's instruction with the calculator described in it."""
+
+
 class PromptedCalculatorEnvironment(CalculatorEnvironment):
     """``CalculatorEnvironment`` (same tool, reward and turns) with the calculator described in its system prompt."""
 
-    system_prompt = tools_system_prompt(SYSTEM_PROMPT, [calculator.schema])
+    system_prompt = PROMPTED_SYSTEM_PROMPT
+
+
+class PromptedCalculatorAgent(CalculatorAgent):
+    """The endpoint agent program (``calculator_endpoint.solve``) as an agent program for a model whose template
+    renders no tools: it writes the calculator into its system prompt itself and still sends ``tools=`` (ignored by
+    such a template), so its calls render exactly the text ``PromptedCalculatorEnvironment`` opens with."""
+
+    system_prompt = PROMPTED_SYSTEM_PROMPT
