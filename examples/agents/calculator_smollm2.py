@@ -5,10 +5,11 @@ docs/agents.md) but can copy.
 
 Use it as ``env.class: examples/agents/calculator_smollm2.py:PromptedCalculatorEnvironment`` on rows of
 ``product_rows``, or through the OpenAI-compatible endpoint as ``PromptedCalculatorAgent`` (the agent program of
-``calculator_endpoint.py`` with the same system prompt). The rendering choice is explicit: ``template_renders_tools(tokenizer)`` says whether the chat
-template writes the ``tools=`` it is given; where it does not, the episode runner still passes ``tools=`` (the
-template ignores it), and this environment's opening carries the tools instead, so the runner's prompt ids, the
-SFT rows' prompts and the held-out evaluation render the same text.
+``calculator_endpoint.py`` with the same system prompt). The rendering choice is explicit:
+``template_renders_tools(tokenizer)`` says whether the chat template writes the ``tools=`` it is given; where it
+does not, the episode runner still passes ``tools=`` (the template ignores it), and this environment's opening (and
+the agent program's first call) carries the tools instead, so the runner's prompt ids, the endpoint's, the SFT
+rows' prompts and the held-out evaluation render the same text.
 """
 
 from __future__ import annotations
