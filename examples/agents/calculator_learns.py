@@ -131,7 +131,9 @@ def endpoint_agent_for(tokenizer):
     template: ``CalculatorAgent`` (the tools in ``tools=``), else ``PromptedCalculatorAgent`` (also in its system
     prompt); either sends the messages ``environment_for(tokenizer)`` opens with."""
     prompted = _prompted()
-    return prompted.CalculatorAgent if prompted.template_renders_tools(tokenizer) \
+    import calculator_endpoint  # beside this file, on the path since _prompted()
+
+    return calculator_endpoint.CalculatorAgent if prompted.template_renders_tools(tokenizer) \
         else prompted.PromptedCalculatorAgent
 
 
@@ -146,7 +148,7 @@ def recorded_calls(path: Path) -> dict[int, dict[str, float]]:
     """Per step of an ``episodes.jsonl``: the chat-completion calls (turns) and the tool calls (of the replies,
     as the endpoint parsed them) per recorded episode."""
     steps: dict[int, list[dict]] = {}
-    for line in path.read_text().splitlines() if path.exists() else []:
+    for line in path.read_text().splitlines():
         record = json.loads(line)
         steps.setdefault(record["step"], []).append(record)
     counts = {}
