@@ -20,7 +20,7 @@ SKIPPED = {
                        "--tool-share 0.3 \\"):
         "needs the converted SmolLM2 checkpoint and tens of minutes of this 2-core CPU; tests/test_agents_learns.py "
         "checks its rendering",
-    ("docs/agents.md", "python examples/agents/calculator_learns.py runs/calcsmol-endpoint --model smollm2 --task "
+    ("docs/agents.md", "python examples/agents/calculator_learns.py runs/endpoint_probe --model smollm2 --task "
                        "product --tool-share 0.3 \\"):
         "needs the converted SmolLM2 checkpoint and tens of minutes of this 2-core CPU; tests/test_agents_learns.py "
         "checks its ids and its short form",
