@@ -13,7 +13,8 @@ import torch
 
 from hybridflow.data import write_jsonl
 from hybridflow.data.builtin import ArithmeticTaskConfig, prompt_rows
-from hybridflow.engine.rollout import RolloutOutput, RolloutRequest, SamplingOptions, sampling_options
+from hybridflow.engine.rollout import (RolloutOutput, RolloutRequest, SamplingOptions, continue_request,
+                                       sampling_options)
 from hybridflow.protocol import DataProto
 from hybridflow.trainers.config.rl import load_rl_config
 from hybridflow.trainers.rl import RLTrainer
@@ -110,19 +111,29 @@ def test_a_replica_keeps_its_requests_across_weight_syncs_and_stamps_every_token
     try:
         rollout, actor = trainer.groups["rollout"], trainer.actor
         options = sampling_options(trainer.specs.actor.generation.for_call(trainer.specs.actor.tokens), seed=3)
-        requests = tuple(RolloutRequest(f"r{index}", (5, 6, 7, index + 1), options) for index in range(3))
-        finished = []
-        for version, work in enumerate([StreamWork(submit=requests, decode_tokens=2),
-                                        StreamWork(abort=("r2",), decode_tokens=3), StreamWork(decode_tokens=2)]):
+        requests = tuple(RolloutRequest(f"r{index}", (5, 6, 7, index + 1), options) for index in range(4))
+        finished, suspended = [], []
+        works = [StreamWork(submit=requests, decode_tokens=2),
+                 StreamWork(abort=("r2",), suspend=("r3", "r9"), decode_tokens=3),  # r9: unknown, ignored
+                 lambda: StreamWork(submit=(continue_request(suspended[0]),), decode_tokens=2),
+                 StreamWork(decode_tokens=2)]
+        for version, work in enumerate(works):
             rollout.sync_weights(actor.generation_weights(version)[0])  # between two polls of the same requests
-            (report,) = rollout.stream([work])
+            (report,) = rollout.stream([work() if callable(work) else work])
             assert report.version == version
             finished += report.finished
+            suspended += report.suspended
         assert report.pending == 0
-        assert sorted(output.request_id for output in finished) == ["r0", "r1"]  # r2 was aborted
+        assert sorted(output.request_id for output in finished) == ["r0", "r1", "r3"]  # r2 was aborted
         for output in finished:
-            assert output.versions == (0, 0, 1, 1, 1, 2) and len(output.token_ids) == 6
+            versions = (0, 0, 2, 2, 3, 3) if output.request_id == "r3" else (0, 0, 1, 1, 1, 2)
+            assert output.versions == versions and len(output.token_ids) == 6
             assert all(math.isfinite(value) and value <= 0 for value in output.logprobs)
+        # r3, suspended before the second poll decoded, is handed back with its 2 tokens and continued from them
+        (partial,) = suspended
+        assert (partial.request_id, partial.versions, partial.finish_reason) == ("r3", (0, 0), "abort")
+        (r3,) = [output for output in finished if output.request_id == "r3"]
+        assert r3.token_ids[:2] == partial.token_ids and r3.logprobs[:2] == partial.logprobs
     finally:
         trainer.shutdown()
 
@@ -352,18 +363,29 @@ def test_every_prompt_of_an_epoch_is_trained_exactly_once(uninterrupted):
 
 
 @pytest.mark.parametrize("save_every, stop_after, resumes_at", [
-    (2, 3, 2),  # step 3 trained and lost; the prompts in flight at step 2's checkpoint are regenerated
+    (2, 3, 2),  # step 3 trained and lost; the samples in flight at step 2's checkpoint are continued
     (1, 2, 2),  # stopped right after a checkpoint
 ])
 def test_a_stopped_streaming_run_resumed_trains_every_prompt_of_the_epoch_exactly_once(
-        data_dir, tmp_path, save_every, stop_after, resumes_at):
+        uninterrupted, data_dir, tmp_path, save_every, stop_after, resumes_at):
     config = _config(data_dir, tmp_path / "run", f"trainer.save_every={save_every}")
-    _, before = _train(config, stop_after=stop_after)
-    after_history, after = _train(config)
+    samples_before, samples_after = [], []
+    _, before = _train(config, stop_after=stop_after, samples=samples_before)
+    checkpoint = tmp_path / "run" / "checkpoints" / f"step_{resumes_at:06d}"
+    kept_partial = [(item["draw_index"], sample, output["token_ids"], output["versions"]) for item in torch.load(
+        checkpoint / "in_flight.pt", weights_only=False)["groups"] for sample, output in item["partial"].items()]
+    after_history, after = _train(config, samples=samples_after)
     assert len(after_history) == 6 - resumes_at
     kept = before[:resumes_at * 4]  # what the checkpoint holds as trained
     _first_epoch_exactly_once(kept + after)
     assert all(metrics["async/staleness_max"] <= 1 for metrics in after_history)
+    # the samples running at the checkpoint (2 of their 6 tokens decoded) were continued from their tokens, and in
+    # one process, where the polls run in order, the resumed run trains the uninterrupted run's samples exactly
+    assert len(kept_partial) == 4 and all(len(tokens) == 2 for _, _, tokens, _ in kept_partial)
+    trained_after = {record[:2]: record for record in samples_after}
+    for draw, sample, tokens, versions in kept_partial:
+        assert trained_after[draw, sample][2][:2] == tokens and versions == (resumes_at - 1,) * 2
+    assert samples_before[:resumes_at * 4] + samples_after == uninterrupted[2]
 
 
 def test_streaming_needs_staleness_and_a_backend_that_takes_weights_in_flight(data_dir, tmp_path, monkeypatch):
