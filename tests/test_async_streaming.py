@@ -13,8 +13,7 @@ import torch
 
 from hybridflow.data import write_jsonl
 from hybridflow.data.builtin import ArithmeticTaskConfig, prompt_rows
-from hybridflow.engine.rollout import (RolloutOutput, RolloutRequest, SamplingOptions, continue_request,
-                                       sampling_options)
+from hybridflow.engine.rollout import RolloutOutput, RolloutRequest, SamplingOptions, sampling_options
 from hybridflow.protocol import DataProto
 from hybridflow.trainers.config.rl import load_rl_config
 from hybridflow.trainers.rl import RLTrainer
@@ -112,28 +111,25 @@ def test_a_replica_keeps_its_requests_across_weight_syncs_and_stamps_every_token
         rollout, actor = trainer.groups["rollout"], trainer.actor
         options = sampling_options(trainer.specs.actor.generation.for_call(trainer.specs.actor.tokens), seed=3)
         requests = tuple(RolloutRequest(f"r{index}", (5, 6, 7, index + 1), options) for index in range(4))
-        finished, suspended = [], []
-        works = [StreamWork(submit=requests, decode_tokens=2),
-                 StreamWork(abort=("r2",), suspend=("r3", "r9"), decode_tokens=3),  # r9: unknown, ignored
-                 lambda: StreamWork(submit=(continue_request(suspended[0]),), decode_tokens=2),
-                 StreamWork(decode_tokens=2)]
-        for version, work in enumerate(works):
+        finished, snapshots = [], []
+        for version, work in enumerate([StreamWork(submit=requests, decode_tokens=2),
+                                        StreamWork(abort=("r2",), snapshot=("r3", "r9"), decode_tokens=3),
+                                        StreamWork(decode_tokens=2)]):  # r9: not held, ignored
             rollout.sync_weights(actor.generation_weights(version)[0])  # between two polls of the same requests
-            (report,) = rollout.stream([work() if callable(work) else work])
+            (report,) = rollout.stream([work])
             assert report.version == version
             finished += report.finished
-            suspended += report.suspended
+            snapshots += report.snapshots
         assert report.pending == 0
         assert sorted(output.request_id for output in finished) == ["r0", "r1", "r3"]  # r2 was aborted
         for output in finished:
-            versions = (0, 0, 2, 2, 3, 3) if output.request_id == "r3" else (0, 0, 1, 1, 1, 2)
-            assert output.versions == versions and len(output.token_ids) == 6
+            assert output.versions == (0, 0, 1, 1, 1, 2) and len(output.token_ids) == 6
             assert all(math.isfinite(value) and value <= 0 for value in output.logprobs)
-        # r3, suspended before the second poll decoded, is handed back with its 2 tokens and continued from them
-        (partial,) = suspended
-        assert (partial.request_id, partial.versions, partial.finish_reason) == ("r3", (0, 0), "abort")
+        # r3's tokens so far, read before the second poll decoded: r3 went on from them
+        (snapshot,) = snapshots
+        assert (snapshot.request_id, snapshot.versions, snapshot.finish_reason) == ("r3", (0, 0), "abort")
         (r3,) = [output for output in finished if output.request_id == "r3"]
-        assert r3.token_ids[:2] == partial.token_ids and r3.logprobs[:2] == partial.logprobs
+        assert r3.token_ids[:2] == snapshot.token_ids and r3.logprobs[:2] == snapshot.logprobs
     finally:
         trainer.shutdown()
 
@@ -165,7 +161,7 @@ class _Done:
 
 class _Replicas:
     """A stand-in for the rollout group: one replica whose polls return the outputs put in ``outputs``, and the
-    requests they suspend from ``partial`` (request id -> its tokens so far)."""
+    snapshots they ask for from ``partial`` (request id -> its tokens so far)."""
 
     world_size, is_local = 1, True
 
@@ -178,9 +174,9 @@ class _Replicas:
     def future(self, work: list[StreamWork]) -> _Done:
         self.works.append(work[0])
         outputs, self.outputs = self.outputs, []
-        suspended = [self.partial.pop(request_id) for request_id in work[0].suspend if request_id in self.partial]
+        snapshots = [self.partial[request_id] for request_id in work[0].snapshot if request_id in self.partial]
         return _Done([StreamReport(finished=outputs, version=None, pending=0, logprobs_match_training=False,
-                                   suspended=suspended)])
+                                   snapshots=snapshots)])
 
 
 def _output(request_id: str, versions: tuple[int, ...], reason: str = "stop") -> RolloutOutput:
@@ -270,7 +266,7 @@ def _checkpointed(directory) -> StreamingSampling:
     sampling._poll()
     replicas.partial = {"1:0:1": _output("1:0:1", (0,), "abort")}
     sampling.save(directory)
-    assert replicas.works[-1] == StreamWork(suspend=("1:0:1",), decode_tokens=0)  # stops it without decoding
+    assert replicas.works[-1] == StreamWork(snapshot=("1:0:1",), decode_tokens=0)  # reads it without decoding
     return sampling
 
 
@@ -285,10 +281,10 @@ def _resumed(directory) -> tuple[StreamingSampling, _Answering]:
 
 def test_a_checkpoint_keeps_finished_and_running_samples_and_the_resume_trains_them_unchanged_once(tmp_path):
     live = _checkpointed(tmp_path)
-    saved = {draw: (dict(group.outputs), dict(group.partial)) for draw, group in [*live.ready.items(),
-                                                                                  *live.running.items()]}
-    assert list(live.ready) == [0] and list(live.running) == [1] and set(saved[1][1]) == {1}
-    partial = saved[1][1][1]
+    partial = live.rollout.partial["1:0:1"]
+    saved = {0: (live.ready[0].outputs, {}), 1: (live.running[1].outputs, {1: partial})}
+    assert set(live.ready[0].outputs) == {0, 1} and set(live.running[1].outputs) == {0}
+    assert live.running[1].replica == 0 and live.running[1].partial == {}  # in the checkpointing run, it goes on
     sampling, replicas = _resumed(tmp_path)
     assert (sampling.step, sampling.next_draw, sampling.waiting) == (1, 2, [])
     assert {draw: (group.outputs, group.partial) for draw, group in [*sampling.ready.items(),
@@ -306,10 +302,8 @@ def test_a_checkpoint_keeps_finished_and_running_samples_and_the_resume_trains_t
     assert records[3][2][:1] == partial.token_ids and records[3][3][:1] == partial.logprobs
     assert records[3][2][1:] == (7, 8, 9) and experience.sampling_metrics["async/stale_regenerated_groups"] == 0
     sampling.save(tmp_path)  # trained: neither prompt is in flight any more, only the new ones (draws 2 and 3)
-    assert sorted(item["draw_index"] for item in torch.load(tmp_path / "in_flight.pt", weights_only=False)["groups"]) == [2, 3]
-    live._issue()  # the checkpointing run continues the suspended sample the same way
-    assert [(request.request_id, request.prefix_ids) for request in live.rollout.works[-1].submit] == [
-        ("1:0:1", partial.token_ids)]
+    groups = torch.load(tmp_path / "in_flight.pt", weights_only=False)["groups"]
+    assert sorted(item["draw_index"] for item in groups) == [2, 3]
 
 
 def test_a_resumed_group_older_than_k_is_regenerated_and_counted_as_in_a_live_run(tmp_path):

@@ -21,14 +21,14 @@ every prompt drawn is trained exactly once, by its last generation. Continuing t
 
 Exactly once across a resume: a checkpoint after step s holds every prompt drawn and not trained (waiting, running
 or finished and not admitted) with what it has generated: the finished samples (tokens, log-probs, each token's
-version), and the tokens so far of the samples still running, which the checkpoint stops on their replicas
-(``StreamWork.suspend``) and the next poll continues (``continue_request``), in this run or after a resume, with
-the weights of then, as a weight sync would have continued them. A resume puts the groups back as they were and the
-stale rule judges them as in a live run: the trained version after resuming from step s is the one the checkpoint
-was written at. The loader's position counts every prompt drawn, so no prompt is lost or trained twice, and no
-sample finished (and no token sampled) by the checkpoint is lost. ``in_flight.pt`` is versioned
-(``IN_FLIGHT_FORMAT``); a file of format 1 (prompts only, before samples were kept) still loads, its prompts
-generated afresh.
+version), and the tokens so far of the samples still running, which the checkpoint reads from their replicas
+(``StreamWork.snapshot``; the requests go on there) and a resume continues (``continue_request``) with the weights
+of then, as a weight sync between two polls continues the requests in flight. A resume puts the groups back as
+they were and the stale rule judges them as in a live run: the trained version after resuming from step s is the
+one the checkpoint was written at. The loader's position counts every prompt drawn, so no prompt is lost or
+trained twice, and no sample finished (and no token sampled) by the checkpoint is lost. ``in_flight.pt`` is
+versioned (``IN_FLIGHT_FORMAT``); a file of format 1 (prompts only, before samples were kept) still loads, its
+prompts generated afresh.
 Streaming is not reproducible from the seed: which samples finish by which poll, and so the versions and groups
 of a step, depend on timing.
 """
@@ -70,19 +70,20 @@ class PromptGroup:
     attempt: int = 0
     """Generations started so far minus one: request ids carry it, so a dropped attempt's late outputs are known."""
     replica: int = -1
-    """The replica holding its unfinished requests; -1: none (not submitted, or suspended by a checkpoint)."""
+    """The replica holding its unfinished requests; -1: none (not submitted yet, or restored from a checkpoint)."""
     submitted_version: int = -1
     """The weights the first poll of this attempt decoded with: the version of its oldest token."""
     outputs: dict[int, RolloutOutput] = field(default_factory=dict)
     """Sample index -> its finished output."""
     partial: dict[int, RolloutOutput] = field(default_factory=dict)
-    """Sample index -> its tokens so far, suspended by a checkpoint: the next submission continues them."""
+    """Sample index -> its tokens so far, as a checkpoint held them: the next submission (after the resume) continues
+    them."""
 
     def request_id(self, sample: int) -> str:
         return f"{self.draw_index}:{self.attempt}:{sample}"
 
     def oldest_version(self) -> int:
-        """The version of the group's oldest token (the submission's while no sample has finished)."""
+        """The version of the group's oldest token known (the submission's while none is)."""
         return min((min(output.versions) for output in (*self.outputs.values(), *self.partial.values())
                     if output.versions), default=self.submitted_version)
 
@@ -92,7 +93,7 @@ class PromptGroup:
         self.outputs, self.partial = {}, {}
 
     def requests(self, samples_per_prompt: int, options: SamplingOptions) -> list[RolloutRequest]:
-        """The requests of the samples not finished: a suspended one continues from its tokens so far, the others
+        """The requests of the samples not finished: one restored with tokens so far continues from them, the others
         start with ``options``."""
         prompt_ids = tuple(self.prompt["input_ids"][0][self.prompt["attention_mask"][0].bool()].tolist())
         requests = [continue_request(self.partial[sample], request_id=self.request_id(sample))
@@ -215,7 +216,7 @@ class StreamingSampling:
 
     def _issue(self, *, decode_seconds: float = 0.0) -> None:
         """Start a poll of every replica without waiting: the pending aborts, the running groups no replica holds
-        (suspended by a checkpoint), new groups up to the capacity (drawing another batch from the loader when none
+        (restored from a checkpoint), new groups up to the capacity (drawing another batch from the loader when none
         waits), each to the replica with the fewest running groups; nothing while a poll is in progress."""
         if self.outstanding is not None:
             return
@@ -225,11 +226,11 @@ class StreamingSampling:
         submit: list[list[RolloutRequest]] = [[] for _ in range(self.num_replicas)]
         # the samples of a poll differ by their row in the replica's batch, not by their seed
         options = dataclasses.replace(self.options, seed=self.run_seed * 1_000_003 + self.polls)
-        suspended = [group for group in self.running.values() if group.replica < 0]
-        for group in suspended + self.waiting[:max(free, 0)]:
+        restored = [group for group in self.running.values() if group.replica < 0]
+        for group in restored + self.waiting[:max(free, 0)]:
             load = [sum(g.replica == r for g in self.running.values()) for r in range(self.num_replicas)]
             group.replica = load.index(min(load))
-            if group.submitted_version < 0:  # a new attempt; a suspended one keeps its first poll's version
+            if group.submitted_version < 0:  # a new attempt; a restored one keeps its first poll's version
                 group.submitted_version = self.weights.version
             submit[group.replica] += group.requests(self.samples_per_prompt, options)
             self.running[group.draw_index] = group
@@ -291,41 +292,39 @@ class StreamingSampling:
     # ----- checkpoints ------------------------------------------------------------------------------
     def save(self, directory: Path) -> None:
         """Every group drawn and not trained (waiting, running, finished and not admitted) into ``directory``, with
-        its finished samples and the tokens so far of its running ones (suspended here: the next poll continues
-        them, in this run or after a resume)."""
+        its finished samples and the tokens so far of its running ones (read from the replicas, where they go on)."""
         if self.outstanding is not None:
             self._poll()
-        self._suspend()
+        partial = self._snapshot()
         groups = [("waiting", group) for group in self.waiting] + sorted(
             [*(("running", group) for group in self.running.values()),
              *(("ready", group) for group in self.ready.values())], key=lambda item: item[1].draw_index)
         torch.save({"format": IN_FLIGHT_FORMAT, "mode": "streaming", "step": self.step, "next_draw": self.next_draw,
-                    "polls": self.polls, "groups": [group_state(group, where) for where, group in groups]},
+                    "polls": self.polls, "groups": [group_state(group, where, partial.get(group.draw_index, {}))
+                                                    for where, group in groups]},
                    directory / IN_FLIGHT_FILE)
 
-    def _suspend(self) -> None:
-        """Stop the unfinished requests of the running groups on their replicas, keeping their tokens so far
-        (``PromptGroup.partial``), and send the pending aborts: the replicas hold nothing a checkpoint lacks."""
-        held = [group for group in self.running.values() if group.replica >= 0]
-        if not held and not any(self.aborts):
-            return
-        suspend: list[list[str]] = [[] for _ in range(self.num_replicas)]
-        for group in held:
-            suspend[group.replica] += [group.request_id(sample) for sample in range(self.samples_per_prompt)
-                                       if sample not in group.outputs]
-            group.replica = -1
-        work = [StreamWork(abort=tuple(aborts), suspend=tuple(ids), decode_tokens=0)
-                for aborts, ids in zip(self.aborts, suspend)]
-        self.aborts = [[] for _ in range(self.num_replicas)]
-        reports: list[StreamReport] = self.rollout.stream.future(work).get()
-        for report in reports:
+    def _snapshot(self) -> dict[int, dict[int, RolloutOutput]]:
+        """The tokens so far of the running groups' unfinished samples (draw index -> sample index -> output), read
+        from their replicas in a poll without a decode round (the requests go on there), or, for a group restored
+        and not submitted yet, as restored."""
+        partial = {group.draw_index: dict(group.partial) for group in self.running.values() if group.replica < 0}
+        snapshot: list[list[str]] = [[] for _ in range(self.num_replicas)]
+        for group in self.running.values():
+            if group.replica >= 0:
+                snapshot[group.replica] += [group.request_id(sample) for sample in range(self.samples_per_prompt)
+                                            if sample not in group.outputs]
+        if not any(snapshot):
+            return partial
+        work = [StreamWork(snapshot=tuple(ids), decode_tokens=0) for ids in snapshot]
+        for report in self.rollout.stream.future(work).get():
             assert not report.finished, "a poll without a decode round finished requests"
-            for output in report.suspended:
+            for output in report.snapshots:
                 draw_index, attempt, sample = map(int, output.request_id.split(":"))
-                group = self.running[draw_index]
-                assert group.attempt == attempt, "a suspended request of a dropped attempt"
+                assert self.running[draw_index].attempt == attempt, "a snapshot of a dropped attempt"
                 if output.token_ids:
-                    group.partial[sample] = output
+                    partial.setdefault(draw_index, {})[sample] = output
+        return partial
 
     def load(self, directory: Path) -> None:
         """Put back what ``save`` wrote: the groups where they were, with their samples (the first step's stale rule
@@ -356,12 +355,13 @@ class StreamingSampling:
         self.weights.version = None  # the new rollout pool holds no weights yet
 
 
-def group_state(group: PromptGroup, where: str) -> dict:
-    """A group as ``in_flight.pt`` (format 2) holds it: plain values, its outputs as dicts."""
+def group_state(group: PromptGroup, where: str, partial: dict[int, RolloutOutput]) -> dict:
+    """A group as ``in_flight.pt`` (format 2) holds it, with the tokens so far of its running samples: plain values,
+    its outputs as dicts."""
     return {"where": where, "draw_index": group.draw_index, "prompt": group.prompt, "attempt": group.attempt,
             "submitted_version": group.submitted_version,
             "outputs": {sample: dataclasses.asdict(output) for sample, output in group.outputs.items()},
-            "partial": {sample: dataclasses.asdict(output) for sample, output in group.partial.items()}}
+            "partial": {sample: dataclasses.asdict(output) for sample, output in partial.items()}}
 
 
 def group_of_state(item: dict) -> PromptGroup:

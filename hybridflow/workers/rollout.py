@@ -23,7 +23,7 @@ from hybridflow.controller import Worker, register
 from hybridflow.controller.host import pin_num_threads
 from hybridflow.engine.generation_config import GenerationConfig, GenerationTokens
 from hybridflow.engine.rollout import (GenerationShard, RequestHandle, Rollout, RolloutOutput, RolloutRequest,
-                                       rollout_class)
+                                       continue_request, rollout_class)
 from hybridflow.engine.weight_sync import WeightPayload, unpack_weights, verify_weights
 from hybridflow.parallel.layout import GenerationLayout, ParallelLayout
 from hybridflow.protocol import DataProto
@@ -54,9 +54,10 @@ class StreamWork:
     submit: tuple[RolloutRequest, ...] = ()
     abort: tuple[str, ...] = ()
     """Request ids to drop (finished or unknown ids are ignored): their tokens so far are discarded."""
-    suspend: tuple[str, ...] = ()
-    """Request ids to stop and hand back with their tokens so far (``StreamReport.suspended``, finish reason
-    "abort"): ``continue_request`` of such an output resumes it, in a later poll or after a resume (a checkpoint)."""
+    snapshot: tuple[str, ...] = ()
+    """Request ids whose tokens so far the poll reports (``StreamReport.snapshots``, finish reason "abort") before
+    decoding; the requests go on: ``continue_request`` of such an output resumes it elsewhere (after a resume from a
+    checkpoint). Ids the replica does not hold are ignored."""
     decode_tokens: int = 8
     """Tokens each held request decodes per round of the poll (0: no round)."""
     decode_seconds: float = 0.0
@@ -74,8 +75,8 @@ class StreamReport:
     """Requests still held (in flight) after the poll."""
     logprobs_match_training: bool
     """The backend's ``Rollout.logprobs_match_training``."""
-    suspended: list[RolloutOutput] = field(default_factory=list)
-    """The requests of ``StreamWork.suspend`` the replica held, each with its tokens so far."""
+    snapshots: list[RolloutOutput] = field(default_factory=list)
+    """The requests of ``StreamWork.snapshot`` the replica holds, each with its tokens so far."""
 
 
 class RolloutWorker(Worker):
@@ -95,7 +96,7 @@ class RolloutWorker(Worker):
         self.weights: dict[str, torch.Tensor] = {}
         self.version: int | None = None
         self.held: dict[str, RequestHandle] = {}
-        """The requests ``stream`` submitted and not finished, aborted or suspended yet."""
+        """The requests ``stream`` submitted and not finished or aborted yet."""
 
     @register("ONE_TO_ALL")
     def sync_weights(self, weights: WeightPayload | list[WeightPayload | None]) -> dict[str, float]:
@@ -138,7 +139,7 @@ class RolloutWorker(Worker):
         """Streaming mode's poll, one ``StreamWork`` per replica: drop ``work.abort``, queue ``work.submit`` beside
         the requests held since earlier polls, decode every held request by up to ``work.decode_tokens`` tokens with
         the weights of the last sync (again while the poll is younger than ``work.decode_seconds``), and return those
-        that finished, and those of ``work.suspend`` with their tokens so far. Requests outlive syncs: a sync between
+        that finished, and the tokens so far of ``work.snapshot``'s. Requests outlive syncs: a sync between
         two polls changes the weights mid-sequence, and ``RolloutOutput.versions`` records each token's version."""
         if self.rollout is None:
             raise RuntimeError("the rollout worker has no weights yet: the driver syncs them before streaming")
@@ -146,12 +147,14 @@ class RolloutWorker(Worker):
         for request_id in work.abort:
             rollout.abort(request_id)
             self.held.pop(request_id, None)
-        suspended = []
-        for request_id in work.suspend:
-            rollout.abort(request_id)  # finishes the request with its tokens so far, on its handle
-            handle = self.held.pop(request_id, None)
-            if handle is not None and handle.done():
-                suspended.append(handle.result())
+        snapshots = []
+        for request_id in work.snapshot:
+            if request_id not in self.held:
+                continue
+            # the interface reads a request's tokens so far by aborting it; continued at once, it goes on as before
+            rollout.abort(request_id)
+            snapshots.append(self.held[request_id].result())
+            self.held[request_id] = rollout.submit(continue_request(snapshots[-1]))
         for request in work.submit:
             self.held[request.request_id] = rollout.submit(request)
         started, finished = time.perf_counter(), []
@@ -162,7 +165,7 @@ class RolloutWorker(Worker):
         for output in finished:
             self.held.pop(output.request_id, None)
         return StreamReport(finished=finished, version=self.version, pending=rollout.pending(),
-                            logprobs_match_training=rollout.logprobs_match_training, suspended=suspended)
+                            logprobs_match_training=rollout.logprobs_match_training, snapshots=snapshots)
 
     @register("3D_ALL_MICRO_DP")
     def generate_sequences(self, prompts: DataProto) -> DataProto:
