@@ -148,8 +148,8 @@ def _samples_kept_across_each_resume(whole: list, checkpoints: Path, history: li
     after that checkpoint and unchanged; each running one trained once, continued from its tokens so far. None was
     stale (k steps' worth in flight), so none may be missing."""
     assert sum(metrics["async/stale_regenerated_groups"] for metrics in history) == 0
-    trained = {(draw, sample): (index // SAMPLES_PER_STEP, tokens) for index, (draw, _, sample, tokens)
-               in enumerate(whole)}
+    trained = {(draw, sample): (index // SAMPLES_PER_STEP, list(tokens)) for index, (draw, _, sample, tokens)
+               in enumerate(whole)}  # tokens: a list when read back from a killed driver's JSON, else a tuple
     assert len(trained) == len(whole)  # no sample trained twice
     counts = {"finished": 0, "running": 0}
     for step in sorted({saved for _, _, saved in SEGMENTS}):
