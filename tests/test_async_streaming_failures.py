@@ -13,12 +13,13 @@ from pathlib import Path
 
 import pytest
 import ray.cloudpickle
+import torch
 
 from hybridflow.trainers.rl import RLTrainer
 from hybridflow.trainers.streaming import DRAW_INDEX
 from test_async_failures import KILL_POINTS, _gone, _record_learns, _run_driver_killed, _run_killed, json_of
 from test_async_streaming import (DATASET_ROWS, _config, _first_epoch_exactly_once, data_dir,  # noqa: F401 (fixtures)
-                                  uninterrupted)
+                                  sample_records, uninterrupted)
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -33,16 +34,27 @@ def ray_config(data_dir: Path, output_dir: Path):
     return _config(data_dir, output_dir, *RAY_RUN)
 
 
-def identify(batch) -> list[list[int]]:
-    """What a learn's batch trained, one ``[draw index, dataset row]`` per sample (a JSON value)."""
-    return [[int(draw), int(row)] for draw, row in zip(batch[DRAW_INDEX], batch["row_index"])]
+def identify(batch) -> list[list]:
+    """What a learn's batch trained, one ``[draw index, dataset row, sample index in its group, response token ids]``
+    per sample (a JSON value): the sample itself, not only its prompt."""
+    return [[draw, row, sample, tokens] for draw, row, (_, sample, tokens, *_) in zip(
+        map(int, batch[DRAW_INDEX]), map(int, batch["row_index"]), sample_records(batch))]
+
+
+def saved_samples(checkpoint: Path) -> tuple[dict, dict]:
+    """What ``checkpoint``'s ``in_flight.pt`` holds of the groups not trained: (draw index, sample index) -> the
+    token ids of each finished sample, and of each running sample's tokens so far."""
+    groups = torch.load(checkpoint / "in_flight.pt", weights_only=False)["groups"]
+    return tuple({(item["draw_index"], sample): list(output["token_ids"]) for item in groups
+                  for sample, output in item[kind].items()} for kind in ("outputs", "partial"))
 
 
 DRIVER_KILLS = {"generation": ("_issue", lambda sampling: bool(sampling.outstanding is not None and sampling.running)),
                 "checkpoint": ("save", lambda sampling: True)}
 """The driver's kill points (``_driver_main``): ``generation:S``, once step S has issued a poll with groups running
 (the replica decoding their requests, the driver about to wait for it); ``checkpoint:S``, in step S's checkpoint
-once the actor's part and the untrained prompts (``in_flight.pt``) are written, before the driver's state."""
+once the actor's part and the untrained groups with their samples (``in_flight.pt``) are written, before the
+driver's state."""
 
 
 def _requests_held(rollout, shard, *, version: int) -> dict:
@@ -65,8 +77,10 @@ SEGMENTS = (  # (who is killed, the kill, the last complete checkpoint when it l
     ("driver", "generation:2", 1),
     ("worker", "replica mid-sync", 2),  # resumed at 1: step 3's sync
     ("worker", "actor mid-update", 3),  # resumed at 2: step 4's update
-    ("driver", "checkpoint:5", 4),  # resumed at 3: step 5's checkpoint
+    ("driver", "checkpoint:6", 5),  # resumed at 3: step 6's checkpoint; step 5's, the resume point, after 2 steps
 )
+"""A checkpoint written after a resume's first step holds running samples only (that step's poll decodes one round,
+2 of 6 tokens); step 5's, after the second, finished ones too (its poll decodes for as long as step 4 trained)."""
 
 
 def _complete(checkpoints: Path) -> list[str]:
@@ -109,7 +123,7 @@ def test_a_streaming_run_killed_at_each_point_resumes_to_train_every_prompt_of_t
         resumed_at = saved
     assert json_of(tmp_path, "replica mid-sync")["version"] == 2
     assert json_of(tmp_path, "replica mid-sync")["pending"] > 0  # the update landed between two decode rounds
-    trainer = RLTrainer(ray_config(data_dir, run), tensorboard=False)  # resumes from step 4
+    trainer = RLTrainer(ray_config(data_dir, run), tensorboard=False)  # resumes from step 5
     after = _record_learns(trainer, identify=identify)
     try:
         history = trainer.fit()
@@ -119,9 +133,32 @@ def test_a_streaming_run_killed_at_each_point_resumes_to_train_every_prompt_of_t
     assert len(after) == (6 - resumed_at) * SAMPLES_PER_STEP
     assert [metrics["step"] for metrics in history] == [1, 2, 3, 4, 5, 6]  # metrics.jsonl: the kept steps and these
     whole = kept + after
-    _first_epoch_exactly_once(whole)  # every draw a whole group, none twice; the epoch's draws all, each row once
+    prompts = [(draw, row) for draw, row, *_ in whole]
+    _first_epoch_exactly_once(prompts)  # every draw a whole group, none twice; the epoch's draws all, each row once
     expected = uninterrupted[1]
     assert len(whole) == len(expected) == 6 * SAMPLES_PER_STEP
-    first_epoch = sorted({tuple(sample) for sample in whole if sample[0] < DATASET_ROWS})
+    first_epoch = sorted({sample for sample in prompts if sample[0] < DATASET_ROWS})
     assert first_epoch == sorted({sample for sample in expected if sample[0] < DATASET_ROWS})
     assert all(metrics["async/staleness_max"] <= 1 for metrics in history)
+    _samples_kept_across_each_resume(whole, checkpoints, history)
+
+
+def _samples_kept_across_each_resume(whole: list, checkpoints: Path, history: list[dict]) -> None:
+    """The samples each resume point's ``in_flight.pt`` holds: each finished one trained exactly once, in a step
+    after that checkpoint and unchanged; each running one trained once, continued from its tokens so far. None was
+    stale (k steps' worth in flight), so none may be missing."""
+    assert sum(metrics["async/stale_regenerated_groups"] for metrics in history) == 0
+    trained = {(draw, sample): (index // SAMPLES_PER_STEP, list(tokens)) for index, (draw, _, sample, tokens)
+               in enumerate(whole)}  # tokens: a list when read back from a killed driver's JSON, else a tuple
+    assert len(trained) == len(whole)  # no sample trained twice
+    counts = {"finished": 0, "running": 0}
+    for step in sorted({saved for _, _, saved in SEGMENTS}):
+        finished, running = saved_samples(checkpoints / f"step_{step:06d}")
+        for kind, samples in (("finished", finished), ("running", running)):
+            for key, tokens in samples.items():
+                trained_at, trained_tokens = trained[key]
+                assert trained_at >= step, (step, key)  # in a step after the checkpoint (0-based: step + 1 and on)
+                assert trained_tokens[:len(tokens)] == tokens and (kind == "running" or trained_tokens == tokens)
+            counts[kind] += len(samples)
+    print(f"samples kept across the resumes: {counts}")
+    assert counts["finished"] > 0 and counts["running"] > 0, counts

@@ -19,9 +19,16 @@ prompt goes back to the front of the queue to be generated again from the start 
 every prompt drawn is trained exactly once, by its last generation. Continuing the aborted requests instead
 (``continue_request``) would keep their old tokens, and with them the staleness that got them dropped.
 
-Exactly once across a resume: a checkpoint after step s holds the prompts drawn and not trained (waiting, running
-or finished and not admitted), without their samples; a resume queues them first and generates them afresh. The
-loader's position counts every prompt drawn, so with the checkpoint's list no prompt is lost or trained twice.
+Exactly once across a resume: a checkpoint after step s holds every prompt drawn and not trained (waiting, running
+or finished and not admitted) with what it has generated: the finished samples (tokens, log-probs, each token's
+version), and the tokens so far of the samples still running, which the checkpoint reads from their replicas
+(``StreamWork.snapshot``; the requests go on there) and a resume continues (``continue_request``) with the weights
+of then, as a weight sync between two polls continues the requests in flight. A resume puts the groups back as
+they were and the stale rule judges them as in a live run: the trained version after resuming from step s is the
+one the checkpoint was written at. The loader's position counts every prompt drawn, so no prompt is lost or
+trained twice, and no sample finished (and no token sampled) by the checkpoint is lost. ``in_flight.pt`` is
+versioned (``IN_FLIGHT_FORMAT``); a file of format 1 (prompts only, before samples were kept) still loads, its
+prompts generated afresh.
 Streaming is not reproducible from the seed: which samples finish by which poll, and so the versions and groups
 of a step, depend on timing.
 """
@@ -36,7 +43,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hybridflow.engine.rollout import RolloutOutput, RolloutRequest, SamplingOptions, batch_output
+from hybridflow.engine.rollout import (RolloutOutput, RolloutRequest, SamplingOptions, batch_output,
+                                       continue_request)
 from hybridflow.protocol import DataProto
 from hybridflow.trainers.pipelined import IN_FLIGHT_FILE, WeightSync, staleness_metrics, warn_without_correction
 from hybridflow.trainers.step import Experience
@@ -47,6 +55,9 @@ from hybridflow.workers.rollout import StreamReport, StreamWork
 DRAW_INDEX = "draw_index"
 """Non-tensor column of a streamed batch: the prompt's position in the run's draw order (its identity for
 exactly-once accounting; all samples of a prompt share it)."""
+IN_FLIGHT_FORMAT = 2
+"""The format of the ``in_flight.pt`` a streaming run writes: 1, the prompts drawn and not trained; 2, with their
+groups' state, finished samples and partial samples."""
 
 
 @dataclass
@@ -59,22 +70,37 @@ class PromptGroup:
     attempt: int = 0
     """Generations started so far minus one: request ids carry it, so a dropped attempt's late outputs are known."""
     replica: int = -1
+    """The replica holding its unfinished requests; -1: none (not submitted yet, or restored from a checkpoint)."""
     submitted_version: int = -1
     """The weights the first poll of this attempt decoded with: the version of its oldest token."""
     outputs: dict[int, RolloutOutput] = field(default_factory=dict)
     """Sample index -> its finished output."""
+    partial: dict[int, RolloutOutput] = field(default_factory=dict)
+    """Sample index -> its tokens so far, as a checkpoint held them: the next submission (after the resume) continues
+    them."""
 
     def request_id(self, sample: int) -> str:
         return f"{self.draw_index}:{self.attempt}:{sample}"
 
     def oldest_version(self) -> int:
-        """The version of the group's oldest token (the submission's while no sample has finished)."""
-        return min((min(output.versions) for output in self.outputs.values() if output.versions),
-                   default=self.submitted_version)
+        """The version of the group's oldest token known (the submission's while none is)."""
+        return min((min(output.versions) for output in (*self.outputs.values(), *self.partial.values())
+                    if output.versions), default=self.submitted_version)
 
     def restart(self) -> None:
         """Discard this attempt: the next submission generates every sample afresh."""
-        self.attempt, self.replica, self.submitted_version, self.outputs = self.attempt + 1, -1, -1, {}
+        self.attempt, self.replica, self.submitted_version = self.attempt + 1, -1, -1
+        self.outputs, self.partial = {}, {}
+
+    def requests(self, samples_per_prompt: int, options: SamplingOptions) -> list[RolloutRequest]:
+        """The requests of the samples not finished: one restored with tokens so far continues from them, the others
+        start with ``options``."""
+        prompt_ids = tuple(self.prompt["input_ids"][0][self.prompt["attention_mask"][0].bool()].tolist())
+        requests = [continue_request(self.partial[sample], request_id=self.request_id(sample))
+                    if sample in self.partial else RolloutRequest(self.request_id(sample), prompt_ids, options)
+                    for sample in range(samples_per_prompt) if sample not in self.outputs]
+        self.partial = {}
+        return requests
 
 
 class StreamingSampling:
@@ -162,7 +188,7 @@ class StreamingSampling:
         stale = [group for group in (*self.running.values(), *self.ready.values())
                  if group.oldest_version() < oldest_allowed]
         for group in stale:
-            if self.running.pop(group.draw_index, None) is not None:
+            if self.running.pop(group.draw_index, None) is not None and group.replica >= 0:
                 self.aborts[group.replica] += [group.request_id(sample) for sample in range(self.samples_per_prompt)]
             self.ready.pop(group.draw_index, None)
             group.restart()
@@ -189,23 +215,24 @@ class StreamingSampling:
                     self.ready[draw_index] = self.running.pop(draw_index)
 
     def _issue(self, *, decode_seconds: float = 0.0) -> None:
-        """Start a poll of every replica without waiting: the pending aborts, new groups up to the capacity (drawing
-        another batch from the loader when none waits), each to the replica with the fewest running groups; nothing
-        while a poll is in progress."""
+        """Start a poll of every replica without waiting: the pending aborts, the running groups no replica holds
+        (restored from a checkpoint), new groups up to the capacity (drawing another batch from the loader when none
+        waits), each to the replica with the fewest running groups; nothing while a poll is in progress."""
         if self.outstanding is not None:
             return
         free = self.capacity - len(self.running) - len(self.ready)
         if free > 0 and not self.waiting:
             self.waiting = self._groups(self.loader.next_batch())
         submit: list[list[RolloutRequest]] = [[] for _ in range(self.num_replicas)]
+        # the samples of a poll differ by their row in the replica's batch, not by their seed
         options = dataclasses.replace(self.options, seed=self.run_seed * 1_000_003 + self.polls)
-        for group in self.waiting[:max(free, 0)]:
+        restored = [group for group in self.running.values() if group.replica < 0]
+        for group in restored + self.waiting[:max(free, 0)]:
             load = [sum(g.replica == r for g in self.running.values()) for r in range(self.num_replicas)]
-            group.replica, group.submitted_version = load.index(min(load)), self.weights.version
-            prompt_ids = tuple(group.prompt["input_ids"][0][group.prompt["attention_mask"][0].bool()].tolist())
-            for sample in range(self.samples_per_prompt):
-                # the samples of a poll differ by their row in the replica's batch, not by their seed
-                submit[group.replica].append(RolloutRequest(group.request_id(sample), prompt_ids, options))
+            group.replica = load.index(min(load))
+            if group.submitted_version < 0:  # a new attempt; a restored one keeps its first poll's version
+                group.submitted_version = self.weights.version
+            submit[group.replica] += group.requests(self.samples_per_prompt, options)
             self.running[group.draw_index] = group
         self.waiting = self.waiting[max(free, 0):]
         if not self.running and not any(self.aborts):
@@ -264,27 +291,88 @@ class StreamingSampling:
 
     # ----- checkpoints ------------------------------------------------------------------------------
     def save(self, directory: Path) -> None:
-        """The prompts drawn and not trained (waiting, running, finished and not admitted), without their samples,
-        into ``directory``: a resume generates them again. The requests in flight go on in this run."""
+        """Every group drawn and not trained (waiting, running, finished and not admitted) into ``directory``, with
+        its finished samples and the tokens so far of its running ones (read from the replicas, where they go on)."""
         if self.outstanding is not None:
             self._poll()
-        untrained = sorted([*self.waiting, *self.running.values(), *self.ready.values()],
-                           key=lambda group: group.draw_index)
-        torch.save({"step": self.step, "next_draw": self.next_draw, "polls": self.polls, "mode": "streaming",
-                    "untrained": [{"draw_index": group.draw_index, "prompt": group.prompt} for group in untrained]},
+        partial = self._snapshot()
+        groups = [("waiting", group) for group in self.waiting] + sorted(
+            [*(("running", group) for group in self.running.values()),
+             *(("ready", group) for group in self.ready.values())], key=lambda item: item[1].draw_index)
+        torch.save({"format": IN_FLIGHT_FORMAT, "mode": "streaming", "step": self.step, "next_draw": self.next_draw,
+                    "polls": self.polls, "groups": [group_state(group, where, partial.get(group.draw_index, {}))
+                                                    for where, group in groups]},
                    directory / IN_FLIGHT_FILE)
 
+    def _snapshot(self) -> dict[int, dict[int, RolloutOutput]]:
+        """The tokens so far of the running groups' unfinished samples (draw index -> sample index -> output), read
+        from their replicas in a poll without a decode round (the requests go on there), or, for a group restored
+        and not submitted yet, as restored."""
+        partial = {group.draw_index: dict(group.partial) for group in self.running.values() if group.replica < 0}
+        snapshot: list[list[str]] = [[] for _ in range(self.num_replicas)]
+        for group in self.running.values():
+            if group.replica >= 0:
+                snapshot[group.replica] += [group.request_id(sample) for sample in range(self.samples_per_prompt)
+                                            if sample not in group.outputs]
+        if not any(snapshot):
+            return partial
+        work = [StreamWork(snapshot=tuple(ids), decode_tokens=0) for ids in snapshot]
+        for report in self.rollout.stream.future(work).get():
+            assert not report.finished, "a poll without a decode round finished requests"
+            for output in report.snapshots:
+                draw_index, attempt, sample = map(int, output.request_id.split(":"))
+                assert self.running[draw_index].attempt == attempt, "a snapshot of a dropped attempt"
+                if output.token_ids:
+                    partial.setdefault(draw_index, {})[sample] = output
+        return partial
+
     def load(self, directory: Path) -> None:
-        """Put back what ``save`` wrote: its untrained prompts are queued first and generated afresh."""
-        state = torch.load(directory / IN_FLIGHT_FILE, weights_only=False)
+        """Put back what ``save`` wrote: the groups where they were, with their samples (the first step's stale rule
+        judges them; the running ones continue at its first poll). A format-1 file's prompts are queued first and
+        generated afresh."""
+        path = directory / IN_FLIGHT_FILE
+        state = torch.load(path, weights_only=False)
         if state.get("mode") != "streaming":
-            raise ValueError(f"{directory / IN_FLIGHT_FILE} was written by a pipelined run; async.mode=streaming "
+            raise ValueError(f"{path} was written by a pipelined run; async.mode=streaming "
                              "cannot resume it (resume with the mode it was written with)")
+        version = state.get("format", 1)
+        if version not in (1, IN_FLIGHT_FORMAT):
+            raise ValueError(f"{path} has format {version!r}; this hybridflow reads in_flight.pt formats 1 and "
+                             f"{IN_FLIGHT_FORMAT} (resume with the hybridflow that wrote it)")
         self.step, self.next_draw, self.polls = state["step"], state["next_draw"], state["polls"]
-        self.waiting = [PromptGroup(draw_index=item["draw_index"], prompt=item["prompt"])
-                        for item in state["untrained"]]
-        self.running, self.ready, self.outstanding = {}, {}, None
+        self.waiting, self.running, self.ready, self.outstanding = [], {}, {}, None
+        if version == 1:
+            print(f"resume: {path} holds the prompts in flight without their samples (format 1): they are "
+                  "generated afresh", flush=True)
+            self.waiting = [PromptGroup(draw_index=item["draw_index"], prompt=item["prompt"])
+                            for item in state["untrained"]]
+        for item in state.get("groups", []):
+            group = group_of_state(item)
+            if item["where"] == "waiting":
+                self.waiting.append(group)
+            else:
+                (self.running if item["where"] == "running" else self.ready)[group.draw_index] = group
         self.weights.version = None  # the new rollout pool holds no weights yet
+
+
+def group_state(group: PromptGroup, where: str, partial: dict[int, RolloutOutput]) -> dict:
+    """A group as ``in_flight.pt`` (format 2) holds it, with the tokens so far of its running samples: plain values,
+    its outputs as dicts."""
+    return {"where": where, "draw_index": group.draw_index, "prompt": group.prompt, "attempt": group.attempt,
+            "submitted_version": group.submitted_version,
+            "outputs": {sample: dataclasses.asdict(output) for sample, output in group.outputs.items()},
+            "partial": {sample: dataclasses.asdict(output) for sample, output in partial.items()}}
+
+
+def group_of_state(item: dict) -> PromptGroup:
+    """The group ``group_state`` wrote (held by no replica)."""
+    def output_of(fields: dict) -> RolloutOutput:
+        return RolloutOutput(**{**fields, "options": SamplingOptions(**fields["options"])})
+
+    return PromptGroup(draw_index=item["draw_index"], prompt=item["prompt"], attempt=item["attempt"],
+                       submitted_version=item["submitted_version"],
+                       outputs={sample: output_of(fields) for sample, fields in item["outputs"].items()},
+                       partial={sample: output_of(fields) for sample, fields in item["partial"].items()})
 
 
 def version_span_metrics(groups: list[PromptGroup]) -> dict[str, float]:

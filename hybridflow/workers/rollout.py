@@ -22,7 +22,8 @@ import torch
 from hybridflow.controller import Worker, register
 from hybridflow.controller.host import pin_num_threads
 from hybridflow.engine.generation_config import GenerationConfig, GenerationTokens
-from hybridflow.engine.rollout import GenerationShard, Rollout, RolloutOutput, RolloutRequest, rollout_class
+from hybridflow.engine.rollout import (GenerationShard, RequestHandle, Rollout, RolloutOutput, RolloutRequest,
+                                       continue_request, rollout_class)
 from hybridflow.engine.weight_sync import WeightPayload, unpack_weights, verify_weights
 from hybridflow.parallel.layout import GenerationLayout, ParallelLayout
 from hybridflow.protocol import DataProto
@@ -53,8 +54,12 @@ class StreamWork:
     submit: tuple[RolloutRequest, ...] = ()
     abort: tuple[str, ...] = ()
     """Request ids to drop (finished or unknown ids are ignored): their tokens so far are discarded."""
+    snapshot: tuple[str, ...] = ()
+    """Request ids whose tokens so far the poll reports (``StreamReport.snapshots``, finish reason "abort") before
+    decoding; the requests go on: ``continue_request`` of such an output resumes it elsewhere (after a resume from a
+    checkpoint). Ids the replica does not hold are ignored."""
     decode_tokens: int = 8
-    """Tokens each held request decodes per round of the poll."""
+    """Tokens each held request decodes per round of the poll (0: no round)."""
     decode_seconds: float = 0.0
     """Rounds go on while the poll has run for less than this and requests are held (0: one round)."""
 
@@ -70,6 +75,8 @@ class StreamReport:
     """Requests still held (in flight) after the poll."""
     logprobs_match_training: bool
     """The backend's ``Rollout.logprobs_match_training``."""
+    snapshots: list[RolloutOutput] = field(default_factory=list)
+    """The requests of ``StreamWork.snapshot`` the replica holds, each with its tokens so far."""
 
 
 class RolloutWorker(Worker):
@@ -88,6 +95,8 @@ class RolloutWorker(Worker):
         self.rollout: Rollout | None = None
         self.weights: dict[str, torch.Tensor] = {}
         self.version: int | None = None
+        self.held: dict[str, RequestHandle] = {}
+        """The requests ``stream`` submitted and not finished or aborted yet."""
 
     @register("ONE_TO_ALL")
     def sync_weights(self, weights: WeightPayload | list[WeightPayload | None]) -> dict[str, float]:
@@ -130,22 +139,33 @@ class RolloutWorker(Worker):
         """Streaming mode's poll, one ``StreamWork`` per replica: drop ``work.abort``, queue ``work.submit`` beside
         the requests held since earlier polls, decode every held request by up to ``work.decode_tokens`` tokens with
         the weights of the last sync (again while the poll is younger than ``work.decode_seconds``), and return those
-        that finished. Requests outlive syncs: a sync between two polls changes the weights mid-sequence, and
-        ``RolloutOutput.versions`` records each token's version."""
+        that finished, and the tokens so far of ``work.snapshot``'s. Requests outlive syncs: a sync between
+        two polls changes the weights mid-sequence, and ``RolloutOutput.versions`` records each token's version."""
         if self.rollout is None:
             raise RuntimeError("the rollout worker has no weights yet: the driver syncs them before streaming")
         rollout = self.rollout
         for request_id in work.abort:
             rollout.abort(request_id)
+            self.held.pop(request_id, None)
+        snapshots = []
+        for request_id in work.snapshot:
+            if request_id not in self.held:
+                continue
+            # the interface reads a request's tokens so far by aborting it; continued at once, it goes on as before
+            rollout.abort(request_id)
+            snapshots.append(self.held[request_id].result())
+            self.held[request_id] = rollout.submit(continue_request(snapshots[-1]))
         for request in work.submit:
-            rollout.submit(request)
+            self.held[request.request_id] = rollout.submit(request)
         started, finished = time.perf_counter(), []
-        while rollout.pending():
+        while work.decode_tokens and rollout.pending():
             finished += rollout.step(max_tokens=work.decode_tokens)
             if time.perf_counter() - started >= work.decode_seconds:
                 break
+        for output in finished:
+            self.held.pop(output.request_id, None)
         return StreamReport(finished=finished, version=self.version, pending=rollout.pending(),
-                            logprobs_match_training=rollout.logprobs_match_training)
+                            logprobs_match_training=rollout.logprobs_match_training, snapshots=snapshots)
 
     @register("3D_ALL_MICRO_DP")
     def generate_sequences(self, prompts: DataProto) -> DataProto:
