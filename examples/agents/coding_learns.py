@@ -2,7 +2,8 @@
 on the training tasks, and the held-out episodes again.
 
     python examples/agents/coding_learns.py runs/codesmol --model smollm2            # the run measured in docs
-    python examples/agents/coding_learns.py runs/codetiny --grpo-steps 2 --num-train 4 --num-val 2 ...  # a smoke run
+    python examples/agents/coding_learns.py runs/codeprobe --model smollm2 --grpo-steps 0  # held-out episodes only
+    python examples/agents/coding_learns.py runs/codetiny --model tiny --grpo-steps 2 --num-train 4 ...  # a smoke run
 
 Stages (on CPU, nothing downloaded):
 1. the starting model: SmolLM2-135M-Instruct with ``--model smollm2`` (the converted checkpoint of
@@ -53,6 +54,7 @@ class CodingLearnsConfig:
     num_val: int = 0
     """Held-out tasks evaluated (the first ones of the held-out split); 0: all of them."""
     grpo_steps: int = 20
+    """0: only the held-out episodes of the starting model (``after`` is then null)."""
     grpo_lr: float = 2e-5
     kl_mode: str = "none"
     """``algorithm.kl_mode`` of GRPO ("none" builds no reference model: a faster step)."""
@@ -66,10 +68,10 @@ class CodingLearnsConfig:
         if self.model not in calculator_learns.MODELS and not (Path(self.model) / "config.json").is_file():
             allowed = ", ".join(calculator_learns.MODELS)
             raise ValueError(f"model got {self.model!r}; allowed: {allowed} or a Hugging Face directory")
-        for name in ("grpo_steps", "prompts_per_step", "samples_per_prompt", "max_new_tokens"):
+        for name in ("prompts_per_step", "samples_per_prompt", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} got {getattr(self, name)!r}; allowed: an integer >= 1")
-        for name in ("num_train", "num_val", "val_every"):
+        for name in ("grpo_steps", "num_train", "num_val", "val_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} got {getattr(self, name)!r}; allowed: an integer >= 0")
 
@@ -119,15 +121,17 @@ def run(config: CodingLearnsConfig) -> dict:
     before = evaluate(base_dir, val, max_new_tokens=config.max_new_tokens, environment=environment)
     times["eval_before_s"] = time.perf_counter() - started
     print(f"before GRPO ({len(val)} held-out tasks): {before}", flush=True)
-    mark = time.perf_counter()
-    history = calculator_learns.train_grpo(config, files, base_dir, root / "grpo",
-                                           calculator_learns.environment_spec(environment))
-    times["grpo_s"] = time.perf_counter() - mark
-    mark = time.perf_counter()
-    after = evaluate(root / "grpo" / "final" / "actor", val, max_new_tokens=config.max_new_tokens,
-                     environment=environment)
-    times["eval_after_s"] = time.perf_counter() - mark
-    print(f"after GRPO ({config.grpo_steps} steps): {after}", flush=True)
+    history, after = [], None
+    if config.grpo_steps:
+        mark = time.perf_counter()
+        history = calculator_learns.train_grpo(config, files, base_dir, root / "grpo",
+                                               calculator_learns.environment_spec(environment))
+        times["grpo_s"] = time.perf_counter() - mark
+        mark = time.perf_counter()
+        after = evaluate(root / "grpo" / "final" / "actor", val, max_new_tokens=config.max_new_tokens,
+                         environment=environment)
+        times["eval_after_s"] = time.perf_counter() - mark
+        print(f"after GRPO ({config.grpo_steps} steps): {after}", flush=True)
     times["total_s"] = time.perf_counter() - started
     keys = ("step", "reward/score_mean", "agent/tool_calls_per_episode", "agent/turns_mean", "val/score_mean",
             "time/step_s")
