@@ -12,10 +12,22 @@ from hybridflow.rewards.sandbox import SandboxConfig, check_available, run_pytho
 _FENCE_RE = re.compile(r"```([\w+-]*)[^\n]*\n(.*?)```", re.DOTALL)
 
 
-def extract_code(response: str) -> str:
-    """The last ```python fenced block of the response, else its last fenced block, else the whole text."""
+def extract_code(response: str, *, entry_point: str | None = None) -> str:
+    """The last ```python fenced block of the response, else its last fenced block, else the whole text.
+
+    With ``entry_point`` (the name of the function the task asks for), the last ```python block that defines it
+    at top level (``def entry_point(`` or ``entry_point = ...``) comes first: models often end a correct solution
+    with an "example usage" block that calls the function without defining it, and grading that block would fail
+    every test. Where no block defines it, the rule above applies.
+    """
     blocks = _FENCE_RE.findall(response)
     python_blocks = [body for language, body in blocks if language.lower() in ("python", "py", "python3")]
+    if entry_point is not None:
+        name = re.escape(entry_point)
+        defines = re.compile(rf"^(?:async\s+)?def\s+{name}\s*\(|^{name}\s*=(?!=)", re.MULTILINE)
+        defining = [body for body in python_blocks if defines.search(body)]
+        if defining:
+            return defining[-1]
     if python_blocks:
         return python_blocks[-1]
     if blocks:
@@ -52,16 +64,20 @@ def run_test(program: str, test, config: SandboxConfig) -> bool:
     return result.ok and _normalized_output(result.stdout) == _normalized_output(str(test["output"]))
 
 
-def code_reward(prompt: str, response: str, *, tests, sandbox: SandboxConfig | None = None, **extra_fields) -> float:
+def code_reward(prompt: str, response: str, *, tests, sandbox: SandboxConfig | None = None,
+                entry_point: str | None = None, **extra_fields) -> float:
     """Fraction of the row's `tests` that the response's code passes, each run in its own sandbox.
 
     `tests`: a list (or its JSON text) of assert-style code strings (run after the program, pass =
     exit status 0) and/or {"input": stdin, "output": expected stdout} dicts (pass = same output
     up to trailing whitespace). A runaway, crashing or hostile program fails its tests and
     nothing else happens (see hybridflow.rewards.sandbox).
+
+    `entry_point` (a row field, as in HumanEval and MBPP rows): the name of the function the task asks for; the
+    graded code is then the last ```python block that defines it (see `extract_code`). Without it, the last block.
     """
     cases = _parse_tests(tests)
-    program = extract_code(response)
+    program = extract_code(response, entry_point=entry_point)
     config = sandbox or SandboxConfig()
     workers = min(len(cases), os.cpu_count() or 1)
     with ThreadPoolExecutor(max_workers=workers) as pool:
