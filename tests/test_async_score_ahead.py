@@ -40,7 +40,8 @@ def on_trainer(data_dir, tmp_path_factory):  # noqa: F811 (data_dir: the fixture
     return _train(_config(data_dir, tmp_path_factory.mktemp("ref_trainer"), *REF_ON_TRAINER))
 
 
-def test_the_reference_on_the_rollout_pool_trains_exactly_as_on_the_trainer_pool(data_dir, tmp_path, on_trainer):  # noqa: F811
+def test_the_reference_on_the_rollout_pool_trains_exactly_as_on_the_trainer_pool(
+        data_dir, tmp_path, on_trainer):  # noqa: F811
     expected, expected_prompts = on_trainer
     got, got_prompts = _train(_config(data_dir, tmp_path / "ref_gen", *REF_ON_GEN))
     assert got_prompts == expected_prompts
@@ -74,8 +75,8 @@ def test_scoring_ahead_is_refused_for_trained_roles_and_streaming(data_dir, tmp_
         _config(data_dir, tmp_path, *REF_ON_GEN, "async.mode=streaming")
 
 
-def test_on_ray_the_reference_scores_in_the_rollout_process_before_the_trainer_asks(data_dir, tmp_path, on_trainer,  # noqa: F811
-                                                                                    monkeypatch):
+def test_on_ray_the_reference_scores_in_the_rollout_process_before_the_trainer_asks(
+        data_dir, tmp_path, on_trainer, monkeypatch):  # noqa: F811
     """The reference shares the rollout replica's process; from step 2 on (k = 1) each batch's reference call was
     done when ``sample`` took the batch: it ran after the generation, queued before the weight sync ``sample``
     waits for (an ordering, not a timing)."""
