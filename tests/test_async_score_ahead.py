@@ -49,6 +49,18 @@ def test_the_reference_on_the_rollout_pool_trains_exactly_as_on_the_trainer_pool
     _assert_same_learning(expected, got)
 
 
+def test_a_reward_model_on_the_rollout_pool_scores_ahead_exactly_as_on_the_trainer_pool(
+        data_dir, tmp_path):  # noqa: F811
+    model = ("reward.model.builtin=arithmetic", "trainer.total_steps=2")
+    expected, _ = _train(_config(data_dir, tmp_path / "trainer", *REF_ON_TRAINER, *model))
+    config = _config(data_dir, tmp_path / "gen", *POOLS, *model,
+                     "placement.roles={actor: trainer, reference: gen, reward: gen, rollout: gen}")
+    assert config.placement.scoring_ahead == ("reference", "reward")
+    got, _ = _train(config)
+    assert all("reward/model_mean" in metrics for metrics in got)
+    _assert_same_learning(expected, got)
+
+
 @pytest.mark.parametrize("with_scores", [True, False], ids=["saved-with-scores", "saved-without-scores"])
 def test_a_resumed_run_scoring_ahead_equals_the_uninterrupted_one(data_dir, tmp_path, on_trainer,  # noqa: F811
                                                                    with_scores):

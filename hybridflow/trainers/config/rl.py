@@ -284,7 +284,8 @@ class PlacementSection:
     roles: dict[str, str] = field(default_factory=dict)
     """Role (actor, reference, critic, reward, cost, cost_critic) -> pool name; roles left out go to the first pool.
     ``rollout`` -> a pool of its own gives generation its own processes (docs/async.md); left out, the actor
-    generates itself through the 3D-HybridEngine."""
+    generates itself through the 3D-HybridEngine. Only ``reference`` and ``reward`` may share the rollout pool
+    (pipelined mode): they then score each batch there ahead of the trainer."""
     mapping: Literal["manual", "auto"] = "manual"
     """``auto``: the pools' devices form the cluster and hybridflow.mapping picks pools, roles and parallel sizes;
     with ``async.max_staleness`` k >= 1 also whether a rollout pool of its own (pipelined with staleness k) beats
