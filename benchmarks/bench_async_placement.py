@@ -2,13 +2,14 @@
 PROFILE.json [--steps 8] [--placements colocated split-k0 split-k1] [--predict-only]`.
 
 GRPO on the built-in arithmetic model (the workload of benchmarks/bench_async.py: 16 prompts x 4 samples, 24 new
-tokens) on two CPU processes under Ray, in three placements: ``colocated`` (actor and reference on one pool of 2,
+tokens) on two CPU processes under Ray, in four placements: ``colocated`` (actor and reference on one pool of 2,
 the actor generating through the 3D-HybridEngine, synchronous), ``split-k0`` (actor and reference on one process,
-a rollout replica on the other, taking turns) and ``split-k1`` (the same split, the replica generating one step
-ahead: async.max_staleness=1), and ``split-k1-ref-gen`` (split-k1 with the reference on the replica's process,
-scoring each batch there ahead of the trainer; the planner does not cost it). For each it prints the planner's predicted seconds per step (``simulate_plan`` of
-that layout on the hardware profile given: docs/async.md, "Placement") and the measured steps per second over
-steps 2..N with the load average before and after; then the ratios of the predictions and of the measurements.
+a rollout replica on the other, taking turns), ``split-k1`` (the same split, the replica generating one step
+ahead: async.max_staleness=1) and ``split-k1-ref-gen`` (split-k1 with the reference on the replica's process,
+scoring each batch there ahead of the trainer). For each it prints the planner's predicted seconds per step
+(``simulate_plan`` of that layout on the hardware profile given: docs/async.md, "Placement"; n/a for
+split-k1-ref-gen, which the planner does not cost) and the measured steps per second over steps 2..N with the load
+average before and after; then the ratios of the predictions and of the measurements.
 """
 
 from __future__ import annotations
