@@ -35,10 +35,10 @@ ACTOR_LR = 1e-6
 CRITIC_LR = 1e-5
 ROLES = ("actor", "reference", "critic", "reward", "cost", "cost_critic")
 ROLLOUT_ROLE = "rollout"
+"""The placement-only role of a generation pool of its own (asynchronous RL: ``async``, docs/async.md)."""
 SCORING_AHEAD_ROLES = ("reference", "reward")
 """Frozen scoring roles that may share the rollout pool (``placement.roles``): they score each batch there right
 after its generation, ahead of the trainer (pipelined mode)."""
-"""The placement-only role of a generation pool of its own (asynchronous RL: ``async``, docs/async.md)."""
 # "package.module:function", "path/to/file.py:function" or a built-in short name (no colon)
 _FUNCTION_SPEC = re.compile(r"^([^:\s]+:[A-Za-z_][\w.]*|[A-Za-z_]\w*)$")
 
