@@ -3,10 +3,11 @@
     python benchmarks/bench_async_curves.py --model small --seeds 0 1 2 --steps 30 --out runs/async_curves
     python benchmarks/bench_async_curves.py --model smollm2 --seeds 0 --steps 8 --out runs/async_curves
 
-Two CPU processes under Ray, three placements (those of benchmarks/bench_async_placement.py): ``colocated``
+Two CPU processes under Ray, the placements of benchmarks/bench_async_placement.py: ``colocated``
 (actor and reference on one pool of 2, FSDP d = 2, the actor generating through the 3D-HybridEngine),
-``split-k0`` (actor and reference on one process, one rollout replica on the other, taking turns) and
-``split-k1`` (the same split, async.max_staleness = 1: the replica generates batch i + 1 while batch i trains).
+``split-k0`` (actor and reference on one process, one rollout replica on the other, taking turns),
+``split-k1`` (the same split, async.max_staleness = 1: the replica generates batch i + 1 while batch i trains) and
+``split-k1-ref-gen`` (split-k1 with the reference on the replica's process, scoring batch i + 1 there too).
 The two synchronous placements are both run, so "the best synchronous placement" is whichever was faster.
 
 Models:
@@ -35,7 +36,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_async_placement import PLACEMENTS, timed_fit  # noqa: E402
 
-PHASES = ("async/wait_generation_s", "async/sync_s", "time/generate_s", "time/score_s", "time/update_s")
+SYNCHRONOUS = ("colocated", "split-k0")
+"""The placements without staleness (the others are compared with the faster of these)."""
+PHASES = ("async/wait_generation_s", "async/wait_scoring_s", "async/sync_s", "time/generate_s", "time/score_s",
+          "time/update_s")
 """Mean seconds per step (steps 2..N) kept per run: where a step's time goes, and so what overlap can hide."""
 
 
@@ -104,15 +108,15 @@ def run_once(model: str, placement: str, seed: int, *, root: Path, steps: int, s
 
 
 def summarize(runs: list[dict]) -> list[str]:
-    """Mean steps/s per placement over seeds, and k = 1 against the faster synchronous placement."""
+    """Mean steps/s per placement over seeds, and each k = 1 placement against the faster synchronous one."""
     speed = {placement: statistics.mean(run["steps_per_s"] for run in runs if run["placement"] == placement)
              for placement in dict.fromkeys(run["placement"] for run in runs)}
     lines = [f"{placement:<10} mean {value:.4g} steps/s over {sum(r['placement'] == placement for r in runs)} runs"
              for placement, value in speed.items()]
-    synchronous = {name: value for name, value in speed.items() if name != "split-k1"}
-    if "split-k1" in speed and synchronous:
+    synchronous = {name: value for name, value in speed.items() if name in SYNCHRONOUS}
+    for name in (name for name in speed if name not in SYNCHRONOUS and synchronous):
         best = max(synchronous, key=synchronous.get)
-        lines.append(f"split-k1 vs best synchronous ({best}): {speed['split-k1'] / synchronous[best]:.2f}x")
+        lines.append(f"{name} vs best synchronous ({best}): {speed[name] / synchronous[best]:.2f}x")
     return lines
 
 

@@ -2,12 +2,14 @@
 PROFILE.json [--steps 8] [--placements colocated split-k0 split-k1] [--predict-only]`.
 
 GRPO on the built-in arithmetic model (the workload of benchmarks/bench_async.py: 16 prompts x 4 samples, 24 new
-tokens) on two CPU processes under Ray, in three placements: ``colocated`` (actor and reference on one pool of 2,
+tokens) on two CPU processes under Ray, in four placements: ``colocated`` (actor and reference on one pool of 2,
 the actor generating through the 3D-HybridEngine, synchronous), ``split-k0`` (actor and reference on one process,
-a rollout replica on the other, taking turns) and ``split-k1`` (the same split, the replica generating one step
-ahead: async.max_staleness=1). For each it prints the planner's predicted seconds per step (``simulate_plan`` of
-that layout on the hardware profile given: docs/async.md, "Placement") and the measured steps per second over
-steps 2..N with the load average before and after; then the ratios of the predictions and of the measurements.
+a rollout replica on the other, taking turns), ``split-k1`` (the same split, the replica generating one step
+ahead: async.max_staleness=1) and ``split-k1-ref-gen`` (split-k1 with the reference on the replica's process,
+scoring each batch there ahead of the trainer). For each it prints the planner's predicted seconds per step
+(``simulate_plan`` of that layout on the hardware profile given: docs/async.md, "Placement"; n/a for
+split-k1-ref-gen, which the planner does not cost) and the measured steps per second over steps 2..N with the load
+average before and after; then the ratios of the predictions and of the measurements.
 """
 
 from __future__ import annotations
@@ -30,7 +32,14 @@ PLACEMENTS = {
     "colocated": ["placement.pools={cluster: [2]}", "placement.roles={actor: cluster, reference: cluster}"],
     "split-k0": SPLIT + ["async.max_staleness=0"],
     "split-k1": SPLIT + ["async.max_staleness=1"],
+    # the reference with the rollout replica: it scores each batch there as soon as it is generated, while the
+    # trainer updates on the batch before (docs/async.md, "Scoring ahead on the rollout pool")
+    "split-k1-ref-gen": ["placement.pools={trainer: [1], gen: [1]}",
+                         "placement.roles={actor: trainer, reference: gen, rollout: gen}", "async.max_staleness=1"],
 }
+NOT_COSTED = ("split-k1-ref-gen",)
+"""Placements the planner cannot cost: its rollout pool holds the replicas only (``Plan.rollout_pool``), so a
+reference scoring there ahead is not in its overlap model."""
 
 
 def config_of(placement: str, *, directory: Path, steps: int, hardware: str, new_tokens: int = 24,
@@ -60,6 +69,17 @@ def predicted_seconds(config: RLConfig) -> Plan:
     inputs = planning_inputs(config)
     inputs.pop("kv_cache_gib")
     return simulate_plan(Plan.from_config_fragment(fragment), inputs.pop("dataflow"), **inputs)
+
+
+def prediction_text(config: RLConfig, placement: str, predicted: dict[str, float]) -> str:
+    """The planner's seconds per step for ``placement`` (kept in ``predicted``) with its stages, as printed."""
+    if placement in NOT_COSTED:
+        return "predicted n/a (the planner's rollout pool holds the replicas only)"
+    plan = predicted_seconds(config)
+    predicted[placement] = plan.total_seconds
+    detail = plan.overlap_text() if plan.overlap is not None else \
+        ", ".join(f"{stage} {seconds:.3g}" for stage, seconds in plan.stage_seconds.items())
+    return f"predicted {plan.total_seconds:.3f} s/step ({detail})"
 
 
 def timed_fit(config: RLConfig) -> tuple[list[dict], list[float], float, float]:
@@ -103,18 +123,16 @@ def main() -> None:
                                                            config=ArithmeticTaskConfig(max_digits=2)))
         for placement in args.placements:
             config = config_of(placement, directory=directory, steps=args.steps, hardware=args.hardware)
-            plan = predicted_seconds(config)
-            predicted[placement] = plan.total_seconds
-            detail = plan.overlap_text() if plan.overlap is not None else \
-                ", ".join(f"{stage} {seconds:.3g}" for stage, seconds in plan.stage_seconds.items())
-            line = f"{placement:<10} | predicted {plan.total_seconds:.3f} s/step ({detail})"
+            line = f"{placement:<10} | {prediction_text(config, placement, predicted)}"
             if not args.predict_only:
                 measured[placement] = measure(config)
                 line += " | " + " | ".join(f"{key} {value:.3f}" for key, value in measured[placement].items())
             print(line, flush=True)
-    for first, second in (("split-k0", "split-k1"), ("colocated", "split-k1"), ("split-k0", "colocated")):
-        if first in predicted and second in predicted:
-            text = f"{second} vs {first}: predicted speed-up {predicted[first] / predicted[second]:.2f}x"
+    for first, second in (("split-k0", "split-k1"), ("colocated", "split-k1"), ("split-k0", "colocated"),
+                          ("split-k1", "split-k1-ref-gen")):
+        if first in measured and second in measured or first in predicted and second in predicted:
+            text = f"{second} vs {first}: predicted speed-up " + (
+                f"{predicted[first] / predicted[second]:.2f}x" if first in predicted and second in predicted else "n/a")
             if first in measured and second in measured:
                 text += f", measured {measured[second]['steps_per_s'] / measured[first]['steps_per_s']:.2f}x"
             print(text)

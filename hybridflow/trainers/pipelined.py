@@ -8,9 +8,16 @@ with version 0. The rollout replicas execute calls in submission order, so a bat
 weights synced before it was submitted; each output is stamped with that version and checked against the
 schedule. k = 0 is the synchronous step (generation of batch s with version s - 1, then training).
 
-Exactly once: a checkpoint after step s holds the k batches in flight (generated samples, their versions),
-written next to the roles' checkpoints; a resume puts them back in the queue, so no batch is dropped,
-regenerated with other weights or trained twice (tests/test_async.py).
+Scoring ahead: the frozen scoring roles placed on the rollout pool (``placement.roles`` reference / reward there)
+are called with the generation's future as their input right after it is submitted, so the replicas' processes
+score each batch as soon as it is generated (the rank fetches its rows from the object store, not through the
+driver) while the trainer updates on the batch before; ``sample`` finds those scores done and the trainer scores
+only what needs the current actor (old log-probs, a critic).
+
+Exactly once: a checkpoint after step s holds the k batches in flight (generated samples, their versions, the
+scores made ahead when there are), written next to the roles' checkpoints; a resume puts them back in the queue,
+so no batch is dropped, regenerated with other weights or trained twice (tests/test_async.py). A batch saved
+without scores made ahead is scored on the rollout pool when its step comes (the reference never changes).
 """
 
 from __future__ import annotations
@@ -43,11 +50,21 @@ class InFlight:
     future: object = None
     """The rollout pool's pending generation; None once ``samples`` holds its result."""
     samples: DataProto | None = None
+    scoring: list | None = None
+    """The pending calls of the scoring roles on the rollout pool (scoring ahead), None once ``scores`` holds them."""
+    scores: list[DataProto] | None = None
+    """Their outputs; None while pending or when the batch was not scored ahead (a checkpoint without them)."""
 
     def result(self) -> DataProto:
         if self.samples is None:
             self.samples, self.future = self.future.get(), None
         return self.samples
+
+    def ahead(self) -> list[DataProto] | None:
+        """The scores made ahead on the rollout pool (waited for), or None when none were asked for."""
+        if self.scoring is not None:
+            self.scores, self.scoring = [future.get() for future in self.scoring], None
+        return self.scores
 
 
 class WeightSync:
@@ -109,11 +126,13 @@ class PipelinedSampling:
     """Generates on the rollout pool k batches ahead (a sampling strategy: ``sample(prompts, seed, ...)``)."""
 
     def __init__(self, *, actor, rollout, loader, score, max_staleness: int, samples_per_prompt: int,
-                 run_seed: int, tis_cap: float | None, episodes=None) -> None:
-        """``score(batch)``: ``RLTrainer.score`` (reference, critic, reward, old log-probs as futures); ``episodes``:
+                 run_seed: int, tis_cap: float | None, episodes=None, ahead: dict | None = None) -> None:
+        """``score(batch)``: ``RLTrainer.score`` (reference, critic, reward, old log-probs as futures) less the
+        scorers in ``ahead``: role -> scoring method of the roles on the rollout pool (e.g. ``{"reference":
+        reference.compute_ref_log_prob}``), called on each batch as soon as its generation is submitted; ``episodes``:
         the run's ``EpisodeSampling`` (``env``), whose job the replicas run (``generate_episodes``) in place of
         single responses, on the same schedule."""
-        self.actor, self.rollout, self.loader, self.score = actor, rollout, loader, score
+        self.actor, self.rollout, self.loader, self.score, self.ahead = actor, rollout, loader, score, dict(ahead or {})
         self.generated = episodes if episodes is not None else SingleResponses()
         """What the replicas generate: ``rollout_method``, ``prepare(prompts)``, ``observe(batch)`` metrics."""
         self.max_staleness, self.samples_per_prompt, self.run_seed = max_staleness, samples_per_prompt, run_seed
@@ -149,11 +168,23 @@ class PipelinedSampling:
         # the rollout's log-probs are pi_old only when they are of the policy being trained
         batch.meta_info[TRAINING_EXACT_LOGPROBS] = bool(batch.meta_info.get(TRAINING_EXACT_LOGPROBS)) and staleness == 0
         batch["policy_version"] = np.full(len(batch), head.version)
+        started = time.perf_counter()
+        for scores in self._scores_ahead(head):
+            batch = batch.union(scores)
+        waited_scoring = time.perf_counter() - started
         batch = self.score(batch)
         return Experience(prompts=head.prompts, batch=batch,
                           sampling_metrics={**staleness_metrics(batch, trained_version=self.step - 1),
                                             **self.weights.metrics, **self.generated.observe(batch),
-                                            "async/wait_generation_s": waited})
+                                            "async/wait_generation_s": waited,
+                                            **({"async/wait_scoring_s": waited_scoring} if self.ahead else {})})
+
+    def _scores_ahead(self, head: InFlight) -> list[DataProto]:
+        """``head``'s scores from the rollout pool's roles (waited for; scored there now when the batch came from a
+        checkpoint saved without them)."""
+        if self.ahead and head.scoring is None and head.scores is None:
+            head.scoring = [scorer.future(head.samples) for scorer in self.ahead.values()]
+        return head.ahead() or []
 
     def _next_index(self) -> int:
         return self.queue[-1].index + 1 if self.queue else self.step
@@ -171,13 +202,16 @@ class PipelinedSampling:
                                           samples_per_prompt=self.samples_per_prompt)
             item.prompts["uid"] = np.arange(len(item.prompts))
             item.future = generate.future(self.generated.prepare(item.prompts))
+            # the replicas' processes score the batch right after generating it (each rank fetches its rows)
+            item.scoring = [scorer.future(item.future) for scorer in self.ahead.values()] if self.ahead else None
 
     # ----- checkpoints ------------------------------------------------------------------------------
     def save(self, directory: Path) -> None:
         """The batches in flight (waited for: their samples, versions and prompts) into ``directory``."""
-        items = [{"index": item.index, "version": item.version, "prompts": item.prompts, "samples": item.result()}
-                 for item in self.queue]
-        torch.save({"step": self.step, "synced_version": self.weights.version, "in_flight": items},
+        items = [{"index": item.index, "version": item.version, "prompts": item.prompts, "samples": item.result(),
+                  "scores": item.ahead()} for item in self.queue]
+        torch.save({"step": self.step, "synced_version": self.weights.version, "in_flight": items,
+                    "scored_ahead_by": sorted(self.ahead)},
                    directory / IN_FLIGHT_FILE)
 
     def load(self, directory: Path) -> None:
@@ -187,8 +221,11 @@ class PipelinedSampling:
             raise ValueError(f"{directory / IN_FLIGHT_FILE} was written by a streaming run; async.mode=pipelined "
                              "cannot resume it (resume with the mode it was written with)")
         self.step = state["step"]
+        # scores made ahead are kept while the same roles score ahead (else those that do score the batch again)
+        same = self.ahead and state.get("scored_ahead_by") == sorted(self.ahead)
         self.queue = [InFlight(index=item["index"], version=item["version"], prompts=item["prompts"],
-                               samples=item["samples"]) for item in state["in_flight"]]
+                               samples=item["samples"], scores=item.get("scores") if same else None)
+                      for item in state["in_flight"]]
         self.weights.version = None  # the new rollout pool holds no weights yet
 
 

@@ -131,9 +131,9 @@ class RLTrainer:
         self.reference = self.groups.get("reference")
         self.critic = self.groups.get("critic")
         self.reward_model = self.groups.get("reward")
-        self.scorers = [getattr(self.groups[role], method) for role, method in (
+        self.scorers = {role: getattr(self.groups[role], method) for role, method in (
             ("reference", "compute_ref_log_prob"), ("critic", "compute_values"), ("reward", "compute_reward"))
-            if role in self.groups]
+            if role in self.groups}
         self.critics = [self.critic] if self.critic is not None else []
         # the actor's sampling settings with its tokenizer's ids (EOS, stop, pad)
         generation = self.specs.actor.generation.for_call(self.specs.actor.tokens)
@@ -153,11 +153,16 @@ class RLTrainer:
             if self.config.asynchrony.streaming:
                 self.sampling = self.pipeline = self._streaming(rollout, generation)
             else:
+                # the frozen scorers on the rollout pool score each batch there ahead; the trainer the rest
+                ahead = {role: scorer for role, scorer in self.scorers.items()
+                         if role in self.config.placement.scoring_ahead}
+                self.scorers = {role: scorer for role, scorer in self.scorers.items() if role not in ahead}
                 self.sampling = self.pipeline = PipelinedSampling(
                     actor=self.actor, rollout=rollout, loader=self.loader, score=self.score,
                     max_staleness=self.config.asynchrony.max_staleness,
                     samples_per_prompt=self.config.batch.samples_per_prompt, run_seed=self.config.trainer.seed,
-                    tis_cap=self.config.actor.loss.tis_cap, episodes=self.sampling if self.episode_job else None)
+                    tis_cap=self.config.actor.loss.tis_cap, episodes=self.sampling if self.episode_job else None,
+                    ahead=ahead)
 
     def _streaming(self, rollout, generation) -> StreamingSampling:
         """``async.mode: streaming``: requests in flight on the rollout pool, weights updated between decode steps."""
@@ -309,7 +314,7 @@ class RLTrainer:
         """Reference log-probs, critic values, reward-model scores and what the components add (old log-probs,
         Safe-RLHF's costs and cost values), all issued as futures: roles on different pools run at the same time."""
         futures = [future for component in self.components for future in component.score_futures(batch)]
-        futures += [scorer.future(batch) for scorer in self.scorers]
+        futures += [scorer.future(batch) for scorer in self.scorers.values()]
         for future in futures:
             batch = batch.union(future.get())
         return batch

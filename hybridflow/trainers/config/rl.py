@@ -36,6 +36,9 @@ CRITIC_LR = 1e-5
 ROLES = ("actor", "reference", "critic", "reward", "cost", "cost_critic")
 ROLLOUT_ROLE = "rollout"
 """The placement-only role of a generation pool of its own (asynchronous RL: ``async``, docs/async.md)."""
+SCORING_AHEAD_ROLES = ("reference", "reward")
+"""Frozen scoring roles that may share the rollout pool (``placement.roles``): they score each batch there right
+after its generation, ahead of the trainer (pipelined mode)."""
 # "package.module:function", "path/to/file.py:function" or a built-in short name (no colon)
 _FUNCTION_SPEC = re.compile(r"^([^:\s]+:[A-Za-z_][\w.]*|[A-Za-z_]\w*)$")
 
@@ -281,7 +284,8 @@ class PlacementSection:
     roles: dict[str, str] = field(default_factory=dict)
     """Role (actor, reference, critic, reward, cost, cost_critic) -> pool name; roles left out go to the first pool.
     ``rollout`` -> a pool of its own gives generation its own processes (docs/async.md); left out, the actor
-    generates itself through the 3D-HybridEngine."""
+    generates itself through the 3D-HybridEngine. Only ``reference`` and ``reward`` may share the rollout pool
+    (pipelined mode): they then score each batch there ahead of the trainer."""
     mapping: Literal["manual", "auto"] = "manual"
     """``auto``: the pools' devices form the cluster and hybridflow.mapping picks pools, roles and parallel sizes;
     with ``async.max_staleness`` k >= 1 also whether a rollout pool of its own (pipelined with staleness k) beats
@@ -309,10 +313,19 @@ class PlacementSection:
             require(self.mapping == "manual", "mapping", self.mapping,
                     "'manual' with roles.rollout (with mapping 'auto' the planner sizes the rollout pool itself when "
                     "async.max_staleness >= 1: leave roles.rollout out; docs/async.md, \"Placement\")")
-            shared = sorted(role for role in ROLES if self.pool_of(role) == self.roles[ROLLOUT_ROLE])
+            shared = sorted(role for role in ROLES if self.pool_of(role) == self.roles[ROLLOUT_ROLE]
+                            and role not in SCORING_AHEAD_ROLES)
             require(not shared, "roles.rollout", self.roles[ROLLOUT_ROLE],
-                    f"a pool no other role uses (it holds {', '.join(shared)}); without a pool of its own the actor "
+                    f"a pool no trained role uses (it holds {', '.join(shared)}; only "
+                    f"{' and '.join(SCORING_AHEAD_ROLES)} may share it); without a pool of its own the actor "
                     "generates itself: leave rollout out")
+
+    @property
+    def scoring_ahead(self) -> tuple[str, ...]:
+        """The frozen scoring roles placed on the rollout pool: they score a batch there as soon as it is generated
+        (docs/async.md, "Scoring ahead on the rollout pool")."""
+        pool = self.rollout_pool
+        return tuple(role for role in SCORING_AHEAD_ROLES if pool is not None and self.roles.get(role) == pool)
 
     @property
     def rollout_pool(self) -> str | None:
@@ -564,6 +577,9 @@ class RLConfig:
                     "an estimator without a greedy baseline generation with placement.roles.rollout")
             require(self.actor.lora is None, "actor.lora", "a section",
                     "null with placement.roles.rollout (the rollout pool receives whole weights, not adapters)")
+            require(not (self.asynchrony.streaming and self.placement.scoring_ahead), "async.mode",
+                    self.asynchrony.mode, f"'pipelined' with {' and '.join(self.placement.scoring_ahead)} on the "
+                    "rollout pool (they score there ahead of the trainer on the pipelined schedule)")
             require(not self.asynchrony.streaming or self.env is None, "env", "a section",
                     "null with async.mode=streaming (the streaming driver generates single responses)")
             backend = self.actor.generation.backend
