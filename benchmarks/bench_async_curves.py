@@ -89,7 +89,8 @@ def model_overrides(model: str, root: Path, steps: int, start_model: Path | None
                                     "trainer.val_every=0", "actor.generation.max_new_tokens=96"]
 
 
-def run_once(model: str, placement: str, seed: int, *, root: Path, steps: int, start_model: Path | None) -> dict:
+def run_once(model: str, placement: str, seed: int, *, root: Path, steps: int, start_model: Path | None,
+             overrides: tuple[str, ...] = ()) -> dict:
     from hybridflow.trainers.config.rl import load_rl_config
 
     config_path, workload = model_overrides(model, root, steps, start_model)
@@ -97,13 +98,16 @@ def run_once(model: str, placement: str, seed: int, *, root: Path, steps: int, s
         *workload, f"trainer.total_steps={steps}", f"trainer.seed={seed}", "trainer.progress_bar=false",
         "trainer.save_every=0", "trainer.resume=false", "trainer.overwrite=true", "actor.loss.tis_cap=2.0",
         f"trainer.output_dir={root / 'runs' / f'{model}-{placement}-s{seed}'}", "placement.runtime=ray",
-        *PLACEMENTS[placement]])
+        *PLACEMENTS[placement], *overrides])
     history, stamps, load_before, load_after = timed_fit(config)
     return {"model": model, "placement": placement, "seed": seed,
             "steps_per_s": (len(stamps) - 1) / (stamps[-1] - stamps[0]),
             "seconds": [stamp - stamps[0] for stamp in stamps],
             "reward": [record["reward/score_mean"] for record in history],
-            "phases": {name: statistics.mean(record.get(name, 0.0) for record in history[1:]) for name in PHASES},
+            "phases": {name: statistics.mean(record.get(name, 0.0) for record in history[1:])
+                       for name in (*PHASES, *sorted({key for record in history[1:] for key in record
+                                                      if key.startswith("time/") and key not in PHASES}))},
+            "old_log_prob_skipped": history[-1].get("perf/old_log_prob_skipped", 0.0),
             "load_before": load_before, "load_after": load_after}
 
 
@@ -150,6 +154,8 @@ def main() -> None:
     parser.add_argument("--placements", nargs="+", default=list(PLACEMENTS), choices=list(PLACEMENTS))
     parser.add_argument("--out", default="runs/async_curves")
     parser.add_argument("--start-model", type=Path, help="small: the SFT policy to start from (default: built)")
+    parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="config overrides for every run, after the model's workload (e.g. batch.mini_batch_size=32)")
     args = parser.parse_args()
     root = Path(args.out).resolve()
     root.mkdir(parents=True, exist_ok=True)
@@ -157,12 +163,13 @@ def main() -> None:
     for seed in args.seeds:  # placements interleaved per seed, so a change of load hits every placement
         for placement in args.placements:
             run = run_once(args.model, placement, seed, root=root, steps=args.steps,
-                           start_model=args.start_model)
+                           start_model=args.start_model, overrides=tuple(args.set))
             runs.append(run)
             print(f"{args.model} {placement:<10} seed {seed} | steps_per_s {run['steps_per_s']:.4g} "
                   f"({1 / run['steps_per_s']:.3g} s/step) | load "
                   f"{run['load_before']:.2f} -> {run['load_after']:.2f} | "
                   + " ".join(f"{name.split('/')[1]} {value:.3g}" for name, value in run["phases"].items() if value)
+                  + f" | old_log_prob_skipped {run['old_log_prob_skipped']:g}"
                   + " | reward "
                   + " ".join(f"{value:.2f}" for value in run["reward"]), flush=True)
     for line in summarize(runs):

@@ -168,20 +168,40 @@ def test_the_config_refuses_an_unknown_model_and_negative_sizes(learns, tmp_path
         learns["CodingLearnsConfig"](samples_per_prompt=0)
     with pytest.raises(ValueError, match="grpo_steps got -2"):
         learns["CodingLearnsConfig"](grpo_steps=-2)
+    with pytest.raises(ValueError, match="eval_samples got -1"):
+        learns["CodingLearnsConfig"](eval_samples=-1)
+    with pytest.raises(ValueError, match="eval_temperature got 0"):
+        learns["CodingLearnsConfig"](eval_temperature=0.0)
+
+
+def test_the_paired_change_is_the_mean_per_task_difference_with_its_standard_error(learns):
+    change = learns["paired_change"]([0.0, 0.5, 1.0, 0.25], [0.5, 0.5, 0.75, 0.75])
+    assert change["mean"] == pytest.approx(0.1875)  # (0.5 + 0 - 0.25 + 0.5) / 4
+    # the changes' sample standard deviation (0.375) over sqrt(4)
+    assert change["standard_error"] == pytest.approx(0.375 / 2)
+    assert (change["tasks"], change["rose"], change["fell"]) == (4, 2, 1)
+    with pytest.raises(ValueError, match="two equal lists"):
+        learns["paired_change"]([0.0], [1.0])
 
 
 @needs_sandbox
 def test_held_out_episodes_then_grpo_with_the_coding_environment_then_held_out_episodes_run(learns, tmp_path):
     config = learns["CodingLearnsConfig"](output_dir=str(tmp_path), model="tiny", num_train=4, num_val=2,
                                           grpo_steps=2, prompts_per_step=2, samples_per_prompt=2, val_every=1,
-                                          max_new_tokens=16)
+                                          max_new_tokens=16, eval_samples=2)
     summary = learns["run"](config)
     assert summary["environment"] == "CodingEnvironment"  # the tiny model's template renders tools=
     assert summary["tasks"] == {"train": 4, "heldout": 2}
-    for stage in ("before", "after"):
-        assert set(summary[stage]) == {"pass_rate", "solved_rate", "tool_call_rate", "turns_mean"}
+    for stage in ("before", "after", "sampled_before", "sampled_after"):
+        assert set(summary[stage]) == {"pass_rate", "solved_rate", "tool_call_rate", "turns_mean", "task_pass_rates"}
         assert 0.0 <= summary[stage]["solved_rate"] <= summary[stage]["pass_rate"] <= 1.0
         assert 1.0 <= summary[stage]["turns_mean"] <= 3.0
+        assert len(summary[stage]["task_pass_rates"]) == 2
+        assert summary[stage]["pass_rate"] == pytest.approx(sum(summary[stage]["task_pass_rates"]) / 2)
+    for name, (early, late) in {"greedy": ("before", "after"), "sampled": ("sampled_before", "sampled_after")}.items():
+        change = summary["change"][name]
+        assert change["mean"] == pytest.approx(summary[late]["pass_rate"] - summary[early]["pass_rate"])
+        assert change["tasks"] == 2 and change["rose"] + change["fell"] <= 2
     assert [record["step"] for record in summary["curve"]] == [0, 1, 2]
     assert all("reward/score_mean" in record and "val/score_mean" in record and "time/step_s" in record
                for record in summary["curve"][1:])
@@ -193,4 +213,5 @@ def test_held_out_episodes_then_grpo_with_the_coding_environment_then_held_out_e
     only = learns["run"](learns["CodingLearnsConfig"](output_dir=str(tmp_path / "only"), model="tiny", num_val=2,
                                                       grpo_steps=0, max_new_tokens=16))
     assert only["before"] == summary["before"] and only["after"] is None and only["curve"] == []
+    assert only["sampled_before"]["task_pass_rates"] and only["sampled_after"] is None and only["change"] == {}
     assert not (tmp_path / "only" / "grpo").exists()

@@ -150,7 +150,9 @@ SHORT_FORM = {"num_train": 16, "num_val": 4, "sft_steps": 4, "sft_batch_size": 8
 
 def assert_held_out_measured(summary: dict) -> None:
     for stage in ("before", "after"):
-        assert set(summary[stage]) == {"tool_call_rate", "accuracy", "turns_mean"}
+        assert set(summary[stage]) == {"tool_call_rate", "accuracy", "turns_mean", "row_rewards"}
+        rewards = summary[stage]["row_rewards"]  # greedy: one episode per held-out row
+        assert rewards and summary[stage]["accuracy"] == pytest.approx(sum(rewards) / len(rewards))
         assert 0.0 <= summary[stage]["tool_call_rate"] <= 1.0 and 0.0 <= summary[stage]["accuracy"] <= 1.0
         assert 1.0 <= summary[stage]["turns_mean"] <= 3.0
     assert [record["step"] for record in summary["curve"]] == [0, 1, 2]

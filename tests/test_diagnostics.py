@@ -116,7 +116,8 @@ def test_the_kl_to_an_identical_reference_is_zero_before_the_first_update_in_bf1
     # the reference holds fp32 weights computing in bf16 by autocast, as the actor does; held in bf16 it gave
     # kl/sequence_kl -7.8e-4 here (and -0.055 on SmolLM2-135M with 16 new tokens)
     history = _fit(data_dir, tmp_path / "run", "length_reward", "trainer.total_steps=1", "batch.mini_batch_size=8",
-                   "algorithm.kl_mode=loss", "actor.engine.dtype=bfloat16", "reference.engine.dtype=bfloat16")
+                   "algorithm.kl_mode=loss", "actor.engine.dtype=bfloat16", "reference.engine.dtype=bfloat16",
+                   "actor.loss.old_log_probs=recompute")  # the training forward's log-probs, not the sampler's
     record = history[-1]
     assert abs(record["kl/sequence_kl"]) < 1e-6
     assert record["actor/kl_loss"] == 0.0

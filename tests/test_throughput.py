@@ -46,21 +46,22 @@ def test_zero_workers_per_node_is_a_value_error():
         threads_per_worker(0, cores=2)
 
 
-def test_old_log_probs_are_redundant_only_for_one_epoch_of_one_mini_batch_without_reference():
-    assert old_log_prob_is_redundant(ppo_epochs=1, mini_batches_per_epoch=1, has_reference=False)
-    assert not old_log_prob_is_redundant(ppo_epochs=2, mini_batches_per_epoch=1, has_reference=False)
-    assert not old_log_prob_is_redundant(ppo_epochs=1, mini_batches_per_epoch=2, has_reference=False)
-    assert not old_log_prob_is_redundant(ppo_epochs=1, mini_batches_per_epoch=1, has_reference=True)
+def test_old_log_probs_are_redundant_only_for_one_epoch_of_one_mini_batch_without_kl_in_the_reward():
+    assert old_log_prob_is_redundant(ppo_epochs=1, mini_batches_per_epoch=1, kl_in_reward=False)
+    assert not old_log_prob_is_redundant(ppo_epochs=2, mini_batches_per_epoch=1, kl_in_reward=False)
+    assert not old_log_prob_is_redundant(ppo_epochs=1, mini_batches_per_epoch=2, kl_in_reward=False)
+    assert not old_log_prob_is_redundant(ppo_epochs=1, mini_batches_per_epoch=1, kl_in_reward=True)
 
 
-def _grpo_history(directory, mini_batch_size: int, steps: int = 1) -> list[dict]:
+def _grpo_history(directory, mini_batch_size: int, steps: int = 1, kl_mode: str = "none") -> list[dict]:
+    overrides = [] if kl_mode == "none" else ["algorithm.kl_coef=0.1"]
     config = load_rl_config(None, [
         f"data.train_path={directory / 'train.jsonl'}", "actor.model.builtin=arithmetic",
-        "reward.function=arithmetic", "algorithm.advantage_estimator=grpo", "algorithm.kl_mode=none",
-        "actor.generation.max_new_tokens=4",
+        "reward.function=arithmetic", "algorithm.advantage_estimator=grpo", f"algorithm.kl_mode={kl_mode}",
+        "actor.generation.max_new_tokens=4", *overrides,
         "actor.engine.optim.lr=1e-3", "batch.prompts_per_step=4", "batch.samples_per_prompt=2",
         f"batch.mini_batch_size={mini_batch_size}", f"trainer.total_steps={steps}", "trainer.progress_bar=false",
-        f"trainer.output_dir={directory / str(mini_batch_size)}"])
+        f"trainer.output_dir={directory / f'{mini_batch_size}-{kl_mode}'}"])
     return run_rl(config, mode="local", tensorboard=False)
 
 
@@ -73,6 +74,18 @@ def test_skipped_old_log_prob_pass_is_reported_and_gives_ratio_one(tmp_path):
     assert metrics["actor/clip_fraction"] == 0.0
     history = _grpo_history(tmp_path, mini_batch_size=4)
     assert history[0]["perf/old_log_prob_skipped"] == 0.0
+
+
+def test_a_kl_loss_to_the_reference_keeps_the_skip_and_a_kl_penalty_in_the_reward_does_not(tmp_path):
+    write_jsonl(tmp_path / "train.jsonl", prompt_rows(8, split="train", seed=0, config=ArithmeticTaskConfig()))
+    in_loss = _grpo_history(tmp_path, mini_batch_size=8, kl_mode="loss")[0]
+    assert in_loss["perf/old_log_prob_skipped"] == 1.0
+    assert in_loss["actor/approx_kl"] == 0.0
+    # the KL to the reference is reported from the sampled log-probs: the policy and the reference start equal
+    assert abs(in_loss["kl/sequence_kl"]) < 1e-4
+    in_reward = _grpo_history(tmp_path, mini_batch_size=8, kl_mode="reward")[0]
+    assert in_reward["perf/old_log_prob_skipped"] == 0.0
+    assert abs(in_reward["kl/sequence_kl"]) < 1e-4
 
 
 def test_detached_current_log_probs_as_old_give_the_plain_policy_gradient():

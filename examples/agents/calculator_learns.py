@@ -236,17 +236,21 @@ def sft_rows(rows: list[dict], tokenizer, *, tool_share: float, seed: int, envir
     return out
 
 
-def greedy_turns(model, prompts: list[list[int]], *, max_new_tokens: int, end: int, pad: int) -> list[list[int]]:
-    """One greedy turn for each of ``prompts`` (token ids), generated together with left padding: each turn's ids
-    up to and including its first ``end``, or ``max_new_tokens`` ids when it did not end."""
+def greedy_turns(model, prompts: list[list[int]], *, max_new_tokens: int, end: int, pad: int,
+                 temperature: float | None = None) -> list[list[int]]:
+    """One turn for each of ``prompts`` (token ids), generated together with left padding: greedy, or sampled at
+    ``temperature`` from the whole distribution (no top-k, no top-p); each turn's ids up to and including its first
+    ``end``, or ``max_new_tokens`` ids when it did not end."""
     import torch
 
     width = max(len(ids) for ids in prompts)
     input_ids_bt = torch.tensor([[pad] * (width - len(ids)) + ids for ids in prompts])
     mask_bt = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts])
+    decoding = (dict(do_sample=False) if temperature is None
+                else dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0))
     with torch.no_grad():
         output_bt = model.generate(input_ids=input_ids_bt, attention_mask=mask_bt, max_new_tokens=max_new_tokens,
-                                   do_sample=False, eos_token_id=end, pad_token_id=pad)
+                                   eos_token_id=end, pad_token_id=pad, **decoding)
     turns = []
     for sampled in output_bt[:, width:].tolist():
         turns.append(sampled[:sampled.index(end) + 1] if end in sampled else sampled)
@@ -254,35 +258,43 @@ def greedy_turns(model, prompts: list[list[int]], *, max_new_tokens: int, end: i
 
 
 def evaluate(model_dir: str | Path, rows: list[dict], *, max_new_tokens: int, max_turns: int = 3,
-             environment=None, batch_size: int = 32) -> dict:
-    """Greedy episodes of ``rows`` with ``environment`` (by default ``CalculatorEnvironment``), each turn of up to
-    ``batch_size`` episodes generated together: ``tool_call_rate`` (episodes that called the calculator at least
-    once), ``accuracy`` (mean reward) and ``turns_mean``."""
+             environment=None, batch_size: int = 32, samples: int = 1, temperature: float | None = None,
+             seed: int = 0) -> dict:
+    """Episodes of ``rows`` with ``environment`` (by default ``CalculatorEnvironment``), each turn of up to
+    ``batch_size`` episodes generated together: greedy (``temperature`` None), or ``samples`` episodes per row
+    sampled at ``temperature`` (torch seeded with ``seed``, so a rerun draws the same). Returns
+    ``tool_call_rate`` (episodes that called a tool at least once), ``accuracy`` (mean reward), ``turns_mean``
+    and ``row_rewards`` (each row's mean reward over its episodes, in the order of ``rows``)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hybridflow.agents import AssistantTurn, HermesParser, checked_start, checked_step, make_environment
     from hybridflow.agents.episode import ChatTokens
 
+    if samples < 1 or (temperature is None and samples != 1):
+        raise ValueError(f"samples got {samples!r}; allowed: 1 for greedy episodes, an integer >= 1 with a "
+                         f"temperature")
     calculator_env, _ = _examples()
     environment = environment or calculator_env.CalculatorEnvironment
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     chat, parser, end = ChatTokens(tokenizer), HermesParser(), tokenizer.convert_tokens_to_ids("<|im_end|>")
     pad = end if tokenizer.pad_token_id is None else tokenizer.pad_token_id
+    torch.manual_seed(seed)
     episodes = []
-    for row in rows:
-        episode_env = make_environment(environment)
-        opening = checked_start(episode_env, row)
-        tools = [tool.schema for tool in opening.tools]
-        episodes.append({"env": episode_env, "tools": tools, "ids": chat.prompt_ids(opening.messages, tools),
-                         "called": False, "reward": 0.0, "turns": 0, "done": False})
+    for index, row in enumerate(rows):
+        for _ in range(samples):
+            episode_env = make_environment(environment)
+            opening = checked_start(episode_env, row)
+            tools = [tool.schema for tool in opening.tools]
+            episodes.append({"env": episode_env, "tools": tools, "ids": chat.prompt_ids(opening.messages, tools),
+                             "row": index, "called": False, "reward": 0.0, "turns": 0, "done": False})
     for turn in range(max_turns):
         live = [episode for episode in episodes if not episode["done"]]
         for first in range(0, len(live), batch_size):
             chunk = live[first:first + batch_size]
             outputs = greedy_turns(model, [episode["ids"] for episode in chunk], max_new_tokens=max_new_tokens,
-                                   end=end, pad=pad)
+                                   end=end, pad=pad, temperature=temperature)
             for episode, sampled in zip(chunk, outputs):
                 text = tokenizer.decode(sampled, skip_special_tokens=True)
                 parsed = parser.parse(text, id_prefix=f"turn{turn}")
@@ -296,10 +308,12 @@ def evaluate(model_dir: str | Path, rows: list[dict], *, max_new_tokens: int, ma
                 closed = "<|im_end|>" if sampled and sampled[-1] == end else None
                 episode["ids"] = episode["ids"] + sampled + chat.observation_ids(result.messages, episode["tools"],
                                                                                  closed_by=closed)
-    count = len(rows)
+    count = len(episodes)
+    row_rewards = [sum(episode["reward"] for episode in episodes if episode["row"] == index) / samples
+                   for index in range(len(rows))]
     return {"tool_call_rate": sum(episode["called"] for episode in episodes) / count,
             "accuracy": sum(episode["reward"] for episode in episodes) / count,
-            "turns_mean": sum(episode["turns"] for episode in episodes) / count}
+            "turns_mean": sum(episode["turns"] for episode in episodes) / count, "row_rewards": row_rewards}
 
 
 def train_sft(config: LearnsConfig, data_file: Path, base_dir: Path, output_dir: Path) -> Path:

@@ -63,6 +63,10 @@ class CodingLearnsConfig:
     val_every: int = 5
     max_new_tokens: int = 160
     """Per turn: SmolLM2's solutions of these tasks with an example after them take 60 to 150 tokens."""
+    eval_samples: int = 4
+    """Sampled held-out episodes per task (at ``eval_temperature``, the training's), beside the greedy ones: their
+    pass rate and the paired per-task change before -> after with its standard error; 0: greedy only."""
+    eval_temperature: float = 1.0
 
     def __post_init__(self) -> None:
         if self.model not in calculator_learns.MODELS and not (Path(self.model) / "config.json").is_file():
@@ -71,7 +75,9 @@ class CodingLearnsConfig:
         for name in ("prompts_per_step", "samples_per_prompt", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} got {getattr(self, name)!r}; allowed: an integer >= 1")
-        for name in ("grpo_steps", "num_train", "num_val", "val_every"):
+        if self.eval_temperature <= 0:
+            raise ValueError(f"eval_temperature got {self.eval_temperature!r}; allowed: a float > 0")
+        for name in ("grpo_steps", "num_train", "num_val", "val_every", "eval_samples"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} got {getattr(self, name)!r}; allowed: an integer >= 0")
 
@@ -89,9 +95,12 @@ def split_rows(config: CodingLearnsConfig) -> tuple[list[dict], list[dict]]:
     return train[:config.num_train or None], val[:config.num_val or None]
 
 
-def evaluate(model_dir: str | Path, rows: list[dict], *, max_new_tokens: int, environment: type) -> dict:
-    """``calculator_learns.evaluate`` (greedy episodes through the runner's ids) with the coding names, and the
-    share of tasks solved outright, which it does not count: a subclass of ``environment`` records each reward."""
+def evaluate(model_dir: str | Path, rows: list[dict], *, max_new_tokens: int, environment: type, samples: int = 1,
+             temperature: float | None = None) -> dict:
+    """``calculator_learns.evaluate`` (greedy episodes through the runner's ids, or ``samples`` per task at
+    ``temperature``) with the coding names, and the share of episodes whose tests all pass, which it does not
+    count: a subclass of ``environment`` records each reward. ``task_pass_rates``: each task's mean over its
+    episodes, in the order of ``rows``."""
     scores = []
 
     class Recorded(environment):
@@ -100,9 +109,24 @@ def evaluate(model_dir: str | Path, rows: list[dict], *, max_new_tokens: int, en
             return scores[-1]
 
     measured = calculator_learns.evaluate(model_dir, rows, max_new_tokens=max_new_tokens,
-                                          max_turns=environment.max_turns, environment=Recorded)
-    return {"pass_rate": measured["accuracy"], "solved_rate": sum(score == 1.0 for score in scores) / len(rows),
-            "tool_call_rate": measured["tool_call_rate"], "turns_mean": measured["turns_mean"]}
+                                          max_turns=environment.max_turns, environment=Recorded, samples=samples,
+                                          temperature=temperature)
+    return {"pass_rate": measured["accuracy"], "solved_rate": sum(score == 1.0 for score in scores) / len(scores),
+            "tool_call_rate": measured["tool_call_rate"], "turns_mean": measured["turns_mean"],
+            "task_pass_rates": measured["row_rewards"]}
+
+
+def paired_change(before: list[float], after: list[float]) -> dict:
+    """The per-task change of the pass rate, after - before over the same tasks: its mean, its standard error (the
+    tasks' spread of changes / sqrt(tasks)) and how many tasks rose and fell."""
+    import statistics
+
+    if len(before) != len(after) or len(before) < 2:
+        raise ValueError(f"paired_change needs two equal lists of >= 2 tasks, got {len(before)} and {len(after)}")
+    changes = [late - early for early, late in zip(before, after)]
+    return {"mean": statistics.mean(changes), "standard_error": statistics.stdev(changes) / len(changes) ** 0.5,
+            "tasks": len(changes), "rose": sum(change > 0 for change in changes),
+            "fell": sum(change < 0 for change in changes)}
 
 
 def run(config: CodingLearnsConfig) -> dict:
@@ -118,25 +142,36 @@ def run(config: CodingLearnsConfig) -> dict:
     environment = environment_for(AutoTokenizer.from_pretrained(str(base_dir)))
     train, val = split_rows(config)
     files = {"train": write_jsonl(root / "train.jsonl", train), "val": write_jsonl(root / "val.jsonl", val)}
-    before = evaluate(base_dir, val, max_new_tokens=config.max_new_tokens, environment=environment)
+    def held_out(model_dir: Path) -> tuple[dict, dict | None]:
+        """(greedy, sampled) held-out numbers of ``model_dir``; sampled None with ``eval_samples`` 0."""
+        greedy = evaluate(model_dir, val, max_new_tokens=config.max_new_tokens, environment=environment)
+        sampled = None if not config.eval_samples else evaluate(
+            model_dir, val, max_new_tokens=config.max_new_tokens, environment=environment,
+            samples=config.eval_samples, temperature=config.eval_temperature)
+        return greedy, sampled
+
+    before, sampled_before = held_out(base_dir)
     times["eval_before_s"] = time.perf_counter() - started
-    print(f"before GRPO ({len(val)} held-out tasks): {before}", flush=True)
-    history, after = [], None
+    print(f"before GRPO ({len(val)} held-out tasks): greedy {before}; sampled {sampled_before}", flush=True)
+    history, after, sampled_after = [], None, None
     if config.grpo_steps:
         mark = time.perf_counter()
         history = calculator_learns.train_grpo(config, files, base_dir, root / "grpo",
                                                calculator_learns.environment_spec(environment))
         times["grpo_s"] = time.perf_counter() - mark
         mark = time.perf_counter()
-        after = evaluate(root / "grpo" / "final" / "actor", val, max_new_tokens=config.max_new_tokens,
-                         environment=environment)
+        after, sampled_after = held_out(root / "grpo" / "final" / "actor")
         times["eval_after_s"] = time.perf_counter() - mark
-        print(f"after GRPO ({config.grpo_steps} steps): {after}", flush=True)
+        print(f"after GRPO ({config.grpo_steps} steps): greedy {after}; sampled {sampled_after}", flush=True)
     times["total_s"] = time.perf_counter() - started
     keys = ("step", "reward/score_mean", "agent/tool_calls_per_episode", "agent/turns_mean", "val/score_mean",
             "time/step_s")
     curve = [{key: record[key] for key in keys if key in record} for record in history]
-    summary = {"before": before, "after": after, "times": times, "curve": curve, "config": asdict(config),
+    changes = {name: paired_change(early["task_pass_rates"], late["task_pass_rates"])
+               for name, early, late in (("greedy", before, after), ("sampled", sampled_before, sampled_after))
+               if early is not None and late is not None and len(val) >= 2}
+    summary = {"before": before, "after": after, "sampled_before": sampled_before, "sampled_after": sampled_after,
+               "change": changes, "times": times, "curve": curve, "config": asdict(config),
                "environment": environment.__name__, "tasks": {"train": len(train), "heldout": len(val)}}
     (root / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
@@ -150,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         if name != "output_dir":
             parser.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default)
     summary = run(CodingLearnsConfig(**vars(parser.parse_args(argv))))
-    print(json.dumps({key: summary[key] for key in ("before", "after", "times")}, indent=2))
+    shown = ("before", "after", "sampled_before", "sampled_after", "change", "times")
+    print(json.dumps({key: summary[key] for key in shown}, indent=2))
     return 0
 
 

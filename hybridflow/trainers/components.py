@@ -31,8 +31,8 @@ from hybridflow.workers.actor import TRAINING_EXACT_LOGPROBS
 class OldLogProbs(StepComponent):
     """The old log-probs of the PPO ratio (``actor.loss.old_log_probs``): a forward of the actor after generation
     (the paper's), the rollout's own sampled log-probs where they equal that forward's (``auto``: the native
-    engine sampling in fp32) or when asked (``rollout``), or no pass at all where it cannot change the update
-    (one epoch of one mini-batch without a reference: ``redundant_passes.py``)."""
+    engine sampling in fp32) or when asked (``rollout``), or, with ``auto``, no pass at all where it cannot change
+    the update (one epoch of one mini-batch with no KL penalty in the reward: ``redundant_passes.py``)."""
 
     def __init__(self, actor, *, source: str, tis_cap: float | None, skipped: bool) -> None:
         self.actor, self.source, self.tis_cap, self.skipped = actor, source, tis_cap, skipped
@@ -214,9 +214,10 @@ def build_components(config: RLConfig, *, derived: DerivedSizes, generation, gro
     """The components an ``RLConfig`` turns on, in the order the step calls their hooks. ``generation``: the actor's
     generation settings (with its token ids); ``score_B(batch)``: scores of generated responses."""
     algorithm, actor = config.algorithm, groups["actor"]
-    skipped = old_log_prob_is_redundant(ppo_epochs=config.actor.loss.ppo_epochs,
-                                        mini_batches_per_epoch=derived.mini_batches_per_epoch,
-                                        has_reference="reference" in groups)
+    skipped = config.actor.loss.old_log_probs == "auto" and old_log_prob_is_redundant(
+        ppo_epochs=config.actor.loss.ppo_epochs,
+        mini_batches_per_epoch=derived.mini_batches_per_epoch,
+        kl_in_reward="reference" in groups and algorithm.kl_in_reward)
     components: list[StepComponent] = [OldLogProbs(actor, source=config.actor.loss.old_log_probs,
                                                    tis_cap=config.actor.loss.tis_cap, skipped=skipped)]
     if algorithm.estimator.baseline_generation:

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 
-def old_log_prob_is_redundant(*, ppo_epochs: int, mini_batches_per_epoch: int, has_reference: bool) -> bool:
+def old_log_prob_is_redundant(*, ppo_epochs: int, mini_batches_per_epoch: int, kl_in_reward: bool) -> bool:
     """True when the old-log-prob forward cannot change the update, so the update uses its own log-probs.
 
     With one epoch of one mini-batch the only optimizer step comes after the update's forward, which
-    runs on the weights that generated the samples: the old log-probs equal the current ones and the
-    PPO ratio is exactly 1 (the gradient of ratio * A is then that of log p * A). A reference model
-    reads the old log-probs for its KL term, so with one the pass is kept.
+    runs on the weights the step starts from: the old log-probs equal the current ones and the PPO ratio
+    is exactly 1 (the gradient of ratio * A is then that of log p * A). That holds for a stale batch too
+    (``async.max_staleness`` >= 1): the old policy of the ratio is the trainer's current one, and the
+    truncated importance weight against the behaviour policy reads the same detached log-probs.
+    ``kl_in_reward``: a KL penalty to the reference shapes the rewards before the update, from the old
+    log-probs, so the pass is kept. A KL term in the loss reads the update's own log-probs and does not
+    need it.
     """
-    return ppo_epochs == 1 and mini_batches_per_epoch == 1 and not has_reference
+    return ppo_epochs == 1 and mini_batches_per_epoch == 1 and not kl_in_reward
 

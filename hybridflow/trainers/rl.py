@@ -46,6 +46,7 @@ from hybridflow.trainers.sampling import EpisodeLossMask, build_sampling
 from hybridflow.trainers.scoring import RewardScorer
 from hybridflow.trainers.streaming import StreamingSampling
 from hybridflow.trainers.step import PhaseTimer, Experience, StepResults, first_rank, step_metrics
+from hybridflow.workers.actor import BEHAVIOUR_KEY
 
 
 UNSAVED_ROLES = ("reference", "rollout")
@@ -365,10 +366,12 @@ class RLTrainer:
         batch = experience.batch
         inputs = {name: value for component in self.components
                   for name, value in component.estimator_inputs(experience).items()}
+        # without the old-log-prob pass (skipped as redundant) the sampled log-probs stand in for the KL metric
+        old_logprobs_BT = next((batch[key] for key in ("old_logprobs", BEHAVIOUR_KEY) if key in batch),
+                               torch.zeros(batch["response_mask"].shape))
         result = compute_advantages(
             algorithm=self.config.algorithm, scores_B=scores_B, dense_rewards_BT=dense_rewards_BT,
-            response_mask_BT=batch["response_mask"],
-            old_logprobs_BT=batch.get("old_logprobs", torch.zeros(batch["response_mask"].shape)),
+            response_mask_BT=batch["response_mask"], old_logprobs_BT=old_logprobs_BT,
             ref_logprobs_BT=batch.get("ref_logprobs"), values_BT=batch.get("values"), group_ids=batch["uid"],
             kl_coef=self.kl_controller.value, **inputs)
         for component in self.components:

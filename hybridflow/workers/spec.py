@@ -115,10 +115,11 @@ class PolicyLossConfig:
     runs the actor's forward over the samples after the rollout; ``rollout`` takes the log-probs the rollout
     engine sampled with; ``auto`` takes them when the rollout was the native engine at fp32 (the training
     weights at the training precision and the same tempered distribution: the same numbers up to rounding, as
-    TRL's PPO uses its sampler's logits) and recomputes otherwise (vLLM, bf16). The forward is not run at all
-    where it is provably redundant (one epoch of one mini-batch, no reference). Logged as
-    ``perf/old_log_prob_from_rollout``; the rollout-vs-training mismatch (``rollout/logprob_*``) is measured
-    only when the forward runs."""
+    TRL's PPO uses its sampler's logits) and recomputes otherwise (vLLM, bf16); with ``auto`` the forward is not
+    run at all where it is provably redundant (one epoch of one mini-batch and no KL penalty in the reward, stale
+    batches included: ``perf/old_log_prob_skipped``; ``kl/sequence_kl`` is then measured from the sampled
+    log-probs). Logged as ``perf/old_log_prob_from_rollout``; the rollout-vs-training mismatch
+    (``rollout/logprob_*``) is measured only when the forward runs."""
     on_non_finite: Literal["raise", "skip"] = "raise"
     """A NaN/inf loss or gradient norm: ``raise`` stops the run naming the role, RL step and quantity; ``skip``
     drops that optimizer step (logged as ``actor/skipped_non_finite``). The weights are never written."""
