@@ -1,5 +1,5 @@
 """The planner's overlap model against measured runs: `python benchmarks/bench_async_placement.py --hardware
-PROFILE.json [--steps 8] [--placements colocated split-k0 split-k1] [--predict-only]`.
+PROFILE.json [--steps 8] [--placements colocated split-k0 split-k1] [--new-tokens 24] [--predict-only]`.
 
 GRPO on the built-in arithmetic model (the workload of benchmarks/bench_async.py: 16 prompts x 4 samples, 24 new
 tokens) on two CPU processes under Ray, in four placements: ``colocated`` (actor and reference on one pool of 2,
@@ -7,9 +7,9 @@ the actor generating through the 3D-HybridEngine, synchronous), ``split-k0`` (ac
 a rollout replica on the other, taking turns), ``split-k1`` (the same split, the replica generating one step
 ahead: async.max_staleness=1) and ``split-k1-ref-gen`` (split-k1 with the reference on the replica's process,
 scoring each batch there ahead of the trainer). For each it prints the planner's predicted seconds per step
-(``simulate_plan`` of that layout on the hardware profile given: docs/async.md, "Placement"; n/a for
-split-k1-ref-gen, which the planner does not cost) and the measured steps per second over steps 2..N with the load
-average before and after; then the ratios of the predictions and of the measurements.
+(``simulate_plan`` of that layout on the hardware profile given: docs/async.md, "Placement"; with the reference
+on the rollout pool its seconds count on the rollout side) and the measured steps per second over steps 2..N with
+the load average before and after; then the ratios of the predictions and of the measurements.
 """
 
 from __future__ import annotations
@@ -37,9 +37,6 @@ PLACEMENTS = {
     "split-k1-ref-gen": ["placement.pools={trainer: [1], gen: [1]}",
                          "placement.roles={actor: trainer, reference: gen, rollout: gen}", "async.max_staleness=1"],
 }
-NOT_COSTED = ("split-k1-ref-gen",)
-"""Placements the planner cannot cost: its rollout pool holds the replicas only (``Plan.rollout_pool``), so a
-reference scoring there ahead is not in its overlap model."""
 
 
 def config_of(placement: str, *, directory: Path, steps: int, hardware: str, new_tokens: int = 24,
@@ -73,8 +70,6 @@ def predicted_seconds(config: RLConfig) -> Plan:
 
 def prediction_text(config: RLConfig, placement: str, predicted: dict[str, float]) -> str:
     """The planner's seconds per step for ``placement`` (kept in ``predicted``) with its stages, as printed."""
-    if placement in NOT_COSTED:
-        return "predicted n/a (the planner's rollout pool holds the replicas only)"
     plan = predicted_seconds(config)
     predicted[placement] = plan.total_seconds
     detail = plan.overlap_text() if plan.overlap is not None else \
@@ -114,6 +109,9 @@ def main() -> None:
     parser.add_argument("--hardware", required=True, help="placement.hardware: a profile JSON file, or cpu-local")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--placements", nargs="+", default=list(PLACEMENTS), choices=list(PLACEMENTS))
+    parser.add_argument("--new-tokens", type=int, default=24,
+                        help="tokens per response (default 24; 5 is the workload of benchmarks/bench_async_curves.py "
+                             "--model small)")
     parser.add_argument("--predict-only", action="store_true", help="print the predictions, run nothing")
     args = parser.parse_args()
     predicted, measured = {}, {}
@@ -122,8 +120,9 @@ def main() -> None:
         write_jsonl(directory / "train.jsonl", prompt_rows(256, split="train", seed=0,
                                                            config=ArithmeticTaskConfig(max_digits=2)))
         for placement in args.placements:
-            config = config_of(placement, directory=directory, steps=args.steps, hardware=args.hardware)
-            line = f"{placement:<10} | {prediction_text(config, placement, predicted)}"
+            config = config_of(placement, directory=directory, steps=args.steps, hardware=args.hardware,
+                               new_tokens=args.new_tokens)
+            line = f"{placement:<16} | {prediction_text(config, placement, predicted)}"
             if not args.predict_only:
                 measured[placement] = measure(config)
                 line += " | " + " | ".join(f"{key} {value:.3f}" for key, value in measured[placement].items())

@@ -2,13 +2,19 @@
 
 The pipelined asynchronous step (``async.max_staleness`` k, docs/async.md) runs two loops on disjoint devices:
 - the **rollout pool** (R devices, one generation replica each, pg = tg = 1, the whole policy in the
-  generation dtype) receives the weights of the last update and generates the next batch;
-- the **training pools** (the other N - R devices; any placement of the dataflow's roles, searched like the
-  synchronous one, with an actor that does not generate and so needs no KV cache nor resharding) gather and
-  send the weights, score the batch (log-probs, reference, critic, reward) and train.
+  generation dtype) receives the weights of the last update and generates the next batch; with k >= 1 it may
+  also hold frozen scorers (``SCORING_AHEAD_ROLES``: the reference, a reward model) on the same R devices, in the
+  replicas' processes, which score each batch there right after generating it (docs/async.md, "Scoring ahead");
+- the **training pools** (the other N - R devices; any placement of the dataflow's other roles, searched like
+  the synchronous one, with an actor that does not generate and so needs no KV cache nor resharding) gather and
+  send the weights, score the batch (log-probs, and the reference, critic, reward not on the rollout pool) and
+  train.
 
 With k >= 1 the two loops overlap and a step takes, in steady state, the slower of the two:
-``max(receive + generation, send + preparation + training)``; with k = 0 they take turns (the sum).
+``max(receive + generation + scoring ahead, send + preparation + training)``; with k = 0 they take turns (the
+sum). A scorer on the rollout pool is costed by the Simulator as on a training pool (one forward over the step's
+samples on the pool's R devices, its layout the fastest that fits beside a replica's weights), and its resident
+memory leaves less for the replicas' KV cache.
 The colocated synchronous step is the synchronous search's sum of stages (with the 3D-HybridEngine's
 resharding). On CPU profiles, processes busy at once share the node's cores: while the loops overlap every
 process of both pools is busy, so each stage is costed at the share of all N processes.
@@ -25,15 +31,18 @@ driver's own work between calls (rewards, advantages; docs/mapping.md, "Limits")
 
 from __future__ import annotations
 
+import itertools
+import math
 from dataclasses import replace
-from typing import Iterator, Sequence
+from typing import Iterator, Mapping, Sequence
 
 from hybridflow.mapping.cluster import Cluster
-from hybridflow.mapping.dataflow import STAGES
+from hybridflow.mapping.dataflow import STAGES, Dataflow
 from hybridflow.mapping.model_spec import ModelSpec
-from hybridflow.mapping.plan import ROLLOUT_ROLE, OverlapSeconds, Plan, PoolPlan
+from hybridflow.mapping.plan import (ROLLOUT_ROLE, SCORING_AHEAD_ROLES, OverlapSeconds, Plan, PoolPlan,
+                                     rollout_pool_roles)
 from hybridflow.mapping.search import Planner
-from hybridflow.mapping.simulator import Simulator
+from hybridflow.mapping.simulator import RoleCost, Simulator
 from hybridflow.mapping.strategy import RoleStrategy
 
 REPLICA = RoleStrategy(layout="fsdp", generation_pp_size=1, generation_tp_size=1)
@@ -68,10 +77,17 @@ class TrainingPoolPlanner(Planner):
         return tuple(self.full_cluster.compute_share(busy[stage] + self.busy_elsewhere) for stage in STAGES)
 
 
-def replica_generation_seconds(simulator: Simulator, spec: ModelSpec, num_devices: int) -> float | None:
-    """Seconds for ``num_devices`` replicas (one per device, the whole model each) to generate the step's samples;
-    None if a replica cannot hold the model and one sequence of KV cache."""
-    kv_budget = simulator.budget_bytes - simulator.generation_weight_bytes(spec, REPLICA)
+def scoring_ahead_roles(dataflow: Dataflow) -> tuple[str, ...]:
+    """The dataflow's frozen scorers that may score ahead on the rollout pool (``SCORING_AHEAD_ROLES``)."""
+    return tuple(role for role in SCORING_AHEAD_ROLES if dataflow.roles.get(role) == "inference")
+
+
+def replica_generation_seconds(simulator: Simulator, spec: ModelSpec, num_devices: int,
+                               other_resident_bytes: float = 0.0) -> float | None:
+    """Seconds for ``num_devices`` replicas (one per device, the whole model each) to generate the step's samples,
+    beside scorers holding ``other_resident_bytes`` per device; None if a replica cannot hold the model and one
+    sequence of KV cache in what they leave."""
+    kv_budget = simulator.budget_bytes - simulator.generation_weight_bytes(spec, REPLICA) - other_resident_bytes
     if simulator.kv_cache_bytes is not None:  # a fixed allocation: it fits whole or not at all
         if simulator.kv_cache_bytes > kv_budget:
             return None
@@ -97,75 +113,128 @@ def weight_sync_seconds(simulator: Simulator, spec: ModelSpec, *, actor_devices:
     return send + simulator.controller_call_s, receive + simulator.controller_call_s
 
 
-def training_planner(planner: Planner, *, training_devices: int, rollout_devices: int,
-                     max_staleness: int) -> TrainingPoolPlanner:
-    """The planner of ``training_devices`` beside a rollout pool of ``rollout_devices`` on ``planner``'s cluster
-    (ValueError if they do not form a cluster: more than a node and not whole nodes)."""
+def rollout_side(planner: Planner, num_devices: int, scorers: Sequence[str], max_staleness: int,
+                 strategies: Mapping[str, RoleStrategy] | None = None) -> tuple[float, dict[str, RoleCost]] | None:
+    """(generation seconds, scorer -> cost) of a rollout pool of ``num_devices`` replicas whose processes also run
+    ``scorers`` (frozen, scoring ahead), each with its given ``strategies`` or, if None, the joint layouts with the
+    least generation + scoring seconds among those that fit beside a replica's weights (the scorers' resident
+    memory leaves less for the KV cache); None if nothing fits. While the loops overlap (k >= 1) all of the
+    cluster's processes are busy: on CPU every stage runs at the core share of all of them."""
     cluster = planner.cluster
+    share = cluster.compute_share(cluster.num_devices if max_staleness else num_devices)
+    shares = (share,) * len(STAGES)
+    simulator = planner.simulator_for(share)
+    spec = planner.models[planner.dataflow.actor_role]
+    if strategies is None:
+        choices = planner.joint_choices(scorers, num_devices, shares)
+    else:
+        for role in scorers:
+            planner.check_layout(role, strategies[role], num_devices)
+        given = [planner.cost_of(role, strategies[role], num_devices, shares=shares) for role in scorers]
+        choices = [] if None in given else [(math.fsum(cost.total_seconds for cost in given),
+                                             sum(cost.resident_bytes for cost in given),
+                                             max((cost.transient_bytes for cost in given), default=0.0), tuple(given))]
+    weights = simulator.generation_weight_bytes(spec, REPLICA)
+    best: tuple[float, float, dict[str, RoleCost]] | None = None  # (rollout seconds, generation, costs)
+    for seconds, resident, transient, chosen in choices:
+        if weights + resident + transient > simulator.budget_bytes:
+            continue
+        generation = replica_generation_seconds(simulator, spec, num_devices, other_resident_bytes=resident)
+        if generation is not None and (best is None or generation + seconds < best[0]):
+            best = (generation + seconds, generation, dict(zip(scorers, chosen)))
+    return None if best is None else (best[1], best[2])
+
+
+def training_planner(planner: Planner, *, training_devices: int, rollout_devices: int,
+                     max_staleness: int, scoring_ahead: Sequence[str] = ()) -> TrainingPoolPlanner:
+    """The planner of ``training_devices`` beside a rollout pool of ``rollout_devices`` on ``planner``'s cluster,
+    for the dataflow's roles other than the ``scoring_ahead`` ones the rollout pool runs (ValueError if the
+    devices do not form a cluster: more than a node and not whole nodes)."""
+    cluster = planner.cluster
+    dataflow = replace(planner.dataflow, roles={role: kind for role, kind in planner.dataflow.roles.items()
+                                                if role not in scoring_ahead})
     return TrainingPoolPlanner(
-        dataflow=planner.dataflow, models=planner.models, workload=planner.workload,
+        dataflow=dataflow, models={role: planner.models[role] for role in dataflow.roles}, workload=planner.workload,
         cluster=Cluster(num_devices=training_devices, devices_per_node=min(cluster.node_size, training_devices),
                         hardware=cluster.hardware),
         backend=planner.backend, kv_cache_gib=planner.kv_cache_gib, granularity=planner.granularity,
         full_cluster=cluster, busy_elsewhere=rollout_devices if max_staleness else 0)
 
 
-def with_rollout_pool(planner: Planner, training: Plan, rollout_pool: PoolPlan, max_staleness: int) -> Plan | None:
-    """``training`` (a simulated plan of the training pools, the actor not generating) beside ``rollout_pool``,
-    pipelined with staleness ``max_staleness``: the plan with both sides' predicted seconds (``OverlapSeconds``);
-    None if a replica cannot hold the model and one sequence of KV cache."""
+def with_rollout_pool(planner: Planner, training: Plan, rollout_pool: PoolPlan, max_staleness: int,
+                      strategies: Mapping[str, RoleStrategy] | None = None) -> Plan | None:
+    """``training`` (a simulated plan of the training pools, the actor not generating, without the scorers on the
+    rollout pool) beside ``rollout_pool`` (its replicas and scorers, those with the given ``strategies`` or, if
+    None, the fastest that fit: ``rollout_side``), pipelined with staleness ``max_staleness``: the plan with both
+    sides' predicted seconds (``OverlapSeconds``); None if the rollout pool's roles do not fit its devices."""
     cluster = planner.cluster
-    total, rollout = cluster.num_devices, rollout_pool.num_devices
+    scorers = [role for role in rollout_pool.roles if role != ROLLOUT_ROLE]
+    side = rollout_side(planner, rollout_pool.num_devices, scorers, max_staleness, strategies)
+    if side is None:
+        return None
+    generation, costs = side
     actor = planner.dataflow.actor_role
     spec = planner.models[actor]
-    simulator = planner.simulator_for(cluster.compute_share(total if max_staleness else rollout))
-    generation = replica_generation_seconds(simulator, spec, rollout)
-    if generation is None:
-        return None
+    total = cluster.num_devices
+    simulator = planner.simulator_for(cluster.compute_share(total if max_staleness else rollout_pool.num_devices))
     remote_nodes = 0 if total <= cluster.node_size else len(rollout_pool.devices_per_node)
     send, receive = weight_sync_seconds(simulator, spec, actor_devices=training.pool_of(actor).num_devices,
                                         remote_nodes=remote_nodes)
     assert training.stage_seconds is not None and training.pool_stage_seconds is not None
-    overlap = OverlapSeconds(receive=receive, generation=generation, send=send,
+    assert training.role_stage_seconds is not None
+    # the scorers run one after another in the replicas' processes, after the generation
+    scoring = math.fsum(cost.total_seconds for cost in costs.values())
+    overlap = OverlapSeconds(receive=receive, generation=generation, scoring_ahead=scoring, send=send,
                              preparation=training.stage_seconds["preparation"],
                              training=training.stage_seconds["training"])
-    pool_stage_seconds = dict(training.pool_stage_seconds,
-                              **{rollout_pool.name: {"generation": generation, "preparation": 0.0, "training": 0.0}})
+    pool_stage_seconds = dict(training.pool_stage_seconds, **{
+        rollout_pool.name: {"generation": generation, "preparation": scoring, "training": 0.0}})
+    stage_seconds = dict(training.stage_seconds, generation=generation,
+                         preparation=max(training.stage_seconds["preparation"], scoring))
     return replace(training, rollout_pool=rollout_pool, max_staleness=max_staleness, overlap=overlap,
-                   stage_seconds=dict(training.stage_seconds, generation=generation),
-                   pool_stage_seconds=pool_stage_seconds, backend=planner.backend.name)
+                   strategies=dict(training.strategies, **{role: cost.strategy for role, cost in costs.items()}),
+                   role_stage_seconds=dict(training.role_stage_seconds,
+                                           **{role: dict(cost.stage_seconds) for role, cost in costs.items()}),
+                   stage_seconds=stage_seconds, pool_stage_seconds=pool_stage_seconds, backend=planner.backend.name)
 
 
-def rollout_pool_plans(planner: Planner, staleness_values: Sequence[int]) -> list[Plan]:
+def rollout_pool_plans(planner: Planner, staleness_values: Sequence[int], *, scoring_ahead: bool = True) -> list[Plan]:
     """For every rollout pool size R (a pool size of the planner's granularity leaving a valid training
     cluster) and every k of ``staleness_values``, the fastest training placement on the other devices beside R
-    generation replicas, as a plan with ``async.max_staleness`` k, fastest first. Empty for a dataflow that
-    generates more than once per step (the pipelined schedule generates one batch per step)."""
+    generation replicas, as a plan with ``async.max_staleness`` k; with k >= 1 and ``scoring_ahead``, also for
+    every non-empty subset of the dataflow's frozen scorers (``scoring_ahead_roles``) moved onto the rollout pool,
+    the training side then searched without them. Fastest first. Empty for a dataflow that generates more than
+    once per step (the pipelined schedule generates one batch per step)."""
     if planner.dataflow.generation_passes != 1:
         return []
     cluster = planner.cluster
     total, node = cluster.num_devices, cluster.node_size
     shares_cores = cluster.hardware.compute_units_per_node > 0
+    movable = scoring_ahead_roles(planner.dataflow) if scoring_ahead else ()
+    subsets = [moved for size in range(len(movable) + 1) for moved in itertools.combinations(movable, size)]
     plans = []
     for rollout in cluster.device_counts(planner.granularity):
         rest = total - rollout
         if rest < 1 or (rest > node and rest % node) or not cluster.fits_nodes([rollout, rest]):
             continue
-        pool = PoolPlan(name=ROLLOUT_ROLE, roles=(ROLLOUT_ROLE,), devices_per_node=tuple(cluster.pool_nodes(rollout)))
-        searched: dict[bool, Plan | None] = {}  # overlapping or not -> the training side (the same without cores)
+        # (overlapping or not, scorers moved) -> the training side (overlapping or not: the same without cores)
+        searched: dict[tuple[bool, tuple[str, ...]], Plan | None] = {}
         for max_staleness in staleness_values:
             overlapping = bool(max_staleness) and shares_cores
-            if overlapping not in searched:
-                trainer = training_planner(planner, training_devices=rest, rollout_devices=rollout,
-                                           max_staleness=int(overlapping))
-                try:
-                    searched[overlapping] = trainer.search()[0]
-                except ValueError:  # the roles do not fit the devices left
-                    searched[overlapping] = None
-            training = searched[overlapping]
-            candidate = None if training is None else with_rollout_pool(planner, training, pool, max_staleness)
-            if candidate is not None:
-                plans.append(candidate)
+            for moved in subsets if max_staleness else [()]:  # scorers move only when the loops overlap
+                if (overlapping, moved) not in searched:
+                    trainer = training_planner(planner, training_devices=rest, rollout_devices=rollout,
+                                               max_staleness=int(overlapping), scoring_ahead=moved)
+                    try:
+                        searched[overlapping, moved] = trainer.search()[0]
+                    except ValueError:  # the roles do not fit the devices left
+                        searched[overlapping, moved] = None
+                training = searched[overlapping, moved]
+                pool = PoolPlan(name=ROLLOUT_ROLE, roles=rollout_pool_roles(moved),
+                                devices_per_node=tuple(cluster.pool_nodes(rollout)))
+                candidate = None if training is None else with_rollout_pool(planner, training, pool, max_staleness)
+                if candidate is not None:
+                    plans.append(candidate)
     return sorted(plans, key=lambda plan: plan.total_seconds)
 
 
@@ -181,11 +250,19 @@ def simulate_with_rollout_pool(planner: Planner, layout: Plan) -> Plan:
     if training_devices + rollout > planner.cluster.num_devices:
         raise ValueError(f"the plan's pools use {training_devices + rollout} devices; the cluster has "
                          f"{planner.cluster.num_devices}")
+    moved = layout.scoring_ahead
+    unknown = [role for role in moved if role not in scoring_ahead_roles(planner.dataflow)]
+    if unknown:
+        raise ValueError(f"the rollout pool holds {', '.join(unknown)}, which {planner.dataflow.name!r} does not score "
+                         f"with a model; allowed there: {', '.join(scoring_ahead_roles(planner.dataflow)) or 'none'}")
     trainer = training_planner(planner, training_devices=training_devices, rollout_devices=rollout,
-                               max_staleness=layout.max_staleness)
-    training = trainer.simulate(replace(layout, rollout_pool=None, max_staleness=0))
-    result = with_rollout_pool(planner, training, layout.rollout_pool, layout.max_staleness)
+                               max_staleness=layout.max_staleness, scoring_ahead=moved)
+    training = trainer.simulate(replace(layout, rollout_pool=None, max_staleness=0, strategies={
+        role: strategy for role, strategy in layout.strategies.items() if role not in moved}))
+    result = with_rollout_pool(planner, training, layout.rollout_pool, layout.max_staleness,
+                               strategies={role: layout.strategies[role] for role in moved})
     if result is None:
+        beside = f" beside {', '.join(moved)} with the given layouts" if moved else ""
         raise ValueError(f"rollout pool {layout.rollout_pool.name!r}: a replica cannot hold the actor and one "
-                         f"sequence of KV cache on a device of {planner._usable_text()}")
+                         f"sequence of KV cache{beside} on a device of {planner._usable_text()}")
     return result

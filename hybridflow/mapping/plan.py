@@ -11,6 +11,15 @@ from hybridflow.mapping.strategy import RoleStrategy
 
 ROLLOUT_ROLE = "rollout"
 """The ``placement.roles`` key of a pool of generation replicas of its own (hybridflow.trainers.config.rl)."""
+SCORING_AHEAD_ROLES = ("reference", "reward")
+"""Frozen scoring roles that may share the rollout pool with k >= 1 (hybridflow.trainers.config.rl): they score each
+batch in the replicas' processes right after its generation, ahead of the trainer (docs/async.md)."""
+
+
+def rollout_pool_roles(scoring_ahead: tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """The roles of a rollout pool whose replicas also run ``scoring_ahead``, in their canonical order (the
+    replicas first, then the scorers in ``SCORING_AHEAD_ROLES`` order), so equal pools compare equal."""
+    return (ROLLOUT_ROLE, *(role for role in SCORING_AHEAD_ROLES if role in scoring_ahead))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,8 +48,8 @@ class PoolPlan:
 @dataclass(frozen=True, kw_only=True)
 class OverlapSeconds:
     """Predicted seconds of a split placement with a rollout pool, per side of the pipeline (docs/async.md,
-    "Placement"): the rollout pool receives the weights and generates; the training pools send the weights,
-    score and train."""
+    "Placement"): the rollout pool receives the weights, generates and scores ahead with the frozen scorers it
+    holds; the training pools send the weights, score the rest and train."""
 
     receive: float
     """Rollout pool: the weight payload's transfer from the trainer's rank 0 to each of the pool's other nodes,
@@ -50,13 +59,17 @@ class OverlapSeconds:
     send: float
     """Training pool: gathering the policy on rank 0, casting and packing it, its checksums."""
     preparation: float
-    """Training pools: log-probs, reference, critic and reward scoring (max over pools, summed within one)."""
+    """Training pools: the scoring left to them, log-probs and the reference, critic and reward not on the rollout
+    pool (max over pools, summed within one)."""
     training: float
     """Training pools: the actor's and critic's updates."""
+    scoring_ahead: float = 0.0
+    """Rollout pool: the forward over the step's samples of the frozen scorers it holds (``SCORING_AHEAD_ROLES``),
+    one after another in the replicas' processes, after the generation; 0 without scorers there."""
 
     @property
     def rollout(self) -> float:
-        return self.receive + self.generation
+        return self.receive + self.generation + self.scoring_ahead
 
     @property
     def trainer(self) -> float:
@@ -90,8 +103,9 @@ class Plan:
     """The actor's rollout engine it was planned for (``actor.generation.backend``: native or vllm; written into
     the config fragment); None for a fragment that does not name one."""
     rollout_pool: PoolPlan | None = None
-    """A pool of generation replicas of its own (``placement.roles.rollout``, roles ``("rollout",)``); None: the
-    actor generates itself through the 3D-HybridEngine."""
+    """A pool of generation replicas of its own (``placement.roles.rollout``; roles ``rollout_pool_roles``: the
+    replicas, then any scorers of ``SCORING_AHEAD_ROLES`` placed with them, which need k >= 1); None: the actor
+    generates itself through the 3D-HybridEngine."""
     max_staleness: int = 0
     """``async.max_staleness`` k of the plan: >= 1 only with a rollout pool (the pipelined asynchronous step)."""
     overlap: OverlapSeconds | None = field(default=None, compare=False)
@@ -105,10 +119,9 @@ class Plan:
         if self.max_staleness and self.rollout_pool is None:
             raise ValueError(f"Plan.max_staleness {self.max_staleness} needs a rollout pool (async.max_staleness >= 1 "
                              f"generates on a pool of its own)")
-        if self.rollout_pool is not None and self.rollout_pool.roles != (ROLLOUT_ROLE,):
-            raise ValueError(f"Plan.rollout_pool holds roles {self.rollout_pool.roles}; it holds ({ROLLOUT_ROLE!r},) "
-                             f"only")
-        placed = [role for pool in self.pools for role in pool.roles]
+        if self.rollout_pool is not None:
+            self._check_rollout_pool(self.rollout_pool)
+        placed = [role for pool in self.all_pools for role in pool.roles if role != ROLLOUT_ROLE]
         if len(placed) != len(set(placed)):
             raise ValueError(f"Plan places a role on several pools: {placed}")
         if set(placed) != set(self.strategies):
@@ -117,6 +130,27 @@ class Plan:
         names = [pool.name for pool in self.all_pools]
         if len(names) != len(set(names)):
             raise ValueError(f"Plan has duplicate pool names: {names}")
+
+    def _check_rollout_pool(self, pool: PoolPlan) -> None:
+        """ValueError unless ``pool`` holds the replicas and at most the scorers that may score ahead, those only
+        with k >= 1 (they score batch i + 1 while the trainer updates on batch i)."""
+        allowed = f"{ROLLOUT_ROLE!r} with any of {', '.join(map(repr, SCORING_AHEAD_ROLES))}"
+        scorers = [role for role in pool.roles if role != ROLLOUT_ROLE]
+        if ROLLOUT_ROLE not in pool.roles or len(set(pool.roles)) != len(pool.roles) \
+                or not set(scorers) <= set(SCORING_AHEAD_ROLES):
+            raise ValueError(f"Plan.rollout_pool.roles got {pool.roles}; allowed: {allowed} (frozen scorers that "
+                             f"score ahead on the replicas' processes)")
+        if scorers and self.max_staleness < 1:
+            raise ValueError(f"Plan.max_staleness got {self.max_staleness} with {', '.join(scorers)} on the rollout "
+                             f"pool; allowed: an integer >= 1 (the scorers score a batch ahead while the trainer "
+                             f"updates on the one before)")
+
+    @property
+    def scoring_ahead(self) -> tuple[str, ...]:
+        """The frozen scorers on the rollout pool (they score each batch there after generating it)."""
+        if self.rollout_pool is None:
+            return ()
+        return tuple(role for role in self.rollout_pool.roles if role != ROLLOUT_ROLE)
 
     @property
     def all_pools(self) -> tuple[PoolPlan, ...]:
@@ -136,10 +170,13 @@ class Plan:
     @property
     def mode(self) -> str:
         """``colocated`` (one pool), ``split`` (several pools, synchronous), ``split async k=K`` (a rollout pool
-        generating ahead) or ``split sync rollout`` (a rollout pool taking turns with the trainer, k = 0)."""
-        if self.rollout_pool is not None:
-            return f"split async k={self.max_staleness}" if self.max_staleness else "split sync rollout"
-        return "colocated" if len(self.pools) == 1 else "split"
+        generating ahead), ``split async k=K scoring ahead`` (with frozen scorers on the rollout pool: the placement
+        label names them) or ``split sync rollout`` (a rollout pool taking turns with the trainer, k = 0)."""
+        if self.rollout_pool is None:
+            return "colocated" if len(self.pools) == 1 else "split"
+        if not self.max_staleness:
+            return "split sync rollout"
+        return f"split async k={self.max_staleness}" + (" scoring ahead" if self.scoring_ahead else "")
 
     @property
     def placement_label(self) -> str:
@@ -151,7 +188,7 @@ class Plan:
         return "|".join(str(pool.num_devices) for pool in self.all_pools)
 
     def pool_of(self, role: str) -> PoolPlan:
-        return next(pool for pool in self.pools if role in pool.roles)
+        return next(pool for pool in self.all_pools if role in pool.roles)
 
     def without_prediction(self) -> "Plan":
         return replace(self, stage_seconds=None, pool_stage_seconds=None, role_stage_seconds=None, alternatives=(),
@@ -204,6 +241,9 @@ class Plan:
         )
         rollout_pool = next((pool for pool in pools if ROLLOUT_ROLE in pool.roles), None)
         pools = tuple(pool for pool in pools if pool is not rollout_pool)
+        if rollout_pool is not None and set(rollout_pool.roles) <= set(rollout_pool_roles(rollout_pool.roles)):
+            # the config's key order is not the plan's: scorers on the pool follow the replicas
+            rollout_pool = replace(rollout_pool, roles=rollout_pool_roles(rollout_pool.roles))
         strategies = {}
         backend = None
         for role in (role for role in roles_cfg if role != ROLLOUT_ROLE):
@@ -228,20 +268,14 @@ class Plan:
         lines = []
         for pool in self.pools:
             lines.append(f"pool {pool.name}: {pool.num_devices} devices {list(pool.devices_per_node)}")
-            for role in pool.roles:
-                strategy = self.strategies[role]
-                dp_size = strategy.dp_size(pool.num_devices)
-                text = f"  {role:<10} {strategy.describe()} (d={dp_size})"
-                if self.role_stage_seconds is not None:
-                    stage_text = ", ".join(f"{stage} {seconds:.1f}s"
-                                           for stage, seconds in self.role_stage_seconds[role].items())
-                    text += f"  [{stage_text}]"
-                lines.append(text)
+            lines.extend(self._role_line(role, pool) for role in pool.roles)
         if self.rollout_pool is not None:
             pool = self.rollout_pool
             lines.append(f"pool {pool.name}: {pool.num_devices} devices {list(pool.devices_per_node)}")
             lines.append(f"  {ROLLOUT_ROLE:<10} {pool.num_devices} generation replicas (pg 1, tg 1), "
                          f"async.max_staleness={self.max_staleness}")
+            # scorers with the replicas score each batch in their processes once it is generated
+            lines.extend(self._role_line(role, pool) + "  scores ahead" for role in self.scoring_ahead)
         if self.overlap is not None:
             lines.append(f"predicted step: {self.total_seconds:.3g}s ({self.mode}; {self.overlap_text()})")
         elif self.stage_seconds is not None:
@@ -252,11 +286,22 @@ class Plan:
             lines.append(reason)
         return "\n".join(lines)
 
+    def _role_line(self, role: str, pool: PoolPlan) -> str:
+        """One role of ``pool``: its strategy, data-parallel size and predicted stage seconds when simulated."""
+        strategy = self.strategies[role]
+        text = f"  {role:<10} {strategy.describe()} (d={strategy.dp_size(pool.num_devices)})"
+        if self.role_stage_seconds is not None:
+            seconds = self.role_stage_seconds[role]
+            text += "  [" + ", ".join(f"{stage} {value:.1f}s" for stage, value in seconds.items()) + "]"
+        return text
+
     def overlap_text(self) -> str:
         """The two sides of a plan with a rollout pool and how they compose, in seconds."""
         assert self.overlap is not None
         parts = self.overlap
         rollout = f"rollout pool {parts.rollout:.3g}s = receive {parts.receive:.3g} + generation {parts.generation:.3g}"
+        if self.scoring_ahead:
+            rollout += f" + scoring ahead ({', '.join(self.scoring_ahead)}) {parts.scoring_ahead:.3g}"
         trainer = (f"training pools {parts.trainer:.3g}s = send {parts.send:.3g} + preparation "
                    f"{parts.preparation:.3g} + training {parts.training:.3g}")
         compose = "max" if self.max_staleness else "sum"

@@ -188,7 +188,7 @@ class Planner:
                             if any(self.dataflow.roles[role] != "inference" for role in roles)),
         }
 
-    def _cost(self, role: str, strategy: RoleStrategy, num_devices: int, other_resident: float = 0.0,
+    def cost_of(self, role: str, strategy: RoleStrategy, num_devices: int, other_resident: float = 0.0,
               other_transient: float = 0.0, shares: tuple[float, ...] = NO_SHARING) -> RoleCost | None:
         """The role's cost with each stage simulated at that stage's compute share."""
         by_share = {}
@@ -210,7 +210,7 @@ class Planner:
         """A non-actor role's strategies that fit alone on ``num_devices``, Pareto-front, fastest first."""
         key = (self.dataflow.roles[role], self.dataflow.head_of(role), self.models[role], num_devices, shares)
         if key not in self._candidates:
-            costs = [self._cost(role, strategy, num_devices, shares=shares)
+            costs = [self.cost_of(role, strategy, num_devices, shares=shares)
                      for strategy in self._strategies(role, num_devices)]
             self._candidates[key] = pareto_front([cost for cost in costs if cost is not None])
         return self._candidates[key]
@@ -221,7 +221,7 @@ class Planner:
         role = self.dataflow.actor_role
         key = (self.models[role], num_devices, shares)
         if key not in self._actor_alone:
-            costs = [self._cost(role, strategy, num_devices, shares=shares)
+            costs = [self.cost_of(role, strategy, num_devices, shares=shares)
                      for strategy in self._strategies(role, num_devices)]
             self._actor_alone[key] = [cost for cost in costs if cost is not None]
         return self._actor_alone[key]
@@ -240,7 +240,7 @@ class Planner:
                 # generation only gets slower with less memory: skip strategies that cannot win
                 if best is not None and alone.total_seconds >= best.total_seconds:
                     continue
-                cost = self._cost(role, alone.strategy, num_devices, other_resident, other_transient, shares)
+                cost = self.cost_of(role, alone.strategy, num_devices, other_resident, other_transient, shares)
                 if cost is not None and (best is None or cost.total_seconds < best.total_seconds):
                     best = cost
             self._actor[key] = best
@@ -257,25 +257,31 @@ class Planner:
             return self._sets[key]
         actor = self.dataflow.actor_role if self.dataflow.actor_role in roles else None
         others = [role for role in roles if role != actor]
-        fronts = [_spread(self.candidates(role, num_devices, shares), MAX_FRONT) for role in others]
         result = None
-        if all(fronts):
-            budget = self.simulator.budget_bytes
-            best_seconds = float("inf")
-            for combo in _combinations_front(fronts):
-                seconds, resident, transient, chosen = combo
-                if resident + transient > budget:
-                    continue
-                if actor is None:
-                    if seconds < best_seconds:
-                        best_seconds, result = seconds, SetResult(costs=dict(zip(others, chosen)))
-                    continue
-                actor_cost = self.best_actor(num_devices, resident, transient, shares)
-                if actor_cost is not None and seconds + actor_cost.total_seconds < best_seconds:
-                    best_seconds = seconds + actor_cost.total_seconds
-                    result = SetResult(costs={actor: actor_cost, **dict(zip(others, chosen))})
+        budget = self.simulator.budget_bytes
+        best_seconds = float("inf")
+        for seconds, resident, transient, chosen in self.joint_choices(others, num_devices, shares):
+            if resident + transient > budget:
+                continue
+            if actor is None:
+                if seconds < best_seconds:
+                    best_seconds, result = seconds, SetResult(costs=dict(zip(others, chosen)))
+                continue
+            actor_cost = self.best_actor(num_devices, resident, transient, shares)
+            if actor_cost is not None and seconds + actor_cost.total_seconds < best_seconds:
+                best_seconds = seconds + actor_cost.total_seconds
+                result = SetResult(costs={actor: actor_cost, **dict(zip(others, chosen))})
         self._sets[key] = result
         return result
+
+    def joint_choices(self, roles: Sequence[str], num_devices: int, shares: tuple[float, ...] = NO_SHARING
+                      ) -> list[tuple[float, float, float, tuple[RoleCost, ...]]]:
+        """The candidates for a joint choice of layouts of non-actor ``roles`` sharing ``num_devices``: (summed
+        seconds, summed resident bytes, largest transient bytes, one cost per role in ``roles``' order) of every
+        choice from the roles' Pareto fronts that no other choice beats on all three; empty if a role fits on no
+        layout. The caller checks them against the memory the rest of the pool takes."""
+        fronts = [_spread(self.candidates(role, num_devices, shares), MAX_FRONT) for role in roles]
+        return _combinations_front(fronts) if all(fronts) else []
 
     def min_devices(self, roles: tuple[str, ...]) -> int | None:
         """Fewest devices (among the counts of the granularity) on which the set fits, or None."""
@@ -389,10 +395,7 @@ class Planner:
             count = pool.num_devices
             for role in pool.roles:
                 strategy = layout.strategies[role]
-                if count % strategy.model_parallel_size or strategy.tp_size > self.cluster.node_size:
-                    raise ValueError(f"role {role!r}: pp_size*tp_size = {strategy.model_parallel_size} must divide "
-                                     f"its pool's {count} devices and tp_size {strategy.tp_size} must fit in a "
-                                     f"node of {self.cluster.node_size}")
+                self.check_layout(role, strategy, count)
                 if (self.dataflow.roles[role] == "actor" and self.actor_generates) != strategy.generates:
                     raise ValueError(f"role {role!r}: generation sizes must be given for the actor and only for it"
                                      + ("" if self.actor_generates else " (not beside a rollout pool)"))
@@ -405,17 +408,25 @@ class Planner:
             costs = {}
             for role in pool.roles:
                 if role != actor:
-                    costs[role] = self._cost(role, layout.strategies[role], count, shares=shares)
+                    costs[role] = self.cost_of(role, layout.strategies[role], count, shares=shares)
             if actor is not None and None not in costs.values():
                 resident = sum(cost.resident_bytes for cost in costs.values())
                 transient = max((cost.transient_bytes for cost in costs.values()), default=0.0)
-                costs[actor] = self._cost(actor, layout.strategies[actor], count, resident, transient, shares)
+                costs[actor] = self.cost_of(actor, layout.strategies[actor], count, resident, transient, shares)
             if None in costs.values() or sum(c.resident_bytes for c in costs.values()) + \
                     max(c.transient_bytes for c in costs.values()) > self.simulator.budget_bytes:
                 raise ValueError(f"pool {pool.name!r} ({', '.join(pool.roles)}) does not fit in "
                                  f"{count} devices of {self._usable_text()} with the given strategies")
             results.append(SetResult(costs=costs))
         return replace(self._assemble(layout.pools, results), backend=self.backend.name)
+
+    def check_layout(self, role: str, strategy: RoleStrategy, num_devices: int) -> None:
+        """ValueError unless ``strategy``'s model-parallel size divides its pool's ``num_devices`` and its tensor
+        parallelism fits in a node."""
+        if num_devices % strategy.model_parallel_size or strategy.tp_size > self.cluster.node_size:
+            raise ValueError(f"role {role!r}: pp_size*tp_size = {strategy.model_parallel_size} must divide "
+                             f"its pool's {num_devices} devices and tp_size {strategy.tp_size} must fit in a "
+                             f"node of {self.cluster.node_size}")
 
     def search(self) -> list[Plan]:
         """The fastest allocation of every feasible placement, fastest placement first."""
@@ -495,13 +506,16 @@ def resolve_models(models: Mapping[str, str | ModelSpec]) -> dict[str, ModelSpec
 
 def plan(dataflow: Dataflow | str, models: Mapping[str, str | ModelSpec], workload: Workload,
          cluster: Cluster, *, top: int = 10, backend: str | RolloutBackend = "native",
-         kv_cache_gib: float | None = None, granularity: str = "node", max_staleness: int = 0) -> Plan:
+         kv_cache_gib: float | None = None, granularity: str = "node", max_staleness: int = 0,
+         scoring_ahead: bool = True) -> Plan:
     """The fastest plan, with up to ``top - 1`` other placements (ranked) as ``alternatives``, for the actor's
     rollout ``backend`` (``actor.generation.backend``: native or vllm; the plan records it), whose KV cache takes
     ``kv_cache_gib`` per device (vllm: ``actor.generation.vllm_kv_cache_gib``) or, if None, all memory left,
     searching pool sizes of ``granularity`` (``node`` or ``divisor``: Planner). ``max_staleness`` k >= 1 also
     searches the splits with a rollout pool of their own (hybridflow.mapping.overlap), pipelined with staleness k
-    and synchronous (k = 0), beside the placements where the actor generates; 0 searches only the latter."""
+    and synchronous (k = 0), beside the placements where the actor generates; 0 searches only the latter. With
+    ``scoring_ahead`` the pipelined splits also move the frozen scorers (reference, reward model) onto the rollout
+    pool, each subset of them (False: a run that cannot score ahead, e.g. ``async.mode: streaming``)."""
     from hybridflow.mapping.overlap import rollout_pool_plans
 
     flow = get_dataflow(dataflow)
@@ -514,7 +528,7 @@ def plan(dataflow: Dataflow | str, models: Mapping[str, str | ModelSpec], worklo
     ranked = planner.search()
     if max_staleness:
         # sorted is stable: on a tie the synchronous placement (listed first) wins
-        ranked = sorted(ranked + rollout_pool_plans(planner, (0, max_staleness)),
+        ranked = sorted(ranked + rollout_pool_plans(planner, (0, max_staleness), scoring_ahead=scoring_ahead),
                         key=lambda candidate: candidate.total_seconds)
     return replace(ranked[0], alternatives=tuple(ranked[1:top]))
 

@@ -49,9 +49,9 @@ def planning_token_budget(micro_batch_tokens: int | str) -> int:
 
 def apply_plan(config: RLConfig, plan) -> RLConfig:
     """``config`` placed and laid out as ``plan`` says (a manual placement): pools, roles, engine sizes, the
-    actor's generation sizes, and the rollout pool with its ``async.max_staleness`` (0 for a plan without one,
-    whatever bound the config allowed the planner). Refuses a plan made for another workload (padded training
-    splits included) or another rollout backend."""
+    actor's generation sizes, and the rollout pool (with the scorers that score ahead there) with its
+    ``async.max_staleness`` (0 for a plan without one, whatever bound the config allowed the planner). Refuses a
+    plan made for another workload (padded training splits included) or another rollout backend."""
     # a plan whose generation replicas divide the prompts (pad_generation=False) runs here as well
     if plan.workload is not None and replace(plan.workload, pad_generation=True) != workload_of(config):
         raise ValueError(f"the plan was made for {plan.workload}, not this run's {workload_of(config)}; "
@@ -129,6 +129,8 @@ def resolve_auto_mapping(config: RLConfig):
     from hybridflow.mapping import plan
 
     inputs = planning_inputs(config)
-    # async.max_staleness k >= 1 lets the planner weigh a rollout pool pipelined with staleness k (docs/async.md)
-    best = replace(plan(**inputs, max_staleness=config.asynchrony.max_staleness), workload=inputs["workload"])
+    # async.max_staleness k >= 1 lets the planner weigh a rollout pool pipelined with staleness k (docs/async.md),
+    # with the frozen scorers on it where the pipelined schedule scores ahead (streaming refuses them there)
+    best = replace(plan(**inputs, max_staleness=config.asynchrony.max_staleness,
+                        scoring_ahead=not config.asynchrony.streaming), workload=inputs["workload"])
     return apply_plan(config, best), best

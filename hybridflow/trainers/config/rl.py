@@ -288,8 +288,9 @@ class PlacementSection:
     (pipelined mode): they then score each batch there ahead of the trainer."""
     mapping: Literal["manual", "auto"] = "manual"
     """``auto``: the pools' devices form the cluster and hybridflow.mapping picks pools, roles and parallel sizes;
-    with ``async.max_staleness`` k >= 1 also whether a rollout pool of its own (pipelined with staleness k) beats
-    the synchronous placements (docs/async.md, "Placement")."""
+    with ``async.max_staleness`` k >= 1 also whether a rollout pool of its own (pipelined with staleness k, with
+    or without the reference and reward model scoring ahead on it) beats the synchronous placements
+    (docs/async.md, "Placement")."""
     hardware: str = "local"
     """Hardware profile for ``mapping: auto``: ``local`` (this machine as ``hybridflow calibrate`` measured it:
     cpu-local or cuda-local; an error until it has run), a built-in name (a100-80g, ...) or a JSON file."""
