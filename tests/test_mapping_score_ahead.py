@@ -198,3 +198,14 @@ def test_auto_mapping_puts_the_reference_on_the_rollout_pool_when_scoring_ahead_
     streaming, chosen = resolve_auto_mapping(load_rl_config(None, BASE + ["async.max_staleness=1",
                                                                           "async.mode=streaming"]))
     assert chosen.mode == "split async k=1" and streaming.placement.scoring_ahead == ()
+
+
+def test_a_streaming_run_whose_plan_is_synchronous_gets_the_pipelined_mode_that_allows_k_zero(monkeypatch):
+    from hybridflow.trainers.auto_mapping import resolve_auto_mapping
+
+    # colocated 2.0 / 2 + 0.2 / 2 = 1.1 against the split's max(2.0, 0.2) = 2.0: the synchronous step wins
+    _constructed_costs(monkeypatch, floor=0.0, generation=2.0, preparation=0.0, training=0.2)
+    resolved, chosen = resolve_auto_mapping(load_rl_config(None, BASE + ["async.max_staleness=1",
+                                                                         "async.mode=streaming"]))
+    assert chosen.rollout_pool is None and chosen.max_staleness == 0
+    assert resolved.asynchrony.max_staleness == 0 and resolved.asynchrony.mode == "pipelined"

@@ -50,7 +50,8 @@ def planning_token_budget(micro_batch_tokens: int | str) -> int:
 def apply_plan(config: RLConfig, plan) -> RLConfig:
     """``config`` placed and laid out as ``plan`` says (a manual placement): pools, roles, engine sizes, the
     actor's generation sizes, and the rollout pool (with the scorers that score ahead there) with its
-    ``async.max_staleness`` (0 for a plan without one, whatever bound the config allowed the planner). Refuses a
+    ``async.max_staleness`` (0 for a plan without one, whatever bound the config allowed the planner, and then
+    ``async.mode`` pipelined: streaming needs k >= 1). Refuses a
     plan made for another workload (padded training splits included) or another rollout backend."""
     # a plan whose generation replicas divide the prompts (pad_generation=False) runs here as well
     if plan.workload is not None and replace(plan.workload, pad_generation=True) != workload_of(config):
@@ -74,7 +75,9 @@ def apply_plan(config: RLConfig, plan) -> RLConfig:
     placement = replace(config.placement, mapping="manual",
                         pools={pool.name: list(pool.devices_per_node) for pool in plan.all_pools},
                         roles={role: pool.name for pool in plan.all_pools for role in pool.roles})
-    asynchrony = replace(config.asynchrony, max_staleness=plan.max_staleness)
+    # a synchronous plan (k = 0) has no streaming to do: the pipelined mode is the one that allows k = 0
+    asynchrony = replace(config.asynchrony, max_staleness=plan.max_staleness,
+                         mode=config.asynchrony.mode if plan.max_staleness else "pipelined")
     # one replace: validated once, as a whole
     return replace(config, placement=placement, asynchrony=asynchrony, **sections)
 
