@@ -18,6 +18,7 @@ import argparse
 import os
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from hybridflow.data import write_jsonl
@@ -77,6 +78,18 @@ def prediction_text(config: RLConfig, placement: str, predicted: dict[str, float
     return f"predicted {plan.total_seconds:.3f} s/step ({detail})"
 
 
+def auto_choice_text(config: RLConfig) -> str:
+    """What ``placement.mapping: auto`` (k = 1) picks for ``config``'s workload on its hardware profile, as printed:
+    the plan's mode, placement and predicted seconds per step."""
+    from hybridflow.trainers.auto_mapping import resolve_auto_mapping
+
+    auto = replace(config, placement=replace(config.placement, mapping="auto", pools={"cluster": [2]}, roles={}))
+    _, chosen = resolve_auto_mapping(auto)
+    roles = ", ".join(f"{pool.name}: {'+'.join(pool.roles)}" for pool in chosen.all_pools)
+    layouts = ", ".join(f"{role} {strategy.layout}" for role, strategy in chosen.strategies.items())
+    return f"mapping=auto picks {chosen.mode} ({roles}; {layouts}): predicted {chosen.total_seconds:.3f} s/step"
+
+
 def timed_fit(config: RLConfig) -> tuple[list[dict], list[float], float, float]:
     """Train ``config`` to its end: (metrics history, wall-clock stamp of every step's end, load average before,
     load average after)."""
@@ -119,6 +132,8 @@ def main() -> None:
         directory = Path(name)
         write_jsonl(directory / "train.jsonl", prompt_rows(256, split="train", seed=0,
                                                            config=ArithmeticTaskConfig(max_digits=2)))
+        print(auto_choice_text(config_of("split-k1", directory=directory, steps=args.steps, hardware=args.hardware,
+                                         new_tokens=args.new_tokens)), flush=True)
         for placement in args.placements:
             config = config_of(placement, directory=directory, steps=args.steps, hardware=args.hardware,
                                new_tokens=args.new_tokens)

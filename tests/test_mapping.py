@@ -919,3 +919,28 @@ def test_the_trainer_builds_a_plan_with_a_pool_of_a_node_and_half_of_another():
     derived = placed.derived()  # validated as a whole RLConfig: the 12-GPU pool's layouts split the batch
     assert all(derived.samples_per_step % size == 0 for size in derived.dp_sizes.values())
     assert split.strategies["actor"].tp_size in (1, 2, 4)  # t divides the part of a node: TP stays in a node
+
+
+def test_the_planner_costs_the_actors_old_log_prob_forward_only_where_the_trainer_runs_it():
+    from hybridflow.trainers.auto_mapping import workload_of
+    from hybridflow.trainers.config.rl import load_rl_config
+
+    base = ["data.train_path=train.jsonl", "actor.model.builtin=arithmetic", "reward.function=pkg.mod:score",
+            "algorithm.advantage_estimator=grpo", "placement.pools={cluster: [2]}", "batch.prompts_per_step=8",
+            "batch.samples_per_prompt=4"]
+    one_update = workload_of(load_rl_config(None, base + ["batch.mini_batch_size=32", "algorithm.kl_mode=loss"]))
+    assert not one_update.actor_log_prob_pass  # one epoch of one mini-batch, the KL in the loss: skipped
+    for kept in (["batch.mini_batch_size=16"], ["batch.mini_batch_size=32", "algorithm.kl_mode=reward"],
+                 ["batch.mini_batch_size=32", "actor.loss.old_log_probs=recompute"]):
+        assert workload_of(load_rl_config(None, base + kept)).actor_log_prob_pass, kept
+    assert not workload_of(load_rl_config(None, base + ["batch.mini_batch_size=16",
+                                                        "actor.loss.old_log_probs=rollout"])).actor_log_prob_pass
+    cluster = Cluster(num_devices=2, devices_per_node=2, hardware=load_hardware("a100-80g"))
+    models = same_model("tiny", roles=("actor", "reference", "reward"))
+    layout = replace(plan("grpo", models, one_update, cluster), alternatives=())
+    runs, skips = (simulate_plan(layout, "grpo", models, replace(one_update, actor_log_prob_pass=flag), cluster)
+                   for flag in (True, False))
+    assert skips.role_stage_seconds["actor"]["preparation"] == 0.0
+    assert runs.role_stage_seconds["actor"]["preparation"] > 0.0
+    assert skips.role_stage_seconds["reference"]["preparation"] == runs.role_stage_seconds["reference"]["preparation"]
+    assert skips.total_seconds < runs.total_seconds

@@ -185,9 +185,10 @@ def test_auto_mapping_puts_the_reference_on_the_rollout_pool_when_scoring_ahead_
     from hybridflow.trainers.auto_mapping import resolve_auto_mapping
 
     # scoring ahead max(0.8 + 0.2, 0.2 + 0.8) = 1.0; the plain split max(0.8, 0.2 + 0.2 + 0.8) = 1.2; colocated
-    # 0.8 + (0.2 + 0.2 + 0.8) / 2 = 1.4 (a streaming run, which refuses k = 0, must still get a rollout pool)
+    # 0.8 + (0.2 + 0.2 + 0.8) / 2 = 1.4 (a streaming run, which refuses k = 0, must still get a rollout pool); two
+    # mini-batches, so the actor's old-log-prob forward runs (with one it is skipped and costs nothing)
     _constructed_costs(monkeypatch, floor=0.8, generation=0.0, preparation=0.2, training=0.8)
-    config = load_rl_config(None, BASE + ["async.max_staleness=1"])
+    config = load_rl_config(None, BASE + ["async.max_staleness=1", "batch.mini_batch_size=16"])
     resolved, chosen = resolve_auto_mapping(config)  # an RLConfig: built, hence validated
     assert chosen.mode == "split async k=1 scoring ahead"
     assert resolved.placement.mapping == "manual" and resolved.placement.scoring_ahead == ("reference",)
@@ -196,6 +197,7 @@ def test_auto_mapping_puts_the_reference_on_the_rollout_pool_when_scoring_ahead_
     assert resolved.reference.engine.layout == chosen.strategies["reference"].layout
 
     streaming, chosen = resolve_auto_mapping(load_rl_config(None, BASE + ["async.max_staleness=1",
+                                                                          "batch.mini_batch_size=16",
                                                                           "async.mode=streaming"]))
     assert chosen.mode == "split async k=1" and streaming.placement.scoring_ahead == ()
 

@@ -341,7 +341,8 @@ class Simulator:
             return None
         # every stage is one call of the driver on the role's worker group
         call = self.controller_call_s
-        stages = {"preparation": self.inference_seconds(spec, head, strategy, num_devices) + call}
+        scores = kind != "actor" or self.workload.actor_log_prob_pass  # the actor's old log-probs, where they run
+        stages = {"preparation": self.inference_seconds(spec, head, strategy, num_devices) + call if scores else 0.0}
         if trained:
             stages["training"] = self.training_seconds(spec, head, strategy, num_devices) + call
         details: dict[str, float] = {}

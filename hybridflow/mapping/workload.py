@@ -33,6 +33,11 @@ class Workload:
     (each rank then works on ceil(samples / d) rows), e.g. 1024 prompts on the paper's 48-GPU pools.
     hybridflow's trainer splits training and scoring batches evenly: it plans with False and refuses plans
     made with True."""
+    actor_log_prob_pass: bool = True
+    """Whether the actor's old-log-prob forward runs in the preparation stage (the paper's dataflow). hybridflow's
+    trainer skips it where it cannot change the update (``trainers/redundant_passes.py``: one epoch of one
+    mini-batch, no KL penalty in the reward) or takes the rollout's log-probs (``actor.loss.old_log_probs:
+    rollout``); the planner then costs no such forward."""
     pad_generation: bool = True
     """Allow actor generation layouts whose replica count does not divide the prompts per step: each replica
     generates ceil(prompts / replicas) prompts, the padding rows being repeats whose samples are dropped, while
@@ -48,7 +53,7 @@ class Workload:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"Workload.{name} must be an integer >= 0 (0: default), got {value!r}")
-        for name in ("pad_uneven", "pad_generation"):
+        for name in ("pad_uneven", "pad_generation", "actor_log_prob_pass"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Workload.{name} must be True or False, got {getattr(self, name)!r}")
         if self.mini_batch_size and self.num_samples % self.mini_batch_size:
