@@ -86,6 +86,7 @@ def test_grpo_with_backend_vllm_on_a_model_of_the_family_rolls_out_with_the_trai
         f"data.train_path={tmp_path / 'train.jsonl'}", f"actor.model.path={model_dir}",
         "reward.function=arithmetic", "algorithm.advantage_estimator=grpo", "actor.generation.max_new_tokens=4",
         "actor.generation.backend=vllm", "actor.generation.vllm_kv_cache_gib=0.0625",
+        "actor.loss.old_log_probs=recompute",  # the training forward that the mismatch below is measured against
         "batch.prompts_per_step=2", "batch.samples_per_prompt=2", "batch.mini_batch_size=4",
         "trainer.total_steps=2", "trainer.progress_bar=false", f"trainer.output_dir={tmp_path / 'run'}"])
     history = run_rl(config, mode="local", tensorboard=False)

@@ -86,7 +86,8 @@ def test_grpo_with_a_lora_actor_on_vllm_syncs_only_the_adapter_after_the_first_s
     from hybridflow.trainers.rl import run_rl
 
     config = _grpo_config(data_dir, tmp_path / "run", "actor.generation.backend=vllm",
-                          "actor.generation.vllm_kv_cache_gib=0.0625", "trainer.total_steps=2")
+                          "actor.generation.vllm_kv_cache_gib=0.0625", "trainer.total_steps=2",
+                          "actor.loss.old_log_probs=recompute")  # the forward the mismatch is measured against
     assert config.actor.lora.vllm_sync == "adapter"
     history = run_rl(config, mode="local", tensorboard=False)
     assert len(history) == 2

@@ -18,7 +18,9 @@ from hybridflow.models import smollm2_path  # noqa: E402
 
 from smollm2_example import run_two_grpo_steps  # noqa: E402
 # vLLM's KV cache for these runs: small models, short sequences (the default 1 GiB would only cost memory)
-VLLM = ["actor.generation.backend=vllm", "actor.generation.vllm_kv_cache_gib=0.125"]
+# recompute: the old-log-prob forward runs (a GRPO step of one mini-batch would skip it), so the rollout/training
+# mismatch is measured
+VLLM = ["actor.generation.backend=vllm", "actor.generation.vllm_kv_cache_gib=0.125", "actor.loss.old_log_probs=recompute"]
 # fp32 on both sides: the rollout's log-probs and the training engine's differ by rounding only
 LOGPROB_TOLERANCE = 1e-3
 

@@ -212,6 +212,7 @@ def test_grpo_on_ray_with_a_tp2_actor_rolls_out_on_vllm_tg2_with_rollout_logprob
         f"data.train_path={tmp_path / 'train.jsonl'}", "actor.model.builtin=arithmetic", "reward.function=arithmetic",
         "placement.pools={all: [2]}", "actor.engine.layout=3d", "actor.engine.tp_size=2",
         "actor.hybrid_engine.tp_size=2", "actor.generation.backend=vllm", "actor.generation.vllm_kv_cache_gib=0.0625",
+        "actor.loss.old_log_probs=recompute",  # the training forward that the mismatch below is measured against
         "actor.generation.max_new_tokens=4", "algorithm.advantage_estimator=grpo", "batch.prompts_per_step=2",
         "batch.samples_per_prompt=2", "batch.mini_batch_size=4", "trainer.total_steps=2",
         "trainer.progress_bar=false", "trainer.resume=false", f"trainer.output_dir={tmp_path / 'run'}"])
