@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from hybridflow.trainers.config.rl import RLConfig
-from hybridflow.trainers.redundant_passes import old_log_prob_is_redundant
+from hybridflow.trainers.redundant_passes import skips_old_log_prob_pass
 
 LOCAL_HARDWARE = "local"
 """``placement.hardware`` value meaning: the profile `hybridflow calibrate` measured on this machine."""
@@ -33,17 +33,12 @@ def workload_of(config: RLConfig):
     from hybridflow.mapping import Workload
 
     loss = config.actor.loss
-    skipped = loss.old_log_probs == "auto" and old_log_prob_is_redundant(
-        ppo_epochs=loss.ppo_epochs,
-        mini_batches_per_epoch=config.batch.prompts_per_step * config.batch.samples_per_prompt
-        // config.batch.mini_batch_size,
-        kl_in_reward="reference" in config.active_roles and config.algorithm.kl_in_reward)
     return Workload(prompts_per_step=config.batch.prompts_per_step, prompt_length=config.data.max_prompt_tokens,
                     response_length=config.actor.generation.max_new_tokens,
                     samples_per_prompt=config.batch.samples_per_prompt,
                     mini_batch_size=config.batch.mini_batch_size, ppo_epochs=loss.ppo_epochs,
                     micro_batch_tokens=planning_token_budget(config.actor.engine.micro_batch_tokens),
-                    actor_log_prob_pass=not skipped and loss.old_log_probs != "rollout")
+                    actor_log_prob_pass=not skips_old_log_prob_pass(config) and loss.old_log_probs != "rollout")
 
 
 def planning_token_budget(micro_batch_tokens: int | str) -> int:

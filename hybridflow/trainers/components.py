@@ -23,7 +23,7 @@ from hybridflow.algorithms.lagrangian import LagrangeController
 from hybridflow.protocol import DataProto
 from hybridflow.trainers.advantage import AdvantageResult, EstimatorInputs, estimate_advantages, token_mean
 from hybridflow.trainers.config.rl import DerivedSizes, RLConfig
-from hybridflow.trainers.redundant_passes import old_log_prob_is_redundant
+from hybridflow.trainers.redundant_passes import skips_old_log_prob_pass
 from hybridflow.trainers.step import Experience, StepComponent, StepResults, first_rank
 from hybridflow.workers.actor import TRAINING_EXACT_LOGPROBS
 
@@ -214,10 +214,7 @@ def build_components(config: RLConfig, *, derived: DerivedSizes, generation, gro
     """The components an ``RLConfig`` turns on, in the order the step calls their hooks. ``generation``: the actor's
     generation settings (with its token ids); ``score_B(batch)``: scores of generated responses."""
     algorithm, actor = config.algorithm, groups["actor"]
-    skipped = config.actor.loss.old_log_probs == "auto" and old_log_prob_is_redundant(
-        ppo_epochs=config.actor.loss.ppo_epochs,
-        mini_batches_per_epoch=derived.mini_batches_per_epoch,
-        kl_in_reward="reference" in groups and algorithm.kl_in_reward)
+    skipped = skips_old_log_prob_pass(config)
     components: list[StepComponent] = [OldLogProbs(actor, source=config.actor.loss.old_log_probs,
                                                    tis_cap=config.actor.loss.tis_cap, skipped=skipped)]
     if algorithm.estimator.baseline_generation:

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hybridflow.trainers.config.rl import RLConfig
+
 
 def old_log_prob_is_redundant(*, ppo_epochs: int, mini_batches_per_epoch: int, kl_in_reward: bool) -> bool:
     """True when the old-log-prob forward cannot change the update, so the update uses its own log-probs.
@@ -17,3 +22,13 @@ def old_log_prob_is_redundant(*, ppo_epochs: int, mini_batches_per_epoch: int, k
     """
     return ppo_epochs == 1 and mini_batches_per_epoch == 1 and not kl_in_reward
 
+
+
+def skips_old_log_prob_pass(config: "RLConfig") -> bool:
+    """Whether a run of ``config`` skips the old-log-prob forward: ``actor.loss.old_log_probs: auto`` and the pass
+    redundant (``old_log_prob_is_redundant``). The trainer's components and the planner's workload both ask this."""
+    loss, batch = config.actor.loss, config.batch
+    return loss.old_log_probs == "auto" and old_log_prob_is_redundant(
+        ppo_epochs=loss.ppo_epochs,
+        mini_batches_per_epoch=batch.prompts_per_step * batch.samples_per_prompt // batch.mini_batch_size,
+        kl_in_reward="reference" in config.active_roles and config.algorithm.kl_in_reward)
