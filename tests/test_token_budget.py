@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from hybridflow.engine import EngineConfig, OptimConfig, TrainingEngine
 from hybridflow.engine import token_budget
-from hybridflow.engine.token_budget import activation_bytes_per_token, auto_token_budget
+from hybridflow.engine.token_budget import activation_bytes_per_token, auto_token_budget, resumed_token_budget
 from hybridflow.models import build_tiny_model
 from hybridflow.parallel.launch import run_distributed
 
@@ -94,6 +96,46 @@ def test_auto_engine_runs_rows_longer_than_a_small_budget_and_matches_that_fixed
         torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-6)
     with pytest.raises(ValueError, match=r"more than micro_batch_tokens=512"):
         engine_with(512).train_step(long_rows, nll_loss)  # a fixed budget still refuses
+
+
+def test_a_resumed_run_keeps_its_checkpoints_budget_while_that_fits():
+    assert resumed_token_budget(None, 4096) == 4096  # no record (a checkpoint written before it, a new run)
+    assert resumed_token_budget(6144, 4096) == 6144  # more than this process's own budget, within its free memory
+    assert resumed_token_budget(2048, 4096) == 2048  # more memory free now: the run goes on as it was
+    assert resumed_token_budget(8192, 4096) == 8192  # exactly all the free memory the fresh budget was sized from
+    assert resumed_token_budget(8448, 4096) == 4096  # past it: a smaller machine sizes its own
+
+
+def test_an_engine_restores_the_auto_budget_its_checkpoint_recorded(monkeypatch, tmp_path):
+    monkeypatch.setattr(token_budget, "free_memory_bytes", lambda device: 200 * MIB)
+    first = engine_with("auto")
+    first.train_step(make_batch(), nll_loss)
+    recorded = first.token_budget
+    first.save_checkpoint(str(tmp_path / "ckpt"))
+    assert json.loads((tmp_path / "ckpt" / "engine.json").read_text())["token_budget"] == recorded
+
+    # the host's free memory moved a little: a new run would size another budget, the resumed one keeps its own
+    monkeypatch.setattr(token_budget, "free_memory_bytes", lambda device: 220 * MIB)
+    assert engine_with("auto")._resolve_auto_budget() != recorded
+    resumed = engine_with("auto")
+    resumed.load_checkpoint(str(tmp_path / "ckpt"))
+    resumed.save_checkpoint(str(tmp_path / "again"))  # saved before its first batch: the record carries on
+    assert json.loads((tmp_path / "again" / "engine.json").read_text())["token_budget"] == recorded
+    resumed.train_step(make_batch(), nll_loss)
+    assert resumed.last_batch_stats["token_budget"] == recorded
+
+    # a machine whose free memory cannot hold the recorded budget's activations sizes its own
+    monkeypatch.setattr(token_budget, "free_memory_bytes", lambda device: 40 * MIB)
+    smaller = engine_with("auto")
+    smaller.load_checkpoint(str(tmp_path / "ckpt"))
+    smaller.train_step(make_batch(), nll_loss)
+    assert smaller.token_budget < recorded
+
+    fixed = engine_with(64)  # a fixed budget is the config's, whatever the checkpoint recorded
+    fixed.load_checkpoint(str(tmp_path / "ckpt"))
+    assert fixed.token_budget == 64
+    fixed.save_checkpoint(str(tmp_path / "fixed"))
+    assert json.loads((tmp_path / "fixed" / "engine.json").read_text())["token_budget"] is None
 
 
 def _budgets_of_ranks_with_different_free_memory(rank: int, world_size: int) -> tuple[int, int, int]:

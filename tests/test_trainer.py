@@ -54,6 +54,14 @@ def _config(data_dir, output_dir, *overrides):
         "trainer.total_steps=2", "trainer.progress_bar=false", f"trainer.output_dir={output_dir}", *overrides])
 
 
+def reproducible(name: str) -> bool:
+    """Whether two runs of one seed must agree on metric ``name``: not the wall times, not the allocator's byte
+    counts (they depend on what the process ran before), not the auto token budget (sized from the host's free
+    memory as each run starts, which other processes move; a resumed run keeps its checkpoint's budget:
+    tests/test_token_budget.py)."""
+    return not name.startswith("time/") and not name.endswith(("allocated_bytes", "token_budget"))
+
+
 def _run(config) -> list[dict]:
     return run_rl(config, mode="local", tensorboard=False)
 
@@ -236,9 +244,22 @@ def test_resume_from_checkpoint_continues_identically(data_dir, tmp_path):
     resumed = _run(_config(data_dir, tmp_path / "resumed", "trainer.total_steps=3"))
     assert [record["step"] for record in resumed] == [1, 2, 3]
     for name, value in straight[2].items():
-        # the CUDA allocator's byte counts depend on what the process ran before (a resumed process ran less)
-        if not name.startswith("time/") and not name.endswith("allocated_bytes"):
+        if reproducible(name):
             assert resumed[2][name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
+
+
+def test_a_resumed_run_plans_with_the_token_budget_its_checkpoint_recorded(data_dir, tmp_path, monkeypatch):
+    from hybridflow.engine import token_budget
+
+    monkeypatch.setattr(token_budget, "free_memory_bytes", lambda device: 200 * 2**20)
+    first = _run(_config(data_dir, tmp_path / "run", "trainer.total_steps=1", "trainer.save_every=1"))
+    # other processes freed some memory meanwhile: a new run sizes a larger budget, the resumed one keeps its own
+    monkeypatch.setattr(token_budget, "free_memory_bytes", lambda device: 230 * 2**20)
+    new = _run(_config(data_dir, tmp_path / "new", "trainer.total_steps=1"))
+    resumed = _run(_config(data_dir, tmp_path / "run", "trainer.total_steps=2"))
+    for role in ("actor", "critic"):
+        assert new[0][f"{role}/token_budget"] > first[0][f"{role}/token_budget"], role
+        assert resumed[1][f"{role}/token_budget"] == first[0][f"{role}/token_budget"], role
 
 
 def test_reward_function_exception_names_the_sample(data_dir, tmp_path):

@@ -129,6 +129,11 @@ def paired_change(before: list[float], after: list[float]) -> dict:
             "fell": sum(change < 0 for change in changes)}
 
 
+def headline(numbers: dict | None) -> dict | None:
+    """Held-out numbers without each task's pass rate (``summary.json`` keeps it), as the console shows them."""
+    return None if numbers is None else {key: value for key, value in numbers.items() if key != "task_pass_rates"}
+
+
 def run(config: CodingLearnsConfig) -> dict:
     """All stages; returns (and writes to ``output_dir/summary.json``) the before/after numbers and times."""
     from transformers import AutoTokenizer
@@ -152,7 +157,8 @@ def run(config: CodingLearnsConfig) -> dict:
 
     before, sampled_before = held_out(base_dir)
     times["eval_before_s"] = time.perf_counter() - started
-    print(f"before GRPO ({len(val)} held-out tasks): greedy {before}; sampled {sampled_before}", flush=True)
+    print(f"before GRPO ({len(val)} held-out tasks): greedy {headline(before)}; "
+          f"sampled {headline(sampled_before)}", flush=True)
     history, after, sampled_after = [], None, None
     if config.grpo_steps:
         mark = time.perf_counter()
@@ -162,7 +168,8 @@ def run(config: CodingLearnsConfig) -> dict:
         mark = time.perf_counter()
         after, sampled_after = held_out(root / "grpo" / "final" / "actor")
         times["eval_after_s"] = time.perf_counter() - mark
-        print(f"after GRPO ({config.grpo_steps} steps): greedy {after}; sampled {sampled_after}", flush=True)
+        print(f"after GRPO ({config.grpo_steps} steps): greedy {headline(after)}; "
+              f"sampled {headline(sampled_after)}", flush=True)
     times["total_s"] = time.perf_counter() - started
     keys = ("step", "reward/score_mean", "agent/tool_calls_per_episode", "agent/turns_mean", "val/score_mean",
             "time/step_s")
@@ -185,8 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         if name != "output_dir":
             parser.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default)
     summary = run(CodingLearnsConfig(**vars(parser.parse_args(argv))))
-    shown = ("before", "after", "sampled_before", "sampled_after", "change", "times")
-    print(json.dumps({key: summary[key] for key in shown}, indent=2))
+    shown = {key: headline(summary[key]) for key in ("before", "after", "sampled_before", "sampled_after")}
+    print(json.dumps({**shown, "change": summary["change"], "times": summary["times"]}, indent=2))
     return 0
 
 

@@ -111,7 +111,8 @@ def _local_names(engine: "TrainingEngine", state: dict) -> dict:
 
 
 def save_checkpoint(engine: "TrainingEngine", directory: str) -> None:
-    """Write model + optimizer state (DCP) and engine.json (step, layout) to ``directory``."""
+    """Write model + optimizer state (DCP) and engine.json (step, layout, the resolved auto token budget) to
+    ``directory``."""
     tmp = _begin_atomic(directory)
     state, _ = _state(engine)
     try:
@@ -124,7 +125,8 @@ def save_checkpoint(engine: "TrainingEngine", directory: str) -> None:
         raise cause from None
     if _is_rank0():
         with open(os.path.join(tmp, ENGINE_FILE), "w") as handle:
-            json.dump({"step": engine.step, **_layout_record(engine)}, handle, indent=2)
+            json.dump({"step": engine.step, **_layout_record(engine),
+                       "token_budget": engine.resolved_auto_token_budget}, handle, indent=2)
     _commit_atomic(tmp, directory)
 
 
@@ -194,6 +196,7 @@ def load_checkpoint(engine: "TrainingEngine", directory: str) -> None:
                                  {"state": _local_names(engine, state["optim"]),
                                   "param_groups": optim_template["param_groups"]})
     engine.step = int(record["step"])
+    engine.restore_auto_token_budget(record.get("token_budget"))  # absent in checkpoints written before it
 
 
 def _full_stage_tensors(engine: "TrainingEngine", keep=None) -> dict[str, torch.Tensor]:

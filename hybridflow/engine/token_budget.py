@@ -97,3 +97,13 @@ def auto_token_budget(bytes_per_token: int, free_bytes: int, *, pending_bytes: i
     tokens = int(usable // bytes_per_token) // AUTO_ROUNDING * AUTO_ROUNDING
     ceiling = AUTO_PIPELINE_MAX_TOKENS if pipeline else AUTO_MAX_TOKENS
     return min(ceiling, max(AUTO_MIN_TOKENS, tokens))
+
+
+def resumed_token_budget(recorded: int | None, fresh: int) -> int:
+    """The auto budget of a run resumed from a checkpoint whose engine had resolved ``recorded``, where this
+    process resolves ``fresh``: the recorded one while its activations still fit all the free memory
+    ``fresh`` was sized from (``fresh / AUTO_MEMORY_FRACTION``), so a resumed run plans its micro-batches as the
+    run it continues did although the host's free memory moved; ``fresh`` on a machine with much less memory."""
+    if recorded is None or recorded <= 0:
+        return fresh
+    return recorded if recorded <= fresh / AUTO_MEMORY_FRACTION else fresh

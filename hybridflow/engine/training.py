@@ -108,6 +108,7 @@ class TrainingEngine:
         self.optimizer = build_optimizer(self.model, config.optim, total_steps=total_steps) if trainable else None
         self._pipeline_stage = None  # built on first use (3d layout with pp_size > 1)
         self._token_budget = None if config.micro_batch_tokens == "auto" else config.micro_batch_tokens
+        self._recorded_token_budget: int | None = None  # an auto budget restored by load_checkpoint
         self.last_batch_stats: dict[str, int] = {}
         """This rank's last batch: micro_batches, real_tokens, computed_tokens (packed, with filler),
         padded_tokens (B*S of the padded input): padding ratio = 1 - real/computed."""
@@ -314,13 +315,15 @@ class TrainingEngine:
     @property
     def token_budget(self) -> int:
         """Real tokens one micro-batch may hold on this rank: ``micro_batch_tokens``, or what ``auto`` resolved
-        to at the first batch (the same on every rank of the group: the smallest rank's)."""
+        to at the first batch (the same on every rank of the group: the smallest rank's; after a resume, the
+        checkpoint's while it fits: ``resumed_token_budget``)."""
         if self._token_budget is None:
             self._token_budget = self._resolve_auto_budget()
         return self._token_budget
 
     def _resolve_auto_budget(self) -> int:
-        from hybridflow.engine.token_budget import activation_bytes_per_token, auto_token_budget, free_memory_bytes
+        from hybridflow.engine.token_budget import (activation_bytes_per_token, auto_token_budget, free_memory_bytes,
+                                                    resumed_token_budget)
 
         per_token = activation_bytes_per_token(
             self.hf_config, compute_dtype=self.compute_dtype, trainable=self.trainable,
@@ -337,7 +340,7 @@ class TrainingEngine:
             budget_t = torch.tensor(budget, device=self.device)
             dist.all_reduce(budget_t, op=dist.ReduceOp.MIN)
             budget = int(budget_t)
-        return budget
+        return resumed_token_budget(self._recorded_token_budget, budget)
 
     def _prepare(self, batch: dict[str, Tensor],
                  group_size_rows: int) -> tuple[dict[str, Tensor], list[PackedMicroBatch], int]:
@@ -658,6 +661,22 @@ class TrainingEngine:
     def load_checkpoint(self, directory: str) -> None:
         """Load a checkpoint saved by save_checkpoint under any layout (DCP reshards it)."""
         checkpoint_io.load_checkpoint(self, directory)
+
+    @property
+    def resolved_auto_token_budget(self) -> int | None:
+        """The budget ``micro_batch_tokens: auto`` resolved to (None before the first batch, or with a fixed
+        ``micro_batch_tokens``): what a checkpoint records."""
+        if self.config.micro_batch_tokens != "auto":
+            return None
+        return self._token_budget if self._token_budget is not None else self._recorded_token_budget
+
+    def restore_auto_token_budget(self, recorded: int | None) -> None:
+        """Keep a checkpoint's auto budget where it still fits (``resumed_token_budget``); with a fixed
+        ``micro_batch_tokens`` nothing changes."""
+        if self.config.micro_batch_tokens != "auto" or recorded is None:
+            return
+        self._recorded_token_budget = int(recorded)
+        self._token_budget = None  # resolved again at the next batch, against this process's free memory
 
     def export_hf(self, directory: str) -> None:
         """Write a Hugging Face model directory (config.json + model.safetensors) from global rank 0; a LoRA
