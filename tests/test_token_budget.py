@@ -104,6 +104,8 @@ def test_a_resumed_run_keeps_its_checkpoints_budget_while_that_fits():
     assert resumed_token_budget(2048, 4096) == 2048  # more memory free now: the run goes on as it was
     assert resumed_token_budget(8192, 4096) == 8192  # exactly all the free memory the fresh budget was sized from
     assert resumed_token_budget(8448, 4096) == 4096  # past it: a smaller machine sizes its own
+    assert resumed_token_budget(6144, 4096, pipeline=True) == 4096  # never past the pipeline's ceiling
+    assert resumed_token_budget(3072, 4096, pipeline=True) == 3072
 
 
 def test_an_engine_restores_the_auto_budget_its_checkpoint_recorded(monkeypatch, tmp_path):

@@ -99,11 +99,13 @@ def auto_token_budget(bytes_per_token: int, free_bytes: int, *, pending_bytes: i
     return min(ceiling, max(AUTO_MIN_TOKENS, tokens))
 
 
-def resumed_token_budget(recorded: int | None, fresh: int) -> int:
+def resumed_token_budget(recorded: int | None, fresh: int, *, pipeline: bool = False) -> int:
     """The auto budget of a run resumed from a checkpoint whose engine had resolved ``recorded``, where this
     process resolves ``fresh``: the recorded one while its activations still fit all the free memory
-    ``fresh`` was sized from (``fresh / AUTO_MEMORY_FRACTION``), so a resumed run plans its micro-batches as the
-    run it continues did although the host's free memory moved; ``fresh`` on a machine with much less memory."""
-    if recorded is None or recorded <= 0:
+    ``fresh`` was sized from (``fresh / AUTO_MEMORY_FRACTION``) and it is within this layout's ceiling, so a
+    resumed run plans its micro-batches as the run it continues did although the host's free memory moved;
+    ``fresh`` on a machine with much less memory, or under pipeline parallelism resumed from a larger budget."""
+    ceiling = AUTO_PIPELINE_MAX_TOKENS if pipeline else AUTO_MAX_TOKENS
+    if recorded is None or not 0 < recorded <= ceiling:
         return fresh
     return recorded if recorded <= fresh / AUTO_MEMORY_FRACTION else fresh

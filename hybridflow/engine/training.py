@@ -340,7 +340,7 @@ class TrainingEngine:
             budget_t = torch.tensor(budget, device=self.device)
             dist.all_reduce(budget_t, op=dist.ReduceOp.MIN)
             budget = int(budget_t)
-        return resumed_token_budget(self._recorded_token_budget, budget)
+        return resumed_token_budget(self._recorded_token_budget, budget, pipeline=self.layout.pp_size > 1)
 
     def _prepare(self, batch: dict[str, Tensor],
                  group_size_rows: int) -> tuple[dict[str, Tensor], list[PackedMicroBatch], int]:
